@@ -1,0 +1,442 @@
+"""Frozen, validated configuration records.
+
+`ModelConfig` reads an HF `config.json` of `model_type: kimi_linear` in either of the two shapes
+found in the wild: the released checkpoints' (`linear_attn_config`, `first_k_dense_replace`, ...)
+and what transformers 5.x `save_pretrained` writes (adds `layer_types`, `mlp_layer_types`,
+`linear_num_heads`, ...). Both are checked against each other when both are present.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config field is unknown, missing, or inconsistent; the message names the field."""
+
+
+# Fields HF configs carry that do not change the model's math here.
+_IGNORED_FIELDS = frozenset(
+    {
+        "architectures", "auto_map", "dtype", "torch_dtype", "transformers_version", "use_cache",
+        "initializer_range", "output_router_logits", "attention_dropout", "pretraining_tp",
+        "num_nextn_predict_layers", "head_dim", "qk_head_dim", "router_aux_loss_coef",
+        "_name_or_path", "model_type", "name_or_path", "return_dict", "output_hidden_states",
+        "output_attentions", "chunk_size_feed_forward", "is_encoder_decoder", "id2label",
+        "label2id", "problem_type", "tokenizer_class", "task_specific_params", "pruned_heads",
+        "tie_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size",
+        "decoder_start_token_id", "sep_token_id", "finetuning_task", "prefix",
+        "linear_conv_kernel_dim", "linear_head_dim", "linear_num_heads",
+        "layer_types", "mlp_layer_types", "linear_attn_config", "max_position_embeddings",
+        "model_max_length", "n_group", "n_shared_experts", "num_local_experts",
+        "num_experts_per_tok", "norm_topk_prob", "kda_gate_lower_bound", "gate_lower_bound",
+    }
+)
+
+_MODEL_FIELDS = frozenset(
+    {
+        "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "kv_lora_rank",
+        "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope",
+        "rope_theta", "rope_scaling", "rms_norm_eps", "hidden_act", "tie_word_embeddings",
+        "attention_bias", "num_experts", "num_experts_per_token", "num_shared_experts",
+        "first_k_dense_replace", "moe_layer_freq", "moe_router_activation_func",
+        "moe_renormalize", "routed_scaling_factor", "use_grouped_topk", "num_expert_group",
+        "topk_group", "bos_token_id", "eos_token_id", "pad_token_id",
+    }
+)
+
+
+def _require(raw: dict[str, Any], name: str) -> Any:
+    if name not in raw or raw[name] is None:
+        raise ConfigError(f"config.json: required field '{name}' is missing")
+    return raw[name]
+
+
+def _as_int(raw: dict[str, Any], name: str, default: int | None = None) -> int:
+    value = raw.get(name, default)
+    if value is None:
+        raise ConfigError(f"config.json: required field '{name}' is missing")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config.json: field '{name}' must be an integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of one hybrid KDA + MLA MoE model. Layer indices are 0-based."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    # token mixers
+    kda_layers: tuple[int, ...]
+    mla_layers: tuple[int, ...]
+    kda_num_heads: int
+    kda_head_dim: int
+    conv_kernel_size: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    mla_use_nope: bool
+    rope_theta: float
+    # feed-forward
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    num_experts_per_token: int
+    num_shared_experts: int
+    moe_intermediate_size: int
+    moe_router_activation_func: str
+    moe_renormalize: bool
+    routed_scaling_factor: float
+    use_grouped_topk: bool
+    num_expert_group: int
+    topk_group: int
+    # KDA gate variant of newer configs: g = lb * sigmoid(exp(A_log) * (raw + dt_bias))
+    kda_gate_lower_bound: float | None = None
+    max_position_embeddings: int = 1 << 20
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        n = self.num_hidden_layers
+        layers = sorted(self.kda_layers + self.mla_layers)
+        if layers != list(range(n)):
+            raise ConfigError(
+                "config.json: linear_attn_config 'kda_layers' and 'full_attn_layers' must together "
+                f"cover layers 1..{n} exactly once, got kda={[i + 1 for i in self.kda_layers]} "
+                f"full={[i + 1 for i in self.mla_layers]}"
+            )
+        for name in ("vocab_size", "hidden_size", "kda_num_heads", "kda_head_dim",
+                     "num_attention_heads", "kv_lora_rank", "v_head_dim", "conv_kernel_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config.json: field '{name}' must be positive")
+        if self.qk_nope_head_dim + self.qk_rope_head_dim <= 0:
+            raise ConfigError("config.json: 'qk_nope_head_dim' + 'qk_rope_head_dim' must be positive")
+        if self.moe_layers:
+            if self.num_experts <= 0:
+                raise ConfigError("config.json: 'num_experts' must be positive for MoE layers")
+            if not 0 < self.num_experts_per_token <= self.num_experts:
+                raise ConfigError(
+                    f"config.json: 'num_experts_per_token' ({self.num_experts_per_token}) must be in "
+                    f"1..num_experts ({self.num_experts})"
+                )
+            if self.num_experts % self.num_expert_group:
+                raise ConfigError(
+                    f"config.json: 'num_experts' ({self.num_experts}) must be divisible by "
+                    f"'num_expert_group' ({self.num_expert_group})"
+                )
+            if not 0 < self.topk_group <= self.num_expert_group:
+                raise ConfigError(
+                    f"config.json: 'topk_group' ({self.topk_group}) must be in 1..num_expert_group"
+                )
+            if self.moe_router_activation_func not in ("sigmoid", "softmax"):
+                raise ConfigError(
+                    "config.json: 'moe_router_activation_func' must be 'sigmoid' or 'softmax', got "
+                    f"{self.moe_router_activation_func!r}"
+                )
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def mla_latent_dim(self) -> int:
+        """Width of one cached MLA entry: normalised latent ‖ rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def kda_conv_dim(self) -> int:
+        return 3 * self.kda_num_heads * self.kda_head_dim
+
+    def layer_kind(self, layer: int) -> str:
+        return "kda" if layer in self.kda_layers else "mla"
+
+    def is_moe(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    # ---- (de)serialisation ------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:
+        p = Path(path)
+        file = p / "config.json" if p.is_dir() else p
+        if not file.is_file():
+            raise FileNotFoundError(f"no config.json at {file}")
+        with open(file, encoding="utf-8") as f:
+            try:
+                raw = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{file}: not valid JSON ({e})") from None
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        if raw.get("model_type", "kimi_linear") != "kimi_linear":
+            raise ConfigError(
+                f"config.json: 'model_type' is {raw.get('model_type')!r}; only 'kimi_linear' is supported"
+            )
+        unknown = sorted(set(raw) - _IGNORED_FIELDS - _MODEL_FIELDS)
+        if unknown:
+            raise ConfigError(f"config.json: unknown field(s) {', '.join(map(repr, unknown))}")
+        if raw.get("attention_bias"):
+            raise ConfigError("config.json: 'attention_bias: true' is not supported")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"config.json: 'hidden_act' must be 'silu', got {raw['hidden_act']!r}")
+        n_heads = _as_int(raw, "num_attention_heads")
+        kv_heads = raw.get("num_key_value_heads") or n_heads
+        if kv_heads != n_heads:
+            raise ConfigError(
+                f"config.json: 'num_key_value_heads' ({kv_heads}) must equal 'num_attention_heads' "
+                "for MLA"
+            )
+        n_layers = _as_int(raw, "num_hidden_layers")
+        kda, mla = _layer_split(raw, n_layers)
+        lin = raw.get("linear_attn_config") or {}
+        kda_heads = lin.get("num_heads", raw.get("linear_num_heads"))
+        kda_dim = lin.get("head_dim", raw.get("linear_head_dim"))
+        conv_k = lin.get("short_conv_kernel_size", raw.get("linear_conv_kernel_dim", 4))
+        if kda and (kda_heads is None or kda_dim is None):
+            raise ConfigError("config.json: 'linear_attn_config' needs 'num_heads' and 'head_dim'")
+        for key, a, b in (("num_heads", lin.get("num_heads"), raw.get("linear_num_heads")),
+                          ("head_dim", lin.get("head_dim"), raw.get("linear_head_dim"))):
+            if a is not None and b is not None and a != b:
+                raise ConfigError(
+                    f"config.json: 'linear_attn_config.{key}' ({a}) disagrees with 'linear_{key}' ({b})"
+                )
+        num_experts = raw.get("num_experts", raw.get("num_local_experts", 0)) or 0
+        moe = _moe_layers(raw, n_layers, num_experts)
+        if raw.get("rope_scaling") and not raw.get("mla_use_nope", True):
+            raise ConfigError("config.json: 'rope_scaling' is not supported")
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        lb = raw.get("kda_gate_lower_bound", raw.get("gate_lower_bound"))
+        return cls(
+            vocab_size=_as_int(raw, "vocab_size"),
+            hidden_size=_as_int(raw, "hidden_size"),
+            num_hidden_layers=n_layers,
+            intermediate_size=_as_int(raw, "intermediate_size", 0),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            kda_layers=kda,
+            mla_layers=mla,
+            kda_num_heads=int(kda_heads or 1),
+            kda_head_dim=int(kda_dim or 1),
+            conv_kernel_size=int(conv_k),
+            num_attention_heads=n_heads,
+            kv_lora_rank=_as_int(raw, "kv_lora_rank"),
+            q_lora_rank=raw.get("q_lora_rank"),
+            qk_nope_head_dim=_as_int(raw, "qk_nope_head_dim"),
+            qk_rope_head_dim=_as_int(raw, "qk_rope_head_dim"),
+            v_head_dim=_as_int(raw, "v_head_dim"),
+            # transformers' KimiLinear applies no rotary at all, which is what this flag means.
+            mla_use_nope=bool(raw.get("mla_use_nope", True)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            moe_layers=moe,
+            num_experts=int(num_experts),
+            num_experts_per_token=int(
+                raw.get("num_experts_per_token", raw.get("num_experts_per_tok", 1)) or 1
+            ),
+            num_shared_experts=int(raw.get("num_shared_experts", raw.get("n_shared_experts", 0)) or 0),
+            moe_intermediate_size=int(raw.get("moe_intermediate_size", 0) or 0),
+            moe_router_activation_func=raw.get("moe_router_activation_func", "sigmoid"),
+            moe_renormalize=bool(raw.get("moe_renormalize", raw.get("norm_topk_prob", True))),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            # transformers always applies the group mask; with one group it is a no-op.
+            use_grouped_topk=bool(raw.get("use_grouped_topk", True)),
+            num_expert_group=int(raw.get("num_expert_group", raw.get("n_group", 1)) or 1),
+            topk_group=int(raw.get("topk_group", 1) or 1),
+            kda_gate_lower_bound=None if lb is None else float(lb),
+            max_position_embeddings=int(
+                raw.get("model_max_length", raw.get("max_position_embeddings", 1 << 20))
+            ),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=eos_ids,
+            pad_token_id=raw.get("pad_token_id"),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """config.json contents that both kdaserve and transformers' KimiLinear read."""
+        n = self.num_hidden_layers
+        return {
+            "architectures": ["KimiLinearForCausalLM"],
+            "model_type": "kimi_linear",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": n,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "linear_attn_config": {
+                "kda_layers": [i + 1 for i in self.kda_layers],
+                "full_attn_layers": [i + 1 for i in self.mla_layers],
+                "num_heads": self.kda_num_heads,
+                "head_dim": self.kda_head_dim,
+                "short_conv_kernel_size": self.conv_kernel_size,
+            },
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_attention_heads,
+            "kv_lora_rank": self.kv_lora_rank,
+            "q_lora_rank": self.q_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "mla_use_nope": self.mla_use_nope,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "num_experts": self.num_experts,
+            "num_experts_per_token": self.num_experts_per_token,
+            "num_shared_experts": self.num_shared_experts,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "first_k_dense_replace": min(self.moe_layers) if self.moe_layers else n,
+            "moe_layer_freq": 1,
+            "mlp_layer_types": ["sparse" if self.is_moe(i) else "dense" for i in range(n)],
+            "moe_router_activation_func": self.moe_router_activation_func,
+            "moe_renormalize": self.moe_renormalize,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "use_grouped_topk": self.use_grouped_topk,
+            "num_expert_group": self.num_expert_group,
+            "topk_group": self.topk_group,
+            "model_max_length": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if len(self.eos_token_id) != 1
+            else self.eos_token_id[0],
+            "pad_token_id": self.pad_token_id,
+            "dtype": "float32",
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _layer_split(raw: dict[str, Any], n_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    lin = raw.get("linear_attn_config") or {}
+    from_lin = None
+    if "kda_layers" in lin or "full_attn_layers" in lin:
+        kda = tuple(int(i) - 1 for i in lin.get("kda_layers", []))
+        mla = tuple(int(i) - 1 for i in lin.get("full_attn_layers", []))
+        for i in kda + mla:
+            if not 0 <= i < n_layers:
+                raise ConfigError(
+                    f"config.json: linear_attn_config layer {i + 1} outside 1..{n_layers} (1-based)"
+                )
+        from_lin = (tuple(sorted(kda)), tuple(sorted(mla)))
+    types = raw.get("layer_types")
+    from_types = None
+    if types is not None:
+        if len(types) != n_layers:
+            raise ConfigError(
+                f"config.json: 'layer_types' has {len(types)} entries for {n_layers} layers"
+            )
+        bad = [t for t in types if t not in ("linear_attention", "full_attention")]
+        if bad:
+            raise ConfigError(f"config.json: 'layer_types' has unknown entry {bad[0]!r}")
+        from_types = (
+            tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+            tuple(i for i, t in enumerate(types) if t == "full_attention"),
+        )
+    if from_lin and from_types and from_lin != from_types:
+        raise ConfigError("config.json: 'layer_types' disagrees with 'linear_attn_config'")
+    split = from_lin or from_types
+    if split is None:
+        raise ConfigError(
+            "config.json: 'linear_attn_config' with 'kda_layers' and 'full_attn_layers' is required"
+        )
+    return split
+
+
+def _moe_layers(raw: dict[str, Any], n_layers: int, num_experts: int) -> tuple[int, ...]:
+    types = raw.get("mlp_layer_types")
+    first_k = raw.get("first_k_dense_replace")
+    freq = raw.get("moe_layer_freq", 1) or 1
+    from_rule = None
+    if num_experts and first_k is not None:
+        from_rule = tuple(i for i in range(n_layers) if i >= first_k and i % freq == 0)
+    elif not num_experts:
+        from_rule = ()
+    if types is not None:
+        if len(types) != n_layers or any(t not in ("dense", "sparse") for t in types):
+            raise ConfigError(
+                f"config.json: 'mlp_layer_types' must list 'dense'/'sparse' for {n_layers} layers"
+            )
+        from_types = tuple(i for i, t in enumerate(types) if t == "sparse")
+        if from_rule is not None and first_k is not None and from_rule != from_types:
+            raise ConfigError(
+                "config.json: 'mlp_layer_types' disagrees with 'first_k_dense_replace'/'moe_layer_freq'"
+            )
+        return from_types
+    if from_rule is None:
+        from_rule = tuple(i for i in range(n_layers) if i >= 1)
+    return from_rule
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the hybrid cache is sized and shared."""
+
+    block_size: int = 16
+    cache_memory_bytes: int = 512 << 20
+    num_blocks: int | None = None
+    num_state_slots: int | None = None
+    enable_prefix_caching: bool = True
+    state_snapshot_budget_bytes: int | None = None
+    state_snapshot_interval: int = 512
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.cache_memory_bytes <= 0:
+            raise ConfigError("cache memory must be positive")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError("num_blocks must be >= 1")
+        if self.num_state_slots is not None and self.num_state_slots < 1:
+            raise ConfigError("num_state_slots must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    long_prefill_token_threshold: int | None = None
+    max_waiting: int = 4096
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be >= 1")
+        if self.max_model_len < 1:
+            raise ConfigError("max_model_len must be >= 1")
+        if self.policy not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs besides the weights."""
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    kda_chunk_size: int | None = None
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

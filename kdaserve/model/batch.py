@@ -1,0 +1,221 @@
+"""The token layout of one forward pass, shared by every layer.
+
+Sequences are packed back to back into T rows. The first `num_decode` sequences are decode rows
+(exactly one new token each, with context in the cache); the rest are prefill rows (chunks of
+prompts, or whole sequences when there is no cache). All gather indices are built once here,
+vectorised, so a layer's forward is a handful of batched tensor ops.
+
+Legend: T tokens, B sequences (Bd decode, Bp prefill), K conv kernel, C KDA chunk size,
+L padded length, D latent width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class HybridCache:
+    """The engine's cache tensors, as the model sees them (owned and sized by the runner).
+
+    mla_pages[i]: [num_blocks, block_size, kv_lora_rank + rope_dim] for the i-th MLA layer.
+    kda_states[i]: [num_slots, H, K, V] fp32; kda_conv[i]: [num_slots, conv_kernel - 1, 3*H*K].
+    """
+
+    mla_pages: list[torch.Tensor]
+    kda_states: list[torch.Tensor]
+    kda_conv: list[torch.Tensor]
+    block_size: int
+
+    @classmethod
+    def allocate(cls, cfg, num_blocks: int, block_size: int, num_slots: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 ) -> HybridCache:
+        """Zeroed cache tensors for a ModelConfig `cfg`."""
+        h, d = cfg.kda_num_heads, cfg.kda_head_dim
+        return cls(
+            mla_pages=[torch.zeros(num_blocks, block_size, cfg.mla_latent_dim, dtype=dtype,
+                                   device=device) for _ in cfg.mla_layers],
+            kda_states=[torch.zeros(num_slots, h, d, d, dtype=torch.float32, device=device)
+                        for _ in cfg.kda_layers],
+            kda_conv=[torch.zeros(num_slots, cfg.conv_kernel_size - 1, cfg.kda_conv_dim,
+                                  dtype=dtype, device=device) for _ in cfg.kda_layers],
+            block_size=block_size,
+        )
+
+
+@dataclass
+class KDALayout:
+    conv_idx: torch.Tensor          # [T, K] rows of cat(conv_state.view(B*(K-1), C), x)
+    conv_state_idx: torch.Tensor    # [B, K-1] rows of the same, the window after this step
+    pad_src: torch.Tensor           # [Bp, L] rows of prefill tokens (Tp = a zero row)
+    unpad_idx: torch.Tensor         # [Tp] flat rows of the padded [Bp*L] layout, packed order
+    padded_len: int
+    chunk_start: torch.Tensor       # [Bp] absolute position of the first padded row
+
+
+@dataclass
+class MLALayout:
+    slot_mapping: torch.Tensor | None      # [T] flat cache row for each new token
+    decode_ctx_idx: torch.Tensor | None    # [Bd, Ld] flat cache rows
+    decode_ctx_mask: torch.Tensor | None   # [Bd, Ld] bool
+    prefill_q_idx: torch.Tensor            # [Bp, Qp] rows of prefill tokens (Tp = zero row)
+    prefill_unpad_idx: torch.Tensor        # [Tp] flat rows of [Bp*Qp]
+    prefill_ctx_idx: torch.Tensor | None   # [Bp, Lp] flat cache rows (None: no cache)
+    prefill_mask: torch.Tensor | None      # [Bp, 1, Qp, Lp] bool, None when plainly causal
+
+
+@dataclass
+class ForwardBatch:
+    seq_lens: list[int]
+    context_lens: list[int]
+    num_decode: int
+    positions: torch.Tensor                 # [T]
+    kda: KDALayout
+    mla: MLALayout
+    cache: HybridCache | None = None
+    state_slots: torch.Tensor | None = None  # [B] KDA slot of each sequence
+    has_initial_state: torch.Tensor | None = None  # [B] float 1/0: read the slot or start at 0
+    logits_indices: torch.Tensor | None = None     # [S] rows whose logits are wanted
+    keep_chunk_states: bool = False          # return KDA states at chunk ends (snapshots)
+    chunk_states: dict[int, torch.Tensor] = field(default_factory=dict)  # filled by KDA layers
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.long, device=device)
+
+
+def build_forward_batch(
+    seq_lens: list[int],
+    context_lens: list[int] | None = None,
+    *,
+    num_decode: int = 0,
+    conv_kernel: int = 4,
+    chunk_size: int = 16,
+    cache: HybridCache | None = None,
+    block_tables: list[list[int]] | None = None,
+    state_slots: list[int] | None = None,
+    logits_indices: list[int] | torch.Tensor | None = None,
+    keep_chunk_states: bool = False,
+    device: torch.device | str = "cpu",
+) -> ForwardBatch:
+    """Build every index of a step. Without a cache all context lengths must be 0."""
+    device = torch.device(device)
+    B = len(seq_lens)
+    ctx_list = list(context_lens) if context_lens is not None else [0] * B
+    if cache is None and any(ctx_list):
+        raise ValueError("a forward without a cache cannot continue sequences (context_lens > 0)")
+    if any(n <= 0 for n in seq_lens):
+        raise ValueError("every sequence in a batch needs at least one token")
+    if any(seq_lens[i] != 1 for i in range(num_decode)):
+        raise ValueError("decode rows must have exactly one token")
+    lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
+    ctx = torch.tensor(ctx_list, dtype=torch.long, device=device)
+    cu = torch.zeros(B + 1, dtype=torch.long, device=device)
+    cu[1:] = lens.cumsum(0)
+    T = int(cu[-1])
+    seq_of = torch.repeat_interleave(_arange(B, device), lens)           # [T]
+    local = _arange(T, device) - cu[seq_of]                               # [T]
+    positions = ctx[seq_of] + local
+
+    # ---- KDA: conv windows -----------------------------------------------------------------
+    km1 = conv_kernel - 1
+    j = _arange(conv_kernel, device)
+    src = local[:, None] - km1 + j[None]                                  # [T, K]
+    conv_idx = torch.where(src >= 0, B * km1 + cu[seq_of][:, None] + src,
+                           seq_of[:, None] * km1 + km1 + src)
+    offs = lens[:, None] - km1 + _arange(km1, device)[None]               # [B, K-1]
+    conv_state_idx = torch.where(offs >= 0, B * km1 + cu[:-1][:, None] + offs,
+                                 _arange(B, device)[:, None] * km1 + km1 + offs)
+
+    # ---- prefill rows: padded layouts for KDA chunks and MLA queries -----------------------
+    Td = num_decode
+    p_lens, p_ctx, p_cu = lens[num_decode:], ctx[num_decode:], cu[num_decode:] - Td
+    Bp = B - num_decode
+    Tp = T - Td
+    p_seq = seq_of[Td:] - num_decode                                      # [Tp]
+    p_local = local[Td:]
+    pre = p_ctx % chunk_size                                              # align chunks to C
+    padded_len = 0
+    if Bp:
+        padded_len = int(((pre + p_lens).max() + chunk_size - 1) // chunk_size * chunk_size)
+    jj = _arange(padded_len, device)
+    loc = jj[None] - pre[:, None]                                         # [Bp, L]
+    valid = (loc >= 0) & (loc < p_lens[:, None])
+    pad_src = torch.where(valid, p_cu[:-1, None] + loc, torch.full_like(loc, Tp))
+    unpad_idx = p_seq * padded_len + pre[p_seq] + p_local
+    kda = KDALayout(conv_idx, conv_state_idx, pad_src, unpad_idx, padded_len, p_ctx - pre)
+
+    q_len = int(p_lens.max()) if Bp else 0
+    qi = _arange(q_len, device)
+    q_valid = qi[None] < p_lens[:, None]                                  # [Bp, Qp]
+    prefill_q_idx = torch.where(q_valid, p_cu[:-1, None] + qi[None], torch.full((Bp, q_len), Tp,
+                                dtype=torch.long, device=device))
+    prefill_unpad_idx = p_seq * q_len + p_local
+
+    slot_mapping = decode_ctx_idx = decode_ctx_mask = prefill_ctx_idx = prefill_mask = None
+    if cache is not None:
+        bs = cache.block_size
+        if block_tables is None:
+            raise ValueError("block_tables are required with a cache")
+        width = max(1, max((len(t) for t in block_tables), default=1))
+        bt = torch.zeros(B, width, dtype=torch.long)
+        for i, t in enumerate(block_tables):  # per sequence, not per token
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        bt = bt.to(device)
+
+        def rows(b_idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            blk = (pos // bs).clamp(max=width - 1)
+            return bt[b_idx, blk] * bs + pos % bs
+
+        slot_mapping = rows(seq_of, positions)
+        if num_decode:
+            d_total = ctx[:num_decode] + 1
+            ld = int(d_total.max())
+            jd = _arange(ld, device)
+            decode_ctx_idx = rows(_arange(num_decode, device)[:, None], jd[None].expand(num_decode, ld))
+            decode_ctx_mask = jd[None] < d_total[:, None]
+        if Bp:
+            total = p_ctx + p_lens
+            lp = int(total.max())
+            jk = _arange(lp, device)
+            b_idx = _arange(Bp, device)[:, None] + num_decode
+            prefill_ctx_idx = rows(b_idx, jk[None].expand(Bp, lp))
+            qpos = p_ctx[:, None] + qi[None]                              # [Bp, Qp]
+            mask = jk[None, None, :] <= qpos[:, :, None]                  # [Bp, Qp, Lp]
+            mask = mask & q_valid[:, :, None] | (~q_valid[:, :, None] & (jk == 0)[None, None])
+            prefill_mask = mask[:, None]
+    elif Bp and bool((p_lens != p_lens[0]).any()):
+        mask = qi[None, None, :] <= qi[None, :, None]                     # causal [1, Qp, Qp]
+        kv_valid = q_valid[:, None, :]
+        mask = (mask & kv_valid & q_valid[:, :, None]) | (~q_valid[:, :, None] & (qi == 0)[None, None])
+        prefill_mask = mask[:, None]
+    mla = MLALayout(slot_mapping, decode_ctx_idx, decode_ctx_mask, prefill_q_idx,
+                    prefill_unpad_idx, prefill_ctx_idx, prefill_mask)
+
+    li = None
+    if logits_indices is not None:
+        li = torch.as_tensor(logits_indices, dtype=torch.long, device=device)
+    slots = has_init = None
+    if state_slots is not None:
+        slots = torch.tensor(state_slots, dtype=torch.long, device=device)
+        has_init = (ctx > 0).to(torch.float32)
+    return ForwardBatch(
+        seq_lens=list(seq_lens), context_lens=ctx_list, num_decode=num_decode,
+        positions=positions, kda=kda, mla=mla, cache=cache, state_slots=slots,
+        has_initial_state=has_init, logits_indices=li, keep_chunk_states=keep_chunk_states,
+    )

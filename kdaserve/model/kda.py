@@ -1,0 +1,108 @@
+"""The KDA token mixer (Kimi Delta Attention layer) with checkpoint parameter names."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdaserve.config import ModelConfig
+from kdaserve.model.batch import ForwardBatch
+from kdaserve.model.layers import GatedRMSNorm
+from kdaserve.ops.conv import causal_conv1d_packed
+from kdaserve.ops.registry import kda_ops
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class KimiDeltaAttention(nn.Module):
+    """Legend: T tokens, B sequences, H heads, D head dim (K = V = D), L padded length."""
+
+    def __init__(self, cfg: ModelConfig, kda_index: int, chunk_size: int = 16) -> None:
+        super().__init__()
+        h, d, hidden = cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size
+        self.num_heads, self.head_dim, self.kda_index = h, d, kda_index
+        self.chunk_size = chunk_size
+        self.gate_lower_bound = cfg.kda_gate_lower_bound
+        self.q_proj = nn.Linear(hidden, h * d, bias=False)
+        self.k_proj = nn.Linear(hidden, h * d, bias=False)
+        self.v_proj = nn.Linear(hidden, h * d, bias=False)
+        kernel = cfg.conv_kernel_size
+        self.q_conv1d = nn.Conv1d(h * d, h * d, kernel, groups=h * d, bias=False)
+        self.k_conv1d = nn.Conv1d(h * d, h * d, kernel, groups=h * d, bias=False)
+        self.v_conv1d = nn.Conv1d(h * d, h * d, kernel, groups=h * d, bias=False)
+        self.f_a_proj = nn.Linear(hidden, d, bias=False)
+        self.f_b_proj = nn.Linear(d, h * d, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(h * d, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, h, 1, dtype=torch.float32))
+        self.b_proj = nn.Linear(hidden, h, bias=False)
+        self.g_a_proj = nn.Linear(hidden, d, bias=False)
+        self.g_b_proj = nn.Linear(d, h * d, bias=False)
+        self.o_norm = GatedRMSNorm(d, eps=cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(h * d, hidden, bias=False)
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        """Log-space decay g [T,H,D] (fp32, <= 0)."""
+        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        raw = raw.view(x.shape[0], self.num_heads, self.head_dim)
+        a = self.A_log.float().view(1, self.num_heads, 1).exp()
+        if self.gate_lower_bound is not None:
+            return self.gate_lower_bound * torch.sigmoid(a * raw)
+        return -a * F.softplus(raw)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        T = x.shape[0]
+        B, Td = fb.num_seqs, fb.num_decode
+        H, D = self.num_heads, self.head_dim
+        cache = fb.cache
+        km1 = self.q_conv1d.kernel_size[0] - 1
+
+        pre = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)   # [T, 3HD]
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
+        if cache is not None:
+            conv_store = cache.kda_conv[self.kda_index]
+            state_store = cache.kda_states[self.kda_index]
+            keep = fb.has_initial_state
+            window = conv_store[fb.state_slots] * keep.view(B, 1, 1).to(conv_store.dtype)
+            s0 = state_store[fb.state_slots] * keep.view(B, 1, 1, 1)
+        else:
+            window = pre.new_zeros(B, km1, pre.shape[-1])
+            s0 = torch.zeros(B, H, D, D, dtype=torch.float32, device=x.device)
+        conv, new_window = causal_conv1d_packed(pre, window, w.squeeze(1), fb.kda.conv_idx,
+                                                fb.kda.conv_state_idx)
+        q, k, v = F.silu(conv).float().view(T, 3, H, D).unbind(1)
+        q = l2norm(q) * D ** -0.5
+        k = l2norm(k)
+        g = self.decay(x)
+        beta = torch.sigmoid(self.b_proj(x).float())                            # [T, H]
+
+        ops = kda_ops(x.device)
+        outs, states = [], []
+        if Td:
+            o_d, s_d = ops.step(q[:Td], k[:Td], v[:Td], g[:Td], beta[:Td], s0[:Td])
+            outs.append(o_d)
+            states.append(s_d)
+        if B > Td:
+            lay = fb.kda
+            Bp, L = lay.pad_src.shape
+
+            def pad(t: torch.Tensor) -> torch.Tensor:                          # [Tp,...]->[Bp,L,...]
+                t = torch.cat([t[Td:], t.new_zeros((1,) + t.shape[1:])], 0)
+                return t[lay.pad_src]
+
+            o_p, s_p, kept = ops.chunk(pad(q), pad(k), pad(v), pad(g), pad(beta), s0[Td:],
+                                       self.chunk_size, fb.keep_chunk_states)
+            outs.append(o_p.reshape(Bp * L, H, D)[lay.unpad_idx])
+            states.append(s_p)
+            if kept is not None:
+                fb.chunk_states[self.kda_index] = kept
+        o = torch.cat(outs, 0) if len(outs) > 1 else outs[0]                   # [T, H, D]
+        if cache is not None:
+            s_new = torch.cat(states, 0) if len(states) > 1 else states[0]
+            state_store.index_copy_(0, fb.state_slots, s_new.to(state_store.dtype))
+            conv_store.index_copy_(0, fb.state_slots, new_window.to(conv_store.dtype))
+        gate = self.g_b_proj(self.g_a_proj(x)).view(T, H, D)
+        o = self.o_norm(o.to(x.dtype), gate).reshape(T, H * D)
+        return self.o_proj(o)

@@ -1,0 +1,97 @@
+"""The MLA token mixer: only [normed latent ‖ rope key] per token is cached."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kdaserve.config import ModelConfig
+from kdaserve.model.batch import ForwardBatch
+from kdaserve.model.layers import RMSNorm
+from kdaserve.ops.mla import mla_decode_absorbed, mla_prefill_attention
+from kdaserve.ops.rope import apply_rope
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """Legend: T tokens, H heads, N nope dim, R rope dim, Dc kv_lora_rank, Vd value dim."""
+
+    def __init__(self, cfg: ModelConfig, mla_index: int) -> None:
+        super().__init__()
+        hidden, h = cfg.hidden_size, cfg.num_attention_heads
+        self.mla_index = mla_index
+        self.num_heads = h
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.use_rope = not cfg.mla_use_nope
+        self.rope_theta = cfg.rope_theta
+        self.scale = cfg.qk_head_dim ** -0.5
+        qk = cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, h * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, cfg.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.v_dim, hidden, bias=False)
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(
+            self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.num_heads, self.nope + self.rope)
+
+    def latents(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[T, Dc+R]: what the cache stores for each token."""
+        ckv = self.kv_a_proj_with_mqa(x)
+        c = self.kv_a_layernorm(ckv[:, : self.kv_lora_rank])
+        k_pe = ckv[:, self.kv_lora_rank:]
+        if self.use_rope and self.rope:
+            k_pe = apply_rope(k_pe, positions, self.rope_theta)
+        return torch.cat([c, k_pe], -1)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_uk [H,N,Dc], W_uv [H,Vd,Dc]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope:]
+
+    def expand(self, lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [B,L,Dc+R] -> keys [B,L,H,N+R], values [B,L,H,Vd]."""
+        b, l_, _ = lat.shape
+        kv = self.kv_b_proj(lat[..., : self.kv_lora_rank]).view(b, l_, self.num_heads, -1)
+        k_nope, v = kv[..., : self.nope], kv[..., self.nope:]
+        k_pe = lat[..., self.kv_lora_rank:].unsqueeze(2).expand(b, l_, self.num_heads, self.rope)
+        return torch.cat([k_nope, k_pe], -1), v
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        T, Td = x.shape[0], fb.num_decode
+        q = self.queries(x)                                                     # [T,H,N+R]
+        if self.use_rope and self.rope:
+            q = torch.cat([q[..., : self.nope], apply_rope(q[..., self.nope:], fb.positions,
+                                                         self.rope_theta)], -1)
+        lat = self.latents(x, fb.positions)                                     # [T,Dc+R]
+        lay = fb.mla
+        flat = None
+        if fb.cache is not None:
+            pages = fb.cache.mla_pages[self.mla_index]
+            flat = pages.view(-1, pages.shape[-1])
+            flat.index_copy_(0, lay.slot_mapping, lat.to(flat.dtype))
+        outs = []
+        if Td:
+            w_uk, w_uv = self.absorbed_weights()
+            ctx = flat[lay.decode_ctx_idx].to(x.dtype)                          # [Bd,Ld,Dc+R]
+            outs.append(mla_decode_absorbed(q[:Td, :, : self.nope], q[:Td, :, self.nope:], ctx,
+                                            lay.decode_ctx_mask, w_uk, w_uv, self.scale))
+        if T > Td:
+            Bp, Qp = lay.prefill_q_idx.shape
+            qp = torch.cat([q[Td:], q.new_zeros(1, *q.shape[1:])], 0)[lay.prefill_q_idx]
+            if flat is None:
+                ctx = torch.cat([lat[Td:], lat.new_zeros(1, lat.shape[1])], 0)[lay.prefill_q_idx]
+            else:
+                ctx = flat[lay.prefill_ctx_idx].to(x.dtype)                     # [Bp,Lp,Dc+R]
+            k, v = self.expand(ctx)
+            o = mla_prefill_attention(qp, k, v, lay.prefill_mask, self.scale)  # [Bp,Qp,H,Vd]
+            outs.append(o.reshape(Bp * Qp, self.num_heads, self.v_dim)[lay.prefill_unpad_idx])
+        o = torch.cat(outs, 0) if len(outs) > 1 else outs[0]
+        return self.o_proj(o.reshape(T, self.num_heads * self.v_dim))

@@ -1,0 +1,106 @@
+"""Kimi Delta Attention: the gated delta rule with a per-key-channel decay.
+
+Per head, with state S [K, V] (fp32):
+    S' = Diag(exp g_t) S_{t-1};   S_t = S' + beta_t k_t (v_t - S'^T k_t)^T;   o_t = S_t^T q_t
+
+q and k arrive L2-normalised and q already scaled; g is the log decay (<= 0).
+
+Legend: B sequences, L padded length, N chunks, C chunk size, H heads, K key dim, V value dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["kda_chunk", "kda_recurrent", "kda_step"]
+
+
+def kda_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence. q,k,g [B,H,K], v [B,H,V], beta [B,H], state [B,H,K,V] -> o [B,H,V]."""
+    s = state * g.exp().unsqueeze(-1)
+    kv = torch.einsum("bhk,bhkv->bhv", k, s)
+    delta = (v - kv) * beta.unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    o = torch.einsum("bhk,bhkv->bhv", q, s)
+    return o, s
+
+
+def kda_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, keep_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Step-by-step form. q,k,g [B,L,H,K], v [B,L,H,V], beta [B,L,H], state [B,H,K,V].
+
+    Returns o [B,L,H,V], the final state, and (with keep_states) the state after every
+    position [B,L,H,K,V]: speculative verification commits the one after the last accepted token.
+    """
+    outs, kept = [], []
+    s = state
+    for t in range(q.shape[1]):
+        o, s = kda_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s)
+        outs.append(o)
+        if keep_states:
+            kept.append(s)
+    o = torch.stack(outs, 1) if outs else v.new_zeros(v.shape)
+    return o, s, (torch.stack(kept, 1) if keep_states and kept else None)
+
+
+def kda_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, chunk_size: int, keep_chunk_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Chunked form over padded sequences. q,k,g [B,L,H,K], v [B,L,H,V], beta [B,L,H],
+    state [B,H,K,V] fp32; L must be a multiple of chunk_size.
+
+    Inside a chunk the pseudo-values u solve (I + A) u = beta (v - (exp(G) k) S0) with
+    A[t,s] = beta_t sum_i k_t,i k_s,i exp(G_t,i - G_s,i) (s < t), G the in-chunk cumulative
+    decay; the decay differences are formed pairwise (never exp(-G)), so no overflow for any g.
+    Padding rows with k = v = g = beta = 0 leave the state untouched.
+
+    Returns o [B,L,H,V], final state [B,H,K,V], and with keep_chunk_states the state at the end
+    of every chunk [B,N,H,K,V] (prefix-cache snapshots at chunk-aligned boundaries).
+    """
+    B, L, H, K = k.shape
+    V = v.shape[-1]
+    C = chunk_size
+    if L % C:
+        raise ValueError(f"kda_chunk: length {L} is not a multiple of chunk size {C}")
+    N = L // C
+    dt = torch.float32
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B,L,H,*] -> [B,H,N,C,*]
+        return x.to(dt).reshape(B, N, C, H, -1).permute(0, 3, 1, 2, 4)
+
+    q, k, v, g = chunks(q), chunks(k), chunks(v), chunks(g)
+    beta = beta.to(dt).reshape(B, N, C, H).permute(0, 3, 1, 2).unsqueeze(-1)  # [B,H,N,C,1]
+    gc = g.cumsum(-2)                                                         # [B,H,N,C,K]
+    incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    strict = incl.clone().fill_diagonal_(False)
+    decay = (gc.unsqueeze(-2) - gc.unsqueeze(-3)).masked_fill(~incl[:, :, None], float("-inf")).exp()
+    # decay[..., t, s, i] = exp(G_t,i - G_s,i) for s <= t, else 0              [B,H,N,C,C,K]
+    a = torch.einsum("bhntk,bhnsk,bhntsk->bhnts", k, k, decay) * beta
+    a = a.masked_fill(~strict, 0.0)
+    qk = torch.einsum("bhntk,bhnsk,bhntsk->bhnts", q, k, decay)               # [B,H,N,C,C]
+    eye = torch.eye(C, dtype=dt, device=q.device)
+    lower = a + eye
+    u0 = torch.linalg.solve_triangular(lower, beta * v, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(lower, beta * (gc.exp() * k), upper=False, unitriangular=True)
+    qd = q * gc.exp()
+    g_end = gc[..., -1:, :]                                                   # [B,H,N,1,K]
+    k_end = k * (g_end - gc).exp()                                            # [B,H,N,C,K]
+    decay_end = g_end.squeeze(-2).exp().unsqueeze(-1)                         # [B,H,N,K,1]
+
+    s = state.to(dt)
+    outs, kept = [], []
+    for n in range(N):
+        u = u0[:, :, n] - w[:, :, n] @ s                                      # [B,H,C,V]
+        outs.append(qd[:, :, n] @ s + qk[:, :, n] @ u)
+        s = decay_end[:, :, n] * s + k_end[:, :, n].transpose(-1, -2) @ u
+        if keep_chunk_states:
+            kept.append(s)
+    o = torch.stack(outs, 2) if outs else v.new_zeros(B, H, 0, C, V)          # [B,H,N,C,V]
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, L, H, V)
+    return o, s, (torch.stack(kept, 1) if keep_chunk_states and kept else None)
