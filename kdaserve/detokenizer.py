@@ -34,7 +34,9 @@ class IncrementalDetokenizer:
     """Turn generated token ids into text deltas, stopping at the first stop string.
 
     A stop string matches at the earliest position where it *ends*, as if the text were
-    scanned one character at a time. After a match, further pushes yield empty deltas.
+    scanned one character at a time. After a match, further pushes yield empty deltas. Text
+    held back for an unfinished character is searched once the character completes, so such
+    a stop string may be reported one push late (with the same truncated output).
     """
 
     def __init__(
@@ -114,7 +116,7 @@ class IncrementalDetokenizer:
         split = len(self._ids) - 1
         head = decode(self._ids[self._prefix : split], skip_special_tokens=skip)
         tail = decode(self._ids[split:], skip_special_tokens=skip)
-        if len(head) <= len(prefix_text):
+        if not tail or head + tail != new_text or len(head) <= len(prefix_text):
             return ""
         self._advance(split)
         return head[len(prefix_text) :]
