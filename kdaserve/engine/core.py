@@ -1,0 +1,192 @@
+"""The step loop: schedule -> run the model -> update requests -> detokenize and stop."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kdaserve.cache.manager import CacheManager
+from kdaserve.cache.planner import CachePlan, plan_cache
+from kdaserve.cache.spec import specs_for
+from kdaserve.config import EngineConfig, SchedulerConfig
+from kdaserve.detokenizer import IncrementalDetokenizer
+from kdaserve.engine.runner import ModelRunner
+from kdaserve.engine.scheduler import Scheduler
+from kdaserve.model.kimi_linear import KimiLinearForCausalLM
+from kdaserve.model.loader import load_model
+from kdaserve.outputs import RequestDelta
+from kdaserve.request import Request, RequestStatus, SamplingParams
+from kdaserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("kdaserve")
+
+
+def default_chunk_size(device: torch.device) -> int:
+    """64 suits the GPU kernels; the torch form is several times faster with small chunks on CPU."""
+    return 64 if device.type == "cuda" else 16
+
+
+@dataclass
+class _Tracked:
+    parent: str
+    index: int
+    detok: IncrementalDetokenizer | None
+    emitted_tokens: int = 0
+    stop_string: str | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: KimiLinearForCausalLM | None = None,
+                 tokenizer: Tokenizer | None = None, progress: bool = False) -> None:
+        self.config = config
+        device = torch.device(config.device)
+        chunk = config.kda_chunk_size or default_chunk_size(device)
+        if model is None:
+            model = load_model(config.model, dtype=config.dtype, device=str(device),
+                               chunk_size=chunk, progress=progress)
+        else:
+            model.set_chunk_size(chunk)
+        self.model = model
+        if tokenizer is None and config.model and _has_tokenizer(Path(config.model)):
+            tokenizer = Tokenizer.from_pretrained(config.model)
+        self.tokenizer = tokenizer
+        cfg = model.config
+        latent, state = specs_for(cfg, config.cache.block_size, config.dtype)
+        sched = config.scheduler
+        self.plan: CachePlan = plan_cache(
+            latent, state, config.cache.cache_memory_bytes, sched.max_num_seqs,
+            num_blocks=config.cache.num_blocks, num_state_slots=config.cache.num_state_slots,
+        )
+        max_len = min(sched.max_model_len, cfg.max_position_embeddings)
+        if max_len != sched.max_model_len:
+            sched = SchedulerConfig(**{**sched.__dict__, "max_model_len": max_len})
+        self.max_model_len = sched.max_model_len
+        self.cache = CacheManager(self.plan.num_blocks, self.plan.block_size,
+                                  self.plan.num_state_slots)
+        self.scheduler = Scheduler(sched, self.cache)
+        self.runner = ModelRunner(model, self.plan, device, seed=config.seed)
+        self.eos_ids = frozenset(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_id)
+        self._tracked: dict[str, _Tracked] = {}
+        self._children: dict[str, list[str]] = {}
+        self.stats = EngineStats()
+        logger.info("kdaserve cache: %s", self.plan.describe())
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, priority: int = 0,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self._children:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model directory has none")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i
+                child_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
+            cid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(cid, list(prompt_token_ids), child_params, eos_token_ids=self.eos_ids,
+                          priority=priority, arrival_time=arrival_time or time.monotonic())
+            self.scheduler.add_request(req)  # validates; the first failure raises before any
+            children.append(cid)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, child_params.skip_special_tokens,
+                    child_params.stop, child_params.include_stop_str_in_output)
+            self._tracked[cid] = _Tracked(request_id, i, detok)
+        self._children[request_id] = children
+
+    def abort(self, request_id: str) -> None:
+        for cid in self._children.pop(request_id, []):
+            self.scheduler.abort(cid)
+            self._tracked.pop(cid, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        out = self.scheduler.schedule()
+        requests = self.scheduler.requests
+        result = self.runner.execute(out, requests)
+        self.stats.steps += 1
+        self.stats.preemptions += len(out.preempted)
+        for seq in out.sequences:
+            req = requests.get(seq.request_id)
+            if req is not None and seq.context_len < req.num_prompt_tokens:
+                self.stats.prompt_tokens += min(len(seq.token_ids),
+                                                req.num_prompt_tokens - seq.context_len)
+        touched = self.scheduler.update(out, result)
+        deltas = [self._delta(req) for req in touched]
+        # requests the scheduler ended on its own (too large for the cache) owe a final delta
+        deltas += [self._final_delta(rid, "length") for rid in out.finished if rid in self._tracked]
+        return deltas
+
+    def _delta(self, req: Request) -> RequestDelta:
+        tr = self._tracked[req.request_id]
+        new_ids = req.output_token_ids[tr.emitted_tokens:]
+        new_lps = req.output_logprobs[tr.emitted_tokens:] if req.output_logprobs else None
+        tr.emitted_tokens = len(req.output_token_ids)
+        self.stats.generation_tokens += len(new_ids)
+        text = ""
+        if tr.detok is not None:
+            d = tr.detok.push(new_ids)
+            text = d.text
+            if d.stop_string is not None and not req.is_finished:
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+                req.stop_reason = d.stop_string
+            if req.is_finished and d.stop_string is None:
+                text += tr.detok.flush()
+        finished = req.is_finished
+        reason = req.status.value if finished else None
+        if finished:
+            self._forget(req.request_id)
+            self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        return RequestDelta(tr.parent, tr.index, new_ids, text, finished, reason,
+                            req.stop_reason if finished else None, new_lps,
+                            req.num_prompt_tokens, len(req.output_token_ids),
+                            req.num_cached_tokens)
+
+    def _final_delta(self, rid: str, reason: str) -> RequestDelta:
+        tr = self._tracked[rid]
+        text = tr.detok.flush() if tr.detok is not None else ""
+        self._forget(rid)
+        return RequestDelta(tr.parent, tr.index, [], text, True, reason)
+
+    def _forget(self, rid: str) -> None:
+        tr = self._tracked.pop(rid, None)
+        if tr is None:
+            return
+        kids = self._children.get(tr.parent)
+        if kids is not None and all(k not in self._tracked for k in kids):
+            del self._children[tr.parent]
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return (path / "tokenizer.json").is_file() or (path / "tiktoken.model").is_file()

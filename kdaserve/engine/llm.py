@@ -1,0 +1,99 @@
+"""Offline generation: `LLM(model=dir).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any, Union
+
+from tqdm.auto import tqdm
+
+from kdaserve.assets import default_model_path
+from kdaserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kdaserve.engine.core import EngineCore
+from kdaserve.outputs import CompletionOutput, RequestOutput
+from kdaserve.request import SamplingParams
+
+PromptType = Union[str, dict[str, Any], list[int]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "float32", device: str = "cpu",
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_model_len: int = 4096, cache_memory: int = 256 << 20,
+                 block_size: int = 16, num_blocks: int | None = None,
+                 kda_chunk_size: int | None = None, seed: int = 0,
+                 long_prefill_token_threshold: int | None = None) -> None:
+        path = str(model) if model is not None else str(default_model_path())
+        self.config = EngineConfig(
+            model=path, dtype=dtype, device=device, kda_chunk_size=kda_chunk_size, seed=seed,
+            cache=CacheConfig(block_size=block_size, cache_memory_bytes=cache_memory,
+                              num_blocks=num_blocks),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len,
+                                      long_prefill_token_threshold=long_prefill_token_threshold),
+        )
+        self.engine = EngineCore(self.config, progress=True)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass {'prompt_token_ids': [...]}")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._prompt_ids(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        return None, list(prompt)
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params must be one, or one per prompt")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, sp in zip(prompts, params_list):
+            text, ids = self._prompt_ids(prompt)
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, ids, sp)
+            order.append(rid)
+            results[rid] = RequestOutput(rid, text, ids, [
+                CompletionOutput(i, "", [], logprobs=[] if sp.logprobs is not None else None)
+                for i in range(sp.n)], finished=False)
+        pending = {rid: len(results[rid].outputs) for rid in order}
+        bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm)
+        try:
+            while pending:
+                for d in self.engine.step():
+                    out = results[d.request_id]
+                    comp = out.outputs[d.index]
+                    comp.text += d.new_text
+                    comp.token_ids.extend(d.new_token_ids)
+                    if comp.logprobs is not None and d.new_logprobs:
+                        comp.logprobs.extend(d.new_logprobs)
+                    out.num_cached_tokens = d.num_cached_tokens
+                    if d.finished:
+                        comp.finish_reason, comp.stop_reason = d.finish_reason, d.stop_reason
+                        pending[d.request_id] -= 1
+                        if not pending[d.request_id]:
+                            del pending[d.request_id]
+                            out.finished = True
+                            bar.update(1)
+        except BaseException:
+            for rid in pending:
+                self.engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in order]

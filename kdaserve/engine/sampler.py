@@ -1,0 +1,117 @@
+"""Batched sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Sampling uses the exponential-race form (argmax p_i / E_i with E_i ~ Exp(1)), so a request's
+token depends only on its own probabilities and its own noise: a seeded request draws its
+noise from its own generator, which makes it reproducible whatever its batch mates are.
+
+Legend: S rows to sample, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kdaserve.outputs import SampledToken
+from kdaserve.request import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one request for one step."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+
+
+def _penalise(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    pen = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty
+           or r.params.repetition_penalty != 1.0]
+    if not pen:
+        return logits
+    logits = logits.clone()
+    V = logits.shape[-1]
+    for i in pen:  # per penalised request: a few vector ops over V
+        p = rows[i].params
+        out = torch.tensor(rows[i].output_token_ids, dtype=torch.long)
+        counts = torch.bincount(out.clamp(max=V - 1), minlength=V).to(logits)
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            prompt = torch.tensor(rows[i].prompt_token_ids, dtype=torch.long).clamp(max=V - 1)
+            seen[prompt] = True
+            row = logits[i]
+            logits[i] = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty,
+                                                      row * p.repetition_penalty), row)
+        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits)
+    return logits
+
+
+def _top_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow],
+                  ) -> list[tuple[float | None, dict[int, float] | None]]:
+    want = [r.params.logprobs for r in rows]
+    if all(w is None for w in want):
+        return [(None, None)] * len(rows)
+    k = max(w or 0 for w in want)
+    top = logprobs.topk(k, -1) if k else None
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    out = []
+    for i, w in enumerate(want):
+        if w is None:
+            out.append((None, None))
+            continue
+        d = {int(tokens[i]): chosen[i]}
+        if w and top is not None:
+            for tid, lp in zip(top.indices[i, :w].tolist(), top.values[i, :w].tolist()):
+                d.setdefault(tid, lp)
+        out.append((chosen[i], d))
+    return out
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+    """logits [S, V] (any float dtype) -> one token per row."""
+    logits = logits.float()
+    raw_logprobs = logits.log_softmax(-1)
+    logits = _penalise(logits, rows)
+    greedy_tok = logits.argmax(-1)
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
+    random_rows = (temps > 0).nonzero().flatten()
+    tokens = greedy_tok.clone()
+    if random_rows.numel():
+        idx = random_rows
+        sub = logits[idx] / temps[idx, None]
+        sub = _filter(sub, [rows[i] for i in idx.tolist()])
+        probs = sub.softmax(-1)
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(idx.tolist()):  # per sampled request: its own noise stream
+            gen = rows[i].generator
+            noise[j] = torch.empty(probs.shape[-1]).exponential_(1.0, generator=gen)
+        tokens[idx] = (probs / noise).argmax(-1)
+    lps = _top_logprobs(raw_logprobs, tokens, rows)
+    return [SampledToken(int(t), lp, top) for t, (lp, top) in zip(tokens.tolist(), lps)]
+
+
+def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """top-k, top-p and min-p, each applied only where set (batched)."""
+    V = logits.shape[-1]
+    top_k = torch.tensor([r.params.top_k or V for r in rows])
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float32)
+    if bool((top_k < V).any()) or bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(-1, descending=True)
+        rank = torch.arange(V)[None]
+        drop = rank >= top_k[:, None]
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs                 # mass strictly above this token
+        drop |= before >= top_p[:, None]
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(-1)
+        limit = probs.max(-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < limit, float("-inf"))
+    return logits

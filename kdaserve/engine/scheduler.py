@@ -1,0 +1,180 @@
+"""Decides how many tokens each request computes in a step. No tensors here.
+
+Running requests go first (decodes, then partial prefills, in admission order), then waiting
+requests are admitted in FCFS (or priority) order while the token budget, `max_num_seqs` and the
+cache allow. A prompt that does not fit the remaining budget is chunked. When the cache cannot
+hold a running request's next tokens, the most recently admitted request is preempted: its cache
+is freed and it is recomputed later from its prompt and the tokens it already produced.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kdaserve.cache.manager import CacheManager
+from kdaserve.config import SchedulerConfig
+from kdaserve.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from kdaserve.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager) -> None:
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_step: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- intake ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if not request.prompt_token_ids:
+            raise ValueError("a request needs at least one prompt token")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; max_model_len is "
+                f"{self.config.max_model_len}"
+            )
+        capacity = self.cache.block_pool.num_blocks * self.cache.block_size
+        if request.num_prompt_tokens > capacity:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; the MLA cache holds {capacity}"
+            )
+        if request.max_model_len is None:
+            request.max_model_len = self.config.max_model_len
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.cache.free(request_id)
+        self._finished_since_step.append(request_id)
+        return req
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunk_cap = self.config.long_prefill_token_threshold or budget
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.cache.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                i += 1
+                continue
+            break  # req itself was preempted: it was the last running one
+        if not preempted:
+            self._admit(scheduled, budget, chunk_cap)
+        seqs = [self._to_sequence(req, n) for req, n in scheduled]
+        finished, self._finished_since_step = self._finished_since_step, []
+        return SchedulerOutput(sequences=seqs, preempted=preempted, finished=finished)
+
+    def _admit(self, scheduled: list[tuple[Request, int]], budget: int, chunk_cap: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self._next_waiting()
+            n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
+            if not self.cache.allocate(req.request_id, req.num_computed_tokens + n):
+                if not self.running and not scheduled:
+                    # Alone and still too big: it can never fit; end it instead of spinning.
+                    self.finish(req.request_id, RequestStatus.FINISHED_LENGTH)
+                    continue
+                break
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+
+    def _next_waiting(self) -> Request:
+        if self.config.policy == "priority":
+            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        return self.waiting[0]
+
+    def _preempt(self, req: Request) -> None:
+        self.cache.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _to_sequence(self, req: Request, n: int) -> ScheduledSequence:
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids[start:start + n]
+        return ScheduledSequence(
+            request_id=req.request_id, token_ids=tokens, context_len=start,
+            block_ids=self.cache.block_ids(req.request_id),
+            state_slot=self.cache.slot(req.request_id),
+            sample=start + n == req.num_tokens,
+        )
+
+    # ---- after the model ran ----------------------------------------------------------------
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish what hit a stop.
+        Returns the requests that got a new token (finished ones included)."""
+        touched = []
+        for seq in out.sequences:
+            req = self.requests.get(seq.request_id)
+            if req is None:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += len(seq.token_ids)
+            if not seq.sample:
+                continue
+            token = result.sampled[seq.request_id]
+            req.output_token_ids.append(token.token_id)
+            if token.top_logprobs is not None:
+                req.output_logprobs.append(token.top_logprobs)
+            touched.append(req)
+            status = self._stop_status(req)
+            if status is not None:
+                self.finish(req.request_id, status)
+        return touched
+
+    def _stop_status(self, req: Request) -> RequestStatus | None:
+        sp = req.sampling_params
+        last = req.output_token_ids[-1]
+        n_out = len(req.output_token_ids)
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and last in req.eos_token_ids:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in sp.stop_token_ids:
+                req.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,84 @@
+"""Records that cross module boundaries: scheduler -> runner -> scheduler -> user."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One request's share of a step: `token_ids` at positions context_len.. are computed."""
+
+    request_id: str
+    token_ids: list[int]
+    context_len: int
+    block_ids: list[int]
+    state_slot: int
+    sample: bool                      # the chunk ends at the last known token: sample one
+    restore_snapshot: int | None = None  # snapshot id to load into the slot first (prefix hit)
+
+
+@dataclass
+class SchedulerOutput:
+    sequences: list[ScheduledSequence]
+    preempted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)   # freed since the last step
+    snapshot_requests: list[tuple[str, int, int]] = field(default_factory=list)
+    # (request_id, absolute position, snapshot id) to save KDA states at, during this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, SampledToken]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class RequestDelta:
+    """What one step added to one (child) request: the unit the server streams."""
+
+    request_id: str                 # the user's request id
+    index: int                      # which of its n completions
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[dict[int, float]] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
