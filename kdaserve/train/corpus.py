@@ -10,6 +10,7 @@ spelling users do not type.
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 import subprocess
@@ -162,11 +163,15 @@ def _strip_gutenberg(text: str) -> str:
 _MISMATCHED_OPEN = re.compile(r"\{([^\[\]{}]*)\]")
 _MISMATCHED_CLOSE = re.compile(r"\[([^\[\]{}]*)\}")
 _SPACE_RUN = re.compile(r"[ \t\f\v\u00a0]+")
+_JUNK_LINE = re.compile(r"@+")  # stray transcription marks in Love's Labour's Lost
 
 
 def _normalise_lines(text: str) -> list[str]:
     text = _MISMATCHED_CLOSE.sub(r"[\1]", _MISMATCHED_OPEN.sub(r"[\1]", text))
-    return [_SPACE_RUN.sub(" ", line).strip() for line in text.split("\n")]
+    lines = (_SPACE_RUN.sub(" ", line).strip() for line in text.split("\n"))
+    kept = [line for line in lines if not _JUNK_LINE.fullmatch(line)]
+    # The title must stay line 0, where no speaker label is looked for.
+    return list(itertools.dropwhile(lambda line: not line, kept))
 
 
 _SETTING_LINE = re.compile(r"^scene\s*[:.,]", re.IGNORECASE)
@@ -298,7 +303,12 @@ class _LabelNamer:
 
     def _candidates(self, stem: str) -> set[str]:
         prefix = stem.lower()
-        if len(prefix) < 2 or not prefix.isalpha() or prefix in self._cast | _CONNECTIVES:
+        if (
+            len(prefix) < 2
+            or not prefix.isalpha()
+            or prefix in self._cast
+            or prefix in _CONNECTIVES
+        ):
             return set()
         plurals = {prefix + suffix for suffix in _PLURAL_SUFFIXES}
         found = {w for w in self._cast if w.startswith(prefix) and w not in plurals}
