@@ -295,7 +295,6 @@ class ModelConfig:
             "v_head_dim": self.v_head_dim,
             "mla_use_nope": self.mla_use_nope,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
             "num_experts": self.num_experts,
             "num_experts_per_token": self.num_experts_per_token,
             "num_shared_experts": self.num_shared_experts,

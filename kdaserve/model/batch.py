@@ -48,12 +48,14 @@ class HybridCache:
 
 @dataclass
 class KDALayout:
-    conv_idx: torch.Tensor          # [T, K] rows of cat(conv_state.view(B*(K-1), C), x)
+    conv_pad_idx: torch.Tensor      # [B, K-1+Lc] rows of cat(window.view(B*(K-1), C), x, 0)
+    conv_unpad_idx: torch.Tensor    # [T] flat rows of the conv output [B*Lc]
     conv_state_idx: torch.Tensor    # [B, K-1] rows of the same, the window after this step
     pad_src: torch.Tensor           # [Bp, L] rows of prefill tokens (Tp = a zero row)
     unpad_idx: torch.Tensor         # [Tp] flat rows of the padded [Bp*L] layout, packed order
     padded_len: int
     chunk_start: torch.Tensor       # [Bp] absolute position of the first padded row
+    pad_is_reshape: bool = False    # equal lengths, no alignment pad: [Tp] -> [Bp, L] is a view
 
 
 @dataclass
@@ -134,10 +136,13 @@ def build_forward_batch(
 
     # ---- KDA: conv windows -----------------------------------------------------------------
     km1 = conv_kernel - 1
-    j = _arange(conv_kernel, device)
-    src = local[:, None] - km1 + j[None]                                  # [T, K]
-    conv_idx = torch.where(src >= 0, B * km1 + cu[seq_of][:, None] + src,
-                           seq_of[:, None] * km1 + km1 + src)
+    lc = int(lens.max())
+    jc = _arange(km1 + lc, device) - km1                                  # [K-1+Lc]
+    conv_pad_idx = torch.where(
+        jc[None] < 0, _arange(B, device)[:, None] * km1 + km1 + jc[None],
+        torch.where(jc[None] < lens[:, None], B * km1 + cu[:-1, None] + jc[None],
+                    torch.full((B, km1 + lc), B * km1 + T, dtype=torch.long, device=device)))
+    conv_unpad_idx = seq_of * lc + local
     offs = lens[:, None] - km1 + _arange(km1, device)[None]               # [B, K-1]
     conv_state_idx = torch.where(offs >= 0, B * km1 + cu[:-1][:, None] + offs,
                                  _arange(B, device)[:, None] * km1 + km1 + offs)
@@ -158,7 +163,9 @@ def build_forward_batch(
     valid = (loc >= 0) & (loc < p_lens[:, None])
     pad_src = torch.where(valid, p_cu[:-1, None] + loc, torch.full_like(loc, Tp))
     unpad_idx = p_seq * padded_len + pre[p_seq] + p_local
-    kda = KDALayout(conv_idx, conv_state_idx, pad_src, unpad_idx, padded_len, p_ctx - pre)
+    pad_is_reshape = bool(Bp and (pre == 0).all() and (p_lens == padded_len).all())
+    kda = KDALayout(conv_pad_idx, conv_unpad_idx, conv_state_idx, pad_src, unpad_idx, padded_len,
+                    p_ctx - pre, pad_is_reshape)
 
     q_len = int(p_lens.max()) if Bp else 0
     qi = _arange(q_len, device)

@@ -70,8 +70,9 @@ class KimiDeltaAttention(nn.Module):
         else:
             window = pre.new_zeros(B, km1, pre.shape[-1])
             s0 = torch.zeros(B, H, D, D, dtype=torch.float32, device=x.device)
-        conv, new_window = causal_conv1d_packed(pre, window, w.squeeze(1), fb.kda.conv_idx,
-                                                fb.kda.conv_state_idx)
+        lay = fb.kda
+        conv, new_window = causal_conv1d_packed(pre, window, w.squeeze(1), lay.conv_pad_idx,
+                                                lay.conv_unpad_idx, lay.conv_state_idx)
         q, k, v = F.silu(conv).float().view(T, 3, H, D).unbind(1)
         q = l2norm(q) * D ** -0.5
         k = l2norm(k)
@@ -85,16 +86,18 @@ class KimiDeltaAttention(nn.Module):
             outs.append(o_d)
             states.append(s_d)
         if B > Td:
-            lay = fb.kda
             Bp, L = lay.pad_src.shape
 
             def pad(t: torch.Tensor) -> torch.Tensor:                          # [Tp,...]->[Bp,L,...]
+                if lay.pad_is_reshape:
+                    return t[Td:].reshape(Bp, L, *t.shape[1:])
                 t = torch.cat([t[Td:], t.new_zeros((1,) + t.shape[1:])], 0)
                 return t[lay.pad_src]
 
             o_p, s_p, kept = ops.chunk(pad(q), pad(k), pad(v), pad(g), pad(beta), s0[Td:],
                                        self.chunk_size, fb.keep_chunk_states)
-            outs.append(o_p.reshape(Bp * L, H, D)[lay.unpad_idx])
+            o_p = o_p.reshape(Bp * L, H, D)
+            outs.append(o_p if lay.pad_is_reshape else o_p[lay.unpad_idx])
             states.append(s_p)
             if kept is not None:
                 fb.chunk_states[self.kda_index] = kept

@@ -1,23 +1,28 @@
 """Causal depthwise conv1d over packed variable-length sequences with carried windows.
 
-Legend: T tokens, B sequences, K kernel, C channels.
+Legend: T tokens, B sequences, K kernel, C channels, Lc longest sequence.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def causal_conv1d_packed(
     x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor,
-    conv_idx: torch.Tensor, window_idx: torch.Tensor,
+    pad_idx: torch.Tensor, unpad_idx: torch.Tensor, window_idx: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T,C] new inputs, window [B,K-1,C] the inputs before them, weight [C,K].
 
-    conv_idx [T,K] / window_idx [B,K-1] index rows of cat(window.view(B*(K-1), C), x) (built once
-    per step by `build_forward_batch`). Returns the conv output [T,C] (no activation) and the
-    window after this step [B,K-1,C].
+    Rows of ext = cat(window.view(B*(K-1), C), x, zero row) are gathered into a padded
+    [B, K-1+Lc, C] layout (pad_idx), convolved without padding, and gathered back (unpad_idx);
+    window_idx [B,K-1] picks the window after this step. The indices come from
+    `build_forward_batch`. Returns the conv output [T,C] (no activation) and the new window.
     """
-    ext = torch.cat([window.reshape(-1, x.shape[-1]).to(x.dtype), x], 0)
-    out = torch.einsum("tkc,ck->tc", ext[conv_idx], weight.to(x.dtype))
+    c = x.shape[-1]
+    ext = torch.cat([window.reshape(-1, c).to(x.dtype), x, x.new_zeros(1, c)], 0)
+    padded = ext[pad_idx].transpose(1, 2)                                # [B, C, K-1+Lc]
+    out = F.conv1d(padded, weight.to(x.dtype).unsqueeze(1), groups=c)   # [B, C, Lc]
+    out = out.transpose(1, 2).reshape(-1, c)[unpad_idx]
     return out, ext[window_idx]

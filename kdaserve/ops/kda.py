@@ -50,14 +50,16 @@ def kda_recurrent(
 
 def kda_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, chunk_size: int, keep_chunk_states: bool = False,
+    state: torch.Tensor, chunk_size: int, keep_chunk_states: bool = False, sub_chunk: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Chunked form over padded sequences. q,k,g [B,L,H,K], v [B,L,H,V], beta [B,L,H],
     state [B,H,K,V] fp32; L must be a multiple of chunk_size.
 
     Inside a chunk the pseudo-values u solve (I + A) u = beta (v - (exp(G) k) S0) with
     A[t,s] = beta_t sum_i k_t,i k_s,i exp(G_t,i - G_s,i) (s < t), G the in-chunk cumulative
-    decay; the decay differences are formed pairwise (never exp(-G)), so no overflow for any g.
+    decay. The decay differences are never formed as exp(-G): within a sub-chunk they are
+    taken pairwise, across sub-chunks they factor through the cumulative decay at a sub-chunk
+    boundary between s and t, where both factors are <= 1. So no overflow for any g.
     Padding rows with k = v = g = beta = 0 leave the state untouched.
 
     Returns o [B,L,H,V], final state [B,H,K,V], and with keep_chunk_states the state at the end
@@ -77,13 +79,11 @@ def kda_chunk(
     q, k, v, g = chunks(q), chunks(k), chunks(v), chunks(g)
     beta = beta.to(dt).reshape(B, N, C, H).permute(0, 3, 1, 2).unsqueeze(-1)  # [B,H,N,C,1]
     gc = g.cumsum(-2)                                                         # [B,H,N,C,K]
+    a, qk = _chunk_scores(q, k, gc, sub_chunk if C % sub_chunk == 0 else C)
     incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     strict = incl.clone().fill_diagonal_(False)
-    decay = (gc.unsqueeze(-2) - gc.unsqueeze(-3)).masked_fill(~incl[:, :, None], float("-inf")).exp()
-    # decay[..., t, s, i] = exp(G_t,i - G_s,i) for s <= t, else 0              [B,H,N,C,C,K]
-    a = torch.einsum("bhntk,bhnsk,bhntsk->bhnts", k, k, decay) * beta
-    a = a.masked_fill(~strict, 0.0)
-    qk = torch.einsum("bhntk,bhnsk,bhntsk->bhnts", q, k, decay)               # [B,H,N,C,C]
+    a = (a * beta).masked_fill(~strict, 0.0)
+    qk = qk.masked_fill(~incl, 0.0)
     eye = torch.eye(C, dtype=dt, device=q.device)
     lower = a + eye
     u0 = torch.linalg.solve_triangular(lower, beta * v, upper=False, unitriangular=True)
@@ -104,3 +104,36 @@ def kda_chunk(
     o = torch.stack(outs, 2) if outs else v.new_zeros(B, H, 0, C, V)          # [B,H,N,C,V]
     o = o.permute(0, 2, 3, 1, 4).reshape(B, L, H, V)
     return o, s, (torch.stack(kept, 1) if keep_chunk_states and kept else None)
+
+
+def _chunk_scores(q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor, c: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum_i x_t,i k_s,i exp(G_t,i - G_s,i) for x = k and x = q, for s <= t (else 0).
+
+    q, k, gc [B,H,N,C,K] -> two [B,H,N,C,C]. Sub-chunks of c positions: pairwise decay
+    inside (a [c,c,K] tensor each), a matmul through the boundary decay across.
+    """
+    B, H, N, C, K = k.shape
+    m = C // c
+    gs = gc.view(B, H, N, m, c, K)
+    ks, qs = k.view(B, H, N, m, c, K), q.view(B, H, N, m, c, K)
+    incl = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
+    dec = (gs.unsqueeze(-2) - gs.unsqueeze(-3)).masked_fill(~incl[:, :, None], float("-inf")).exp()
+    a_in = (ks.unsqueeze(-2) * dec * ks.unsqueeze(-3)).sum(-1)                # [B,H,N,m,c,c]
+    qk_in = (qs.unsqueeze(-2) * dec * ks.unsqueeze(-3)).sum(-1)
+    if m == 1:
+        return a_in.view(B, H, N, C, C), qk_in.view(B, H, N, C, C)
+    # boundary decay before sub-chunk i: G at the end of sub-chunk i-1 (0 before the chunk)
+    gb = torch.cat([torch.zeros_like(gs[:, :, :, :1, -1]), gs[:, :, :, :-1, -1]], 3)  # [..,m,K]
+    to_b = (gs - gb.unsqueeze(-2)).exp()                                      # [..,m,c,K] <= 1
+    pos = torch.arange(C, device=k.device)
+    before = pos[None, :] < (torch.arange(m, device=k.device) * c)[:, None]   # [m, C]
+    from_b = (gb.unsqueeze(-2) - gc.unsqueeze(3))                             # [..,m,C,K]
+    from_b = from_b.masked_fill(~before[:, :, None], float("-inf")).exp()
+    k_src = k.unsqueeze(3) * from_b                                           # [..,m,C,K]
+    a_x = (ks * to_b) @ k_src.transpose(-1, -2)                               # [..,m,c,C]
+    qk_x = (qs * to_b) @ k_src.transpose(-1, -2)
+    eye = torch.eye(m, dtype=k.dtype, device=k.device)[:, None, :, None]      # [m,1,m,1]
+    a = a_x.view(B, H, N, m, c, m, c) + a_in.unsqueeze(-2) * eye
+    qk = qk_x.view(B, H, N, m, c, m, c) + qk_in.unsqueeze(-2) * eye
+    return a.reshape(B, H, N, C, C), qk.reshape(B, H, N, C, C)

@@ -95,3 +95,13 @@ def test_zero_padding_rows_are_identity():
                                 F.pad(beta, (0, 0, 0, 8)), s0, 16)
     assert (o[:, 3:11] - o_ref[:, :8]).abs().max() < 1e-5
     assert (s - s_ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("chunk,sub", [(16, 1), (16, 2), (16, 16), (64, 8), (32, 4)])
+def test_sub_chunk_factorisation_is_exact(chunk, sub):
+    fla = _fla_naive()
+    q, k, v, g, beta, s0 = _inputs(1, 64, 2, 8, 8, seed=5, strong_decay=True)
+    ref_o, ref_s = fla.naive_recurrent_kda(q, k, v, g, beta, scale=1.0, initial_state=s0,
+                                           output_final_state=True)
+    o, s, _ = kda_chunk(q, k, v, g, beta, s0, chunk, sub_chunk=sub)
+    assert (o - ref_o).abs().max() < 2e-5 and (s - ref_s).abs().max() < 2e-5

