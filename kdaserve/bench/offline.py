@@ -1,0 +1,92 @@
+"""`kdaserve bench offline`: offline throughput, kdaserve vs transformers generate() on the same
+weights, measured side by side in one run (ratios, not absolute numbers, are the claim)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from kdaserve.assets import default_model_path
+from kdaserve.engine.llm import LLM
+from kdaserve.request import SamplingParams
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (n, length), generator=g).tolist()
+
+
+def run_kdaserve(llm: LLM, prompts: list[list[int]], out_len: int) -> dict:
+    sp = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2),
+                 use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": elapsed, "output_tokens": n_out, "output_tok_s": n_out / elapsed,
+            "tokens": [o.outputs[0].token_ids for o in outs]}
+
+
+def run_hf(model_dir: str, prompts: list[list[int]], out_len: int, batch: int) -> dict:
+    from transformers import KimiLinearForCausalLM
+
+    hf = KimiLinearForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        hf.generate(ids[:1, :8], max_new_tokens=2, do_sample=False)  # warm-up
+        start = time.perf_counter()
+        tokens = []
+        for i in range(0, len(prompts), batch):
+            out = hf.generate(ids[i:i + batch], attention_mask=torch.ones_like(ids[i:i + batch]),
+                              max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+            tokens.extend(out[:, ids.shape[1]:].tolist())
+        elapsed = time.perf_counter() - start
+    n_out = sum(len(t) for t in tokens)
+    return {"seconds": elapsed, "output_tokens": n_out, "output_tok_s": n_out / elapsed,
+            "tokens": tokens}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (default: bundled demo)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--single-output-len", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object only")
+
+
+def run(args: argparse.Namespace) -> int:
+    model = str(args.model or default_model_path())
+    llm = LLM(model, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=max(2048, args.input_len * 4))
+    vocab = llm.engine.model.config.vocab_size
+    prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    batch = run_kdaserve(llm, prompts, args.output_len)
+    single = run_kdaserve(llm, prompts[:1], args.single_output_len)
+    result = {
+        "model": model, "num_prompts": args.num_prompts, "input_len": args.input_len,
+        "output_len": args.output_len, "threads": torch.get_num_threads(),
+        "batch_tok_s": round(batch["output_tok_s"], 1),
+        "single_tok_s": round(single["output_tok_s"], 1),
+    }
+    if not args.no_hf:
+        hf_batch = run_hf(model, prompts, args.output_len, args.max_num_seqs)
+        hf_single = run_hf(model, prompts[:1], args.single_output_len, 1)
+        result.update({
+            "hf_batch_tok_s": round(hf_batch["output_tok_s"], 1),
+            "hf_single_tok_s": round(hf_single["output_tok_s"], 1),
+            "batch_ratio_vs_hf": round(batch["output_tok_s"] / hf_batch["output_tok_s"], 2),
+            "single_ratio_vs_hf": round(single["output_tok_s"] / hf_single["output_tok_s"], 2),
+            "batch_identical_to_hf": batch["tokens"] == hf_batch["tokens"],
+            "single_identical_to_hf": single["tokens"] == hf_single["tokens"],
+        })
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0

@@ -1,0 +1,95 @@
+"""`kdaserve serve | generate | bench | train` (plus `extract-hidden`, `train-draft` as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="prompt text")
+    p.add_argument("--model", default=None, help="model directory (default: bundled demo model)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: the model's generation_config.json, else 1.0")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--greedy", action="store_true", help="temperature 0")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from kdaserve.engine.llm import LLM
+    from kdaserve.generation_defaults import sampling_params_with_defaults
+
+    llm = LLM(args.model)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    fields = {"max_tokens": args.max_tokens, "top_k": args.top_k, "seed": args.seed,
+              "temperature": 0.0 if args.greedy else args.temperature,
+              "top_p": args.top_p, "repetition_penalty": args.repetition_penalty}
+    params = sampling_params_with_defaults(llm.config.model, fields)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    sys.stdout.write(prompt + out.text + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kdaserve", description="Serve hybrid KDA + MLA MoE models.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    from kdaserve.server.cli import add_serve_arguments
+
+    add_serve_arguments(sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (default: bundled demo on 127.0.0.1:8000)"))
+    _generate_args(sub.add_parser("generate", help="one-shot generation from a prompt"))
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON output)")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    from kdaserve.bench import offline
+
+    offline.add_arguments(bsub.add_parser("offline", help="offline throughput vs transformers"))
+    try:
+        from kdaserve.bench.serve import add_bench_serve_arguments
+    except ImportError:  # pragma: no cover - lands with the server
+        pass
+    else:
+        add_bench_serve_arguments(bsub.add_parser("serve", help="load generator for a server"))
+
+    from kdaserve.train.demo import add_arguments as add_train_arguments
+
+    add_train_arguments(sub.add_parser("train", help="train the demo model from its corpus"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from kdaserve.server.cli import run_serve
+
+        return run_serve(args)
+    if args.command == "generate":
+        return _run_generate(args)
+    if args.command == "bench":
+        if args.bench == "offline":
+            from kdaserve.bench.offline import run
+
+            return run(args)
+        if args.bench == "serve":
+            from kdaserve.bench.serve import run_bench_serve
+
+            return run_bench_serve(args)
+    if args.command == "train":
+        from kdaserve.train.demo import run
+
+        return run(args)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdaserve import LLM
+from kdaserve.engine.sampler import SamplingRow, sample
+from kdaserve.request import SamplingParams, SamplingParamsError
+
+
+def row(rid="r", gen=None, prompt=(1,), out=(), **kw):
+    return SamplingRow(rid, SamplingParams(**kw), list(prompt), list(out), gen)
+
+
+def test_greedy_and_logprobs():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]])
+    toks = sample(logits, [row(temperature=0.0, logprobs=2), row(temperature=0.0)])
+    assert [t.token_id for t in toks] == [1, 0]
+    lp = logits.log_softmax(-1)
+    assert toks[0].logprob == pytest.approx(lp[0, 1].item())
+    assert list(toks[0].top_logprobs) == [1, 2]
+    assert toks[1].top_logprobs is None
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(200, 1)
+    for kw, allowed in (({"top_k": 2}, {0, 1}), ({"top_p": 0.7}, {0, 1}),
+                        ({"min_p": 0.3}, {0, 1})):
+        g = torch.Generator().manual_seed(0)
+        toks = sample(logits, [row(gen=g, temperature=1.0, **kw) for _ in range(200)])
+        assert {t.token_id for t in toks} == allowed, kw
+
+
+def test_seeded_rows_ignore_batch_mates():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    alone = sample(logits[2:3], [row(gen=torch.Generator().manual_seed(9), temperature=1.0)])
+    mixed = sample(logits, [row(gen=torch.Generator().manual_seed(s), temperature=1.0)
+                            for s in (1, 2, 9, 3)])
+    assert mixed[2].token_id == alone[0].token_id
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    assert sample(logits, [row(temperature=0.0, out=[0], presence_penalty=0.5)])[0].token_id == 1
+    assert sample(logits, [row(temperature=0.0, out=[0, 0], frequency_penalty=0.1)])[0].token_id == 1
+    assert sample(logits, [row(temperature=0.0, prompt=[0], repetition_penalty=1.2)])[0].token_id == 1
+
+
+@pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0}, {"max_tokens": 0},
+                                {"top_k": -5}, {"n": 0}, {"logprobs": 50}])
+def test_invalid_params_are_named(kw):
+    with pytest.raises(SamplingParamsError, match=next(iter(kw))):
+        SamplingParams(**kw)
+
+
+def test_seeded_generation_reproducible_across_batches(hf_checkpoint):
+    path, _ = hf_checkpoint
+    llm = LLM(str(path))
+    target = {"prompt_token_ids": [5, 6, 7, 8]}
+    sp = SamplingParams(temperature=1.0, seed=123, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([target], sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (9, 2, 30)]
+    mixed = llm.generate(others[:2] + [target] + others[2:],
+                         [SamplingParams(temperature=1.0, max_tokens=12)] * 2 + [sp]
+                         + [SamplingParams(temperature=0.7, max_tokens=5)], use_tqdm=False)
+    assert mixed[2].outputs[0].token_ids == alone
+    assert llm.engine.cache.all_free()
