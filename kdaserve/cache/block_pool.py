@@ -64,6 +64,11 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
+    def demote(self, block: Block) -> None:
+        """Move a free block to the front of the queue (first to be reused), keeping its hash."""
+        if block.ref_cnt == 0 and block.block_id in self._free:
+            self._free.move_to_end(block.block_id, last=False)
+
     def touch(self, blocks: list[Block]) -> None:
         """Take a reference on cached blocks (prefix hit), pulling free ones out of the queue."""
         for block in blocks:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kdaserve.cache.block_pool import Block, BlockPool
+from kdaserve.cache.prefix_cache import (PrefixHit, Snapshot, SnapshotPool, block_hashes,
+                                         placement)
 from kdaserve.cache.state_pool import StatePool
 
 
@@ -17,21 +19,39 @@ class CacheStats:
     hits: int = 0
     query_tokens: int = 0
     hit_tokens: int = 0
+    snapshots_taken: int = 0
 
 
 @dataclass
 class _Holding:
     blocks: list[Block] = field(default_factory=list)
     slot: int | None = None
+    hashes: list[bytes] = field(default_factory=list)   # chained hashes of its full blocks
+    num_cached_blocks: int = 0                          # blocks registered in the pool's map
+    branch: int | None = None                           # snapshot position (policy 3)
+    decode_snapshot: Snapshot | None = None             # its policy-4 snapshot
 
 
 class CacheManager:
-    def __init__(self, num_blocks: int, block_size: int, num_slots: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int, *,
+                 enable_prefix_caching: bool = False, num_snapshots: int = 0,
+                 snapshot_bytes: int = 0, mla_bytes_per_token: int = 0,
+                 snapshot_interval: int = 512) -> None:
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks)
         self.state_pool = StatePool(num_slots)
+        self.prefix_caching = enable_prefix_caching
+        self.snapshots = SnapshotPool(num_snapshots if enable_prefix_caching else 0,
+                                      snapshot_bytes, mla_bytes_per_token)
+        self.snapshot_interval = snapshot_interval
         self._held: dict[str, _Holding] = {}
         self.stats = CacheStats()
+        self.step = 0
+        self._protect: set[int] = set()
+
+    def begin_step(self) -> None:
+        self.step += 1
+        self._protect = set()
 
     # ---- queries --------------------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
@@ -67,27 +87,133 @@ class CacheManager:
                 and self.state_pool.num_free == self.state_pool.num_slots)
 
     # ---- changes --------------------------------------------------------------------------
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
-        """Make the request hold room for `num_tokens` tokens in total and a state slot.
-        All or nothing: on False nothing changed."""
+    def allocate(self, request_id: str, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Make the request hold room for `num_tokens` tokens in total and a state slot, reusing
+        the blocks of `hit` (a fresh request's prefix hit). All or nothing: on False nothing
+        changed."""
         held = self._held.get(request_id)
         need_slot = held is None or held.slot is None
-        need_blocks = self.blocks_needed(request_id, num_tokens)
-        if need_blocks > self.block_pool.num_free or (need_slot and not self.state_pool.num_free):
+        hit_blocks = [self.block_pool.lookup(h) for h in hit.block_hashes] if hit else []
+        if any(b is None for b in hit_blocks):
+            return False
+        have = len(held.blocks) if held is not None else len(hit_blocks)
+        need_blocks = max(0, -(-num_tokens // self.block_size) - have)
+        free_after_touch = self.block_pool.num_free - sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        if need_blocks > free_after_touch or (need_slot and not self.state_pool.num_free):
             return False
         if held is None:
             held = self._held[request_id] = _Holding()
+            if hit is not None:
+                self.stats.queries += 1
+                self.stats.query_tokens += hit.num_query_tokens
+                self.stats.hits += bool(hit.num_tokens)
+                self.stats.hit_tokens += hit.num_tokens
+            if hit_blocks:
+                self.block_pool.touch(hit_blocks)
+                held.blocks.extend(hit_blocks)
+                held.num_cached_blocks = len(hit_blocks)
+                held.hashes = list(hit.block_hashes)
+                if hit.snapshot is not None:
+                    hit.snapshot.hits += 1
+                    hit.snapshot.last_use = self.step
+                    self._protect.add(hit.snapshot.snapshot_id)
+            if hit is not None and hit.cached_mla_tokens > hit.num_tokens:
+                held.branch = hit.cached_mla_tokens
         if need_slot:
             held.slot = self.state_pool.allocate()
         if need_blocks:
             held.blocks.extend(self.block_pool.allocate(need_blocks))
         return True
 
+    # ---- prefix caching -------------------------------------------------------------------
+    def find_hit(self, request_id: str, tokens: list[int], extra_keys: tuple = (),
+                 cache_salt: str | None = None) -> PrefixHit | None:
+        """Longest prefix that is MLA-cached and ends at a ready snapshot (at least one token is
+        left to compute, for the logits)."""
+        if not self.prefix_caching:
+            return None
+        hashes = block_hashes(tokens, self.block_size, extra_keys, cache_salt)
+        best = cached = 0
+        snap = None
+        for i in range((len(tokens) - 1) // self.block_size):
+            if self.block_pool.lookup(hashes[i]) is None:
+                break
+            cached = i + 1
+            s = self.snapshots.lookup(hashes[i], self.step)
+            if s is not None:
+                best, snap = i + 1, s
+        return PrefixHit(best * self.block_size, hashes[:best], snap, cached * self.block_size,
+                         len(tokens))
+
+    def plan_snapshots(self, request_id: str, tokens: list[int], num_prompt: int, start: int,
+                       end: int, extra_keys: tuple = (), cache_salt: str | None = None,
+                       ) -> list[tuple[int, int]]:
+        """(position, snapshot id) pairs to take while computing tokens [start, end)."""
+        if not self.prefix_caching or not self.snapshots.capacity:
+            return []
+        held = self._held[request_id]
+        bs = self.block_size
+        positions = placement((start, end), num_prompt, bs, self.snapshot_interval, held.branch)
+        decode_p = end // bs * bs
+        decode = start >= num_prompt and start < decode_p <= end
+        if decode:
+            positions.append(decode_p)
+        if not positions:
+            return []
+        held.hashes = block_hashes(tokens[:end], bs, extra_keys, cache_salt, held.hashes)
+        out = []
+        for p in positions:
+            chain = held.hashes[: p // bs]
+            snap, orphans = self.snapshots.reserve(chain[-1], p, chain, self.step, self._protect)
+            self._demote(orphans)
+            if snap is None:
+                continue
+            self._protect.add(snap.snapshot_id)
+            self.stats.snapshots_taken += 1
+            if decode and p == decode_p:
+                self._replace_decode_snapshot(held, snap)
+            out.append((p, snap.snapshot_id))
+        return out
+
+    def commit(self, request_id: str, tokens: list[int], num_computed: int,
+               extra_keys: tuple = (), cache_salt: str | None = None) -> None:
+        """After a step: blocks now fully written become findable by their hash."""
+        if not self.prefix_caching or request_id not in self._held:
+            return
+        held = self._held[request_id]
+        full = num_computed // self.block_size
+        if full <= held.num_cached_blocks:
+            return
+        held.hashes = block_hashes(tokens[: full * self.block_size], self.block_size,
+                                   extra_keys, cache_salt, held.hashes)
+        for i in range(held.num_cached_blocks, full):
+            self.block_pool.cache_block(held.blocks[i], held.hashes[i])
+        held.num_cached_blocks = full
+
+    def _replace_decode_snapshot(self, held: _Holding, snap: Snapshot) -> None:
+        """Policy 4 keeps one decode-time snapshot per request: the latest."""
+        old = held.decode_snapshot
+        live = old is not None and self.snapshots.by_hash.get(old.prefix_hash) is old
+        if live and old.snapshot_id not in self._protect and old.hits == 0:
+            self._demote(self.snapshots.drop(old))
+        held.decode_snapshot = snap
+
+    def _demote(self, orphan_hashes: list[bytes]) -> None:
+        for h in orphan_hashes:
+            block = self.block_pool.lookup(h)
+            if block is not None:
+                self.block_pool.demote(block)
+
     def free(self, request_id: str) -> None:
         held = self._held.pop(request_id, None)
         if held is None:
             return
-        # The tail goes first into the free queue: it is the least likely to be shared.
-        self.block_pool.free(list(reversed(held.blocks)))
+        # Tail first into the LRU queue (least likely shared); blocks that lead to no snapshot
+        # can never produce a hit, so they go to the front, to be reused first.
+        tail_first = list(reversed(held.blocks))
+        self.block_pool.free(tail_first)
+        for b in tail_first:
+            if b.block_hash is None or not self.snapshots.leads_to_snapshot(b.block_hash):
+                self.block_pool.demote(b)
         if held.slot is not None:
             self.state_pool.free(held.slot)

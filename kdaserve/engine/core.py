@@ -54,6 +54,8 @@ class EngineCore:
         self.config = config
         device = torch.device(config.device)
         chunk = config.kda_chunk_size or default_chunk_size(device)
+        # Snapshots sit on block boundaries, which must be KDA chunk boundaries (powers of 2).
+        chunk = min(chunk, config.cache.block_size)
         if model is None:
             model = load_model(config.model, dtype=config.dtype, device=str(device),
                                chunk_size=chunk, progress=progress)
@@ -66,16 +68,26 @@ class EngineCore:
         cfg = model.config
         latent, state = specs_for(cfg, config.cache.block_size, config.dtype)
         sched = config.scheduler
+        cc = config.cache
+        snapshot_bytes = 0
+        if cc.enable_prefix_caching:
+            snapshot_bytes = cc.state_snapshot_budget_bytes
+            if snapshot_bytes is None:
+                snapshot_bytes = cc.cache_memory_bytes // 4
         self.plan: CachePlan = plan_cache(
-            latent, state, config.cache.cache_memory_bytes, sched.max_num_seqs,
-            num_blocks=config.cache.num_blocks, num_state_slots=config.cache.num_state_slots,
+            latent, state, cc.cache_memory_bytes, sched.max_num_seqs,
+            num_blocks=cc.num_blocks, num_state_slots=cc.num_state_slots,
+            snapshot_bytes=snapshot_bytes,
         )
         max_len = min(sched.max_model_len, cfg.max_position_embeddings)
         if max_len != sched.max_model_len:
             sched = SchedulerConfig(**{**sched.__dict__, "max_model_len": max_len})
         self.max_model_len = sched.max_model_len
-        self.cache = CacheManager(self.plan.num_blocks, self.plan.block_size,
-                                  self.plan.num_state_slots)
+        self.cache = CacheManager(
+            self.plan.num_blocks, self.plan.block_size, self.plan.num_state_slots,
+            enable_prefix_caching=cc.enable_prefix_caching, num_snapshots=self.plan.num_snapshots,
+            snapshot_bytes=state.bytes_per_slot, mla_bytes_per_token=latent.bytes_per_token,
+            snapshot_interval=cc.state_snapshot_interval)
         self.scheduler = Scheduler(sched, self.cache)
         self.runner = ModelRunner(model, self.plan, device, seed=config.seed)
         self.eos_ids = frozenset(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_id)
@@ -87,7 +99,8 @@ class EngineCore:
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    extra_keys: tuple = ()) -> None:
         if request_id in self._children:
             raise ValueError(f"duplicate request id {request_id!r}")
         if params.stop and self.tokenizer is None:
@@ -103,7 +116,8 @@ class EngineCore:
                 child_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(cid, list(prompt_token_ids), child_params, eos_token_ids=self.eos_ids,
-                          priority=priority, arrival_time=arrival_time or time.monotonic())
+                          priority=priority, arrival_time=arrival_time or time.monotonic(),
+                          cache_salt=cache_salt, extra_keys=tuple(extra_keys))
             self.scheduler.add_request(req)  # validates; the first failure raises before any
             children.append(cid)
             detok = None

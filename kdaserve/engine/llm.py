@@ -23,12 +23,17 @@ class LLM:
                  max_model_len: int = 4096, cache_memory: int = 256 << 20,
                  block_size: int = 16, num_blocks: int | None = None,
                  kda_chunk_size: int | None = None, seed: int = 0,
-                 long_prefill_token_threshold: int | None = None) -> None:
+                 long_prefill_token_threshold: int | None = None,
+                 enable_prefix_caching: bool = True,
+                 state_snapshot_budget: int | None = None,
+                 state_snapshot_interval: int = 512) -> None:
         path = str(model) if model is not None else str(default_model_path())
         self.config = EngineConfig(
             model=path, dtype=dtype, device=device, kda_chunk_size=kda_chunk_size, seed=seed,
             cache=CacheConfig(block_size=block_size, cache_memory_bytes=cache_memory,
-                              num_blocks=num_blocks),
+                              num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
+                              state_snapshot_budget_bytes=state_snapshot_budget,
+                              state_snapshot_interval=state_snapshot_interval),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,

@@ -21,7 +21,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.cfg = model.config
         self.cache = HybridCache.allocate(self.cfg, plan.num_blocks, plan.block_size,
-                                          plan.num_state_slots, model.dtype, self.device)
+                                          plan.num_state_slots, model.dtype, self.device,
+                                          num_snapshots=plan.num_snapshots)
         self.seed = seed
         self._generators: dict[str, torch.Generator] = {}
         self._unseeded = torch.Generator().manual_seed(seed)
@@ -50,6 +51,13 @@ class ModelRunner:
         if out.is_empty:
             return ModelRunnerOutput(sampled={})
         seqs = self.order(out.sequences)
+        restores = [(s.state_slot, s.restore_snapshot) for s in seqs
+                    if s.restore_snapshot is not None]
+        if restores:
+            self.cache.restore(torch.tensor([r[0] for r in restores], device=self.device),
+                               torch.tensor([r[1] for r in restores], device=self.device))
+        row = {s.request_id: i for i, s in enumerate(seqs)}
+        snaps = [(row[rid], pos, sid) for rid, pos, sid in out.snapshot_requests]
         num_decode = sum(1 for s in seqs if len(s.token_ids) == 1 and s.context_len > 0)
         lens = [len(s.token_ids) for s in seqs]
         ends, pos = [], 0
@@ -61,7 +69,8 @@ class ModelRunner:
             lens, [s.context_len for s in seqs], num_decode=num_decode,
             conv_kernel=self.cfg.conv_kernel_size, chunk_size=self.model.chunk_size,
             cache=self.cache, block_tables=[s.block_ids for s in seqs],
-            state_slots=[s.state_slot for s in seqs], logits_indices=ends, device=self.device,
+            state_slots=[s.state_slot for s in seqs], logits_indices=ends,
+            snapshots=snaps or None, device=self.device,
         )
         ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long,
                            device=self.device)

@@ -25,6 +25,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
+        self._restore: dict[str, int] = {}
         self.num_preemptions = 0
 
     # ---- intake ---------------------------------------------------------------------------
@@ -74,6 +75,7 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.cache.begin_step()
         budget = self.config.max_num_batched_tokens
         chunk_cap = self.config.long_prefill_token_threshold or budget
         scheduled: list[tuple[Request, int]] = []
@@ -99,15 +101,23 @@ class Scheduler:
             break  # req itself was preempted: it was the last running one
         if not preempted:
             self._admit(scheduled, budget, chunk_cap)
-        seqs = [self._to_sequence(req, n) for req, n in scheduled]
+        snaps: list[tuple[str, int, int]] = []
+        seqs = [self._to_sequence(req, n, snaps) for req, n in scheduled]
+        self._restore.clear()
         finished, self._finished_since_step = self._finished_since_step, []
-        return SchedulerOutput(sequences=seqs, preempted=preempted, finished=finished)
+        return SchedulerOutput(sequences=seqs, preempted=preempted, finished=finished,
+                               snapshot_requests=snaps)
 
     def _admit(self, scheduled: list[tuple[Request, int]], budget: int, chunk_cap: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting()
-            n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
-            if not self.cache.allocate(req.request_id, req.num_computed_tokens + n):
+            hit = None
+            if req.num_computed_tokens == 0:
+                hit = self.cache.find_hit(req.request_id, req.all_token_ids, req.extra_keys,
+                                          req.cache_salt)
+            computed = hit.num_tokens if hit is not None else req.num_computed_tokens
+            n = min(req.num_tokens - computed, budget, chunk_cap)
+            if not self.cache.allocate(req.request_id, computed + n, hit):
                 if not self.running and not scheduled:
                     # Alone and still too big: it can never fit; end it instead of spinning.
                     self.finish(req.request_id, RequestStatus.FINISHED_LENGTH)
@@ -115,6 +125,10 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
+            if hit is not None:
+                req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
+                if hit.snapshot is not None:
+                    self._restore[req.request_id] = hit.snapshot.snapshot_id
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
@@ -132,14 +146,21 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _to_sequence(self, req: Request, n: int) -> ScheduledSequence:
+    def _to_sequence(self, req: Request, n: int,
+                     snaps: list[tuple[str, int, int]]) -> ScheduledSequence:
         start = req.num_computed_tokens
-        tokens = req.all_token_ids[start:start + n]
+        all_ids = req.all_token_ids
+        tokens = all_ids[start:start + n]
+        for pos, sid in self.cache.plan_snapshots(req.request_id, all_ids, req.num_prompt_tokens,
+                                                  start, start + n, req.extra_keys,
+                                                  req.cache_salt):
+            snaps.append((req.request_id, pos, sid))
         return ScheduledSequence(
             request_id=req.request_id, token_ids=tokens, context_len=start,
             block_ids=self.cache.block_ids(req.request_id),
             state_slot=self.cache.slot(req.request_id),
             sample=start + n == req.num_tokens,
+            restore_snapshot=self._restore.get(req.request_id),
         )
 
     # ---- after the model ran ----------------------------------------------------------------
@@ -152,6 +173,8 @@ class Scheduler:
             if req is None:  # aborted while the step ran
                 continue
             req.num_computed_tokens += len(seq.token_ids)
+            self.cache.commit(req.request_id, req.all_token_ids, req.num_computed_tokens,
+                              req.extra_keys, req.cache_salt)
             if not seq.sample:
                 continue
             token = result.sampled[seq.request_id]

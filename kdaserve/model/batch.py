@@ -28,13 +28,16 @@ class HybridCache:
     kda_states: list[torch.Tensor]
     kda_conv: list[torch.Tensor]
     block_size: int
+    snap_states: list[torch.Tensor] = field(default_factory=list)  # [num_snapshots, H, K, V]
+    snap_conv: list[torch.Tensor] = field(default_factory=list)    # [num_snapshots, K-1, 3HK]
 
     @classmethod
     def allocate(cls, cfg, num_blocks: int, block_size: int, num_slots: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 ) -> HybridCache:
+                 num_snapshots: int = 0) -> HybridCache:
         """Zeroed cache tensors for a ModelConfig `cfg`."""
         h, d = cfg.kda_num_heads, cfg.kda_head_dim
+        km1 = cfg.conv_kernel_size - 1
         return cls(
             mla_pages=[torch.zeros(num_blocks, block_size, cfg.mla_latent_dim, dtype=dtype,
                                    device=device) for _ in cfg.mla_layers],
@@ -43,7 +46,18 @@ class HybridCache:
             kda_conv=[torch.zeros(num_slots, cfg.conv_kernel_size - 1, cfg.kda_conv_dim,
                                   dtype=dtype, device=device) for _ in cfg.kda_layers],
             block_size=block_size,
+            snap_states=[torch.zeros(num_snapshots, h, d, d, dtype=torch.float32, device=device)
+                         for _ in cfg.kda_layers] if num_snapshots else [],
+            snap_conv=[torch.zeros(num_snapshots, km1, cfg.kda_conv_dim, dtype=dtype,
+                                   device=device) for _ in cfg.kda_layers] if num_snapshots else [],
         )
+
+    def restore(self, slots: torch.Tensor, snapshot_ids: torch.Tensor) -> None:
+        """Load snapshots into live state slots (prefix-cache hits), every KDA layer."""
+        for st, cv, sst, scv in zip(self.kda_states, self.kda_conv, self.snap_states,
+                                    self.snap_conv):
+            st.index_copy_(0, slots, sst.index_select(0, snapshot_ids))
+            cv.index_copy_(0, slots, scv.index_select(0, snapshot_ids))
 
 
 @dataclass
@@ -56,6 +70,17 @@ class KDALayout:
     padded_len: int
     chunk_start: torch.Tensor       # [Bp] absolute position of the first padded row
     pad_is_reshape: bool = False    # equal lengths, no alignment pad: [Tp] -> [Bp, L] is a view
+
+
+@dataclass
+class SnapshotPlan:
+    """KDA states to save at block boundaries during this forward (prefix-cache snapshots)."""
+
+    dest: torch.Tensor          # [S] snapshot ids
+    seq: torch.Tensor           # [S] batch index of the sequence
+    final: torch.Tensor         # [S] bool: the boundary is the end of this step's chunk
+    chunk: torch.Tensor         # [S] index into the prefill row's chunk states (when not final)
+    window_idx: torch.Tensor    # [S, K-1] conv-window rows (same row space as conv_pad_idx)
 
 
 @dataclass
@@ -83,6 +108,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None     # [S] rows whose logits are wanted
     keep_chunk_states: bool = False          # return KDA states at chunk ends (snapshots)
     chunk_states: dict[int, torch.Tensor] = field(default_factory=dict)  # filled by KDA layers
+    snapshots: SnapshotPlan | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -113,6 +139,7 @@ def build_forward_batch(
     state_slots: list[int] | None = None,
     logits_indices: list[int] | torch.Tensor | None = None,
     keep_chunk_states: bool = False,
+    snapshots: list[tuple[int, int, int]] | None = None,
     device: torch.device | str = "cpu",
 ) -> ForwardBatch:
     """Build every index of a step. Without a cache all context lengths must be 0."""
@@ -217,6 +244,10 @@ def build_forward_batch(
     li = None
     if logits_indices is not None:
         li = torch.as_tensor(logits_indices, dtype=torch.long, device=device)
+    plan = None
+    if snapshots:
+        plan = _snapshot_plan(snapshots, lens, ctx, cu, pre, chunk_size, km1, num_decode, B, device)
+        keep_chunk_states = keep_chunk_states or not bool(plan.final.all())
     slots = has_init = None
     if state_slots is not None:
         slots = torch.tensor(state_slots, dtype=torch.long, device=device)
@@ -225,4 +256,31 @@ def build_forward_batch(
         seq_lens=list(seq_lens), context_lens=ctx_list, num_decode=num_decode,
         positions=positions, kda=kda, mla=mla, cache=cache, state_slots=slots,
         has_initial_state=has_init, logits_indices=li, keep_chunk_states=keep_chunk_states,
+        snapshots=plan,
     )
+
+
+def _snapshot_plan(snapshots: list[tuple[int, int, int]], lens: torch.Tensor, ctx: torch.Tensor,
+                   cu: torch.Tensor, pre: torch.Tensor, chunk_size: int, km1: int,
+                   num_decode: int, B: int, device: torch.device) -> SnapshotPlan:
+    seq = torch.tensor([b for b, _, _ in snapshots], dtype=torch.long, device=device)
+    pos = torch.tensor([p for _, p, _ in snapshots], dtype=torch.long, device=device)
+    dest = torch.tensor([d for _, _, d in snapshots], dtype=torch.long, device=device)
+    upto = pos - ctx[seq]                                  # tokens of this step before p
+    if bool(((upto <= 0) | (upto > lens[seq])).any()):
+        raise ValueError("snapshot positions must fall inside the sequence's tokens of the step")
+    final = upto == lens[seq]
+    interior = ~final
+    if bool((interior & (seq < num_decode)).any()):
+        raise ValueError("decode rows can only snapshot their final state")
+    chunk = torch.zeros_like(seq)
+    if bool(interior.any()):
+        p_seq = (seq - num_decode).clamp(min=0)
+        into = upto + pre[p_seq]                           # padded rows up to p
+        if bool((interior & (into % chunk_size != 0)).any()):
+            raise ValueError("interior snapshots must sit on KDA chunk boundaries")
+        chunk = torch.where(interior, into // chunk_size - 1, chunk)
+    offs = upto[:, None] - km1 + torch.arange(km1, device=device)[None]
+    window_idx = torch.where(offs >= 0, B * km1 + cu[seq][:, None] + offs,
+                             seq[:, None] * km1 + km1 + offs)
+    return SnapshotPlan(dest, seq, final, chunk, window_idx)

@@ -71,8 +71,10 @@ class KimiDeltaAttention(nn.Module):
             window = pre.new_zeros(B, km1, pre.shape[-1])
             s0 = torch.zeros(B, H, D, D, dtype=torch.float32, device=x.device)
         lay = fb.kda
-        conv, new_window = causal_conv1d_packed(pre, window, w.squeeze(1), lay.conv_pad_idx,
-                                                lay.conv_unpad_idx, lay.conv_state_idx)
+        plan = fb.snapshots
+        conv, new_window, snap_windows = causal_conv1d_packed(
+            pre, window, w.squeeze(1), lay.conv_pad_idx, lay.conv_unpad_idx, lay.conv_state_idx,
+            plan.window_idx if plan is not None else None)
         q, k, v = F.silu(conv).float().view(T, 3, H, D).unbind(1)
         q = l2norm(q) * D ** -0.5
         k = l2norm(k)
@@ -106,6 +108,20 @@ class KimiDeltaAttention(nn.Module):
             s_new = torch.cat(states, 0) if len(states) > 1 else states[0]
             state_store.index_copy_(0, fb.state_slots, s_new.to(state_store.dtype))
             conv_store.index_copy_(0, fb.state_slots, new_window.to(conv_store.dtype))
+            if plan is not None:
+                self._save_snapshots(cache, plan, s_new, fb.chunk_states.get(self.kda_index),
+                                     snap_windows, Td)
         gate = self.g_b_proj(self.g_a_proj(x)).view(T, H, D)
         o = self.o_norm(o.to(x.dtype), gate).reshape(T, H * D)
         return self.o_proj(o)
+
+    def _save_snapshots(self, cache, plan, s_final: torch.Tensor, kept: torch.Tensor | None,
+                        windows: torch.Tensor, num_decode: int) -> None:
+        """States at block boundaries: the step's final state, or a chunk-end state of the
+        chunked prefill (the kernel already produced it: no extra pass)."""
+        states = s_final[plan.seq]
+        if kept is not None:
+            inner = kept[(plan.seq - num_decode).clamp(min=0), plan.chunk]
+            states = torch.where(plan.final.view(-1, 1, 1, 1), states, inner)
+        cache.snap_states[self.kda_index].index_copy_(0, plan.dest, states)
+        cache.snap_conv[self.kda_index].index_copy_(0, plan.dest, windows.to(cache.snap_conv[0].dtype))

@@ -12,17 +12,20 @@ import torch.nn.functional as F
 def causal_conv1d_packed(
     x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor,
     pad_idx: torch.Tensor, unpad_idx: torch.Tensor, window_idx: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    extra_window_idx: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [T,C] new inputs, window [B,K-1,C] the inputs before them, weight [C,K].
 
     Rows of ext = cat(window.view(B*(K-1), C), x, zero row) are gathered into a padded
     [B, K-1+Lc, C] layout (pad_idx), convolved without padding, and gathered back (unpad_idx);
     window_idx [B,K-1] picks the window after this step. The indices come from
-    `build_forward_batch`. Returns the conv output [T,C] (no activation) and the new window.
+    `build_forward_batch`. Returns the conv output [T,C] (no activation), the new window, and
+    the windows at extra_window_idx [S,K-1] (snapshots inside the step) when given.
     """
     c = x.shape[-1]
     ext = torch.cat([window.reshape(-1, c).to(x.dtype), x, x.new_zeros(1, c)], 0)
     padded = ext[pad_idx].transpose(1, 2)                                # [B, C, K-1+Lc]
     out = F.conv1d(padded, weight.to(x.dtype).unsqueeze(1), groups=c)   # [B, C, Lc]
     out = out.transpose(1, 2).reshape(-1, c)[unpad_idx]
-    return out, ext[window_idx]
+    extra = ext[extra_window_idx] if extra_window_idx is not None else None
+    return out, ext[window_idx], extra
