@@ -52,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench", required=True)
     from kdaserve.bench import offline
 
+    from kdaserve.bench import prefix
+
     offline.add_arguments(bsub.add_parser("offline", help="offline throughput vs transformers"))
+    prefix.add_arguments(bsub.add_parser("prefix", help="shared-prefix TTFT, caching off vs on"))
     try:
         from kdaserve.bench.serve import add_bench_serve_arguments
     except ImportError:  # pragma: no cover - lands with the server
@@ -80,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             from kdaserve.bench.offline import run
 
             return run(args)
+        if args.bench == "prefix":
+            from kdaserve.bench.prefix import run as run_prefix
+
+            return run_prefix(args)
         if args.bench == "serve":
             from kdaserve.bench.serve import run_bench_serve
 
