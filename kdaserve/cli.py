@@ -52,10 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench", required=True)
     from kdaserve.bench import offline
 
-    from kdaserve.bench import prefix
+    from kdaserve.bench import prefix, reference
 
     offline.add_arguments(bsub.add_parser("offline", help="offline throughput vs transformers"))
     prefix.add_arguments(bsub.add_parser("prefix", help="shared-prefix TTFT, caching off vs on"))
+    reference.add_arguments(bsub.add_parser(
+        "reference", help="model vs transformers / fla-core (needs the test extras)"))
     try:
         from kdaserve.bench.serve import add_bench_serve_arguments
     except ImportError:  # pragma: no cover - lands with the server
@@ -83,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             from kdaserve.bench.offline import run
 
             return run(args)
+        if args.bench == "reference":
+            from kdaserve.bench.reference import run as run_reference
+
+            return run_reference(args)
         if args.bench == "prefix":
             from kdaserve.bench.prefix import run as run_prefix
 
