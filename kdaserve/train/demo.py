@@ -43,11 +43,18 @@ def chat_transcripts(docs: list[Document], share: float, seed: int) -> list[str]
 
 
 def build(out: Path, *, vocab_size: int, minutes: float, seed: int, chat_share: float,
-          train_cfg: TrainConfig) -> dict:
+          train_cfg: TrainConfig, resume: Path | None = None) -> dict:
+    """Corpus -> tokenizer -> model. With `resume`, training continues from that checkpoint
+    (its tokenizer is reused, so the token ids stay the same)."""
     texts_dir = fetch_shakespeare()
     docs = load_corpus(texts_dir)
     train_docs, eval_docs = split_documents(docs, eval_fraction=0.05, seed=seed)
-    tok = train_bpe_tokenizer((d.text for d in train_docs), vocab_size=vocab_size)
+    if resume is not None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tok = HFTokenizer.from_file(str(resume / "tokenizer.json"))
+    else:
+        tok = train_bpe_tokenizer((d.text for d in train_docs), vocab_size=vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     save_tokenizer(tok, out)
     eos = tok.token_to_id("<|endoftext|>")
@@ -67,7 +74,7 @@ def build(out: Path, *, vocab_size: int, minutes: float, seed: int, chat_share: 
     model_cfg = demo_model_config(tok.get_vocab_size(), eos, pad)
     model_cfg = type(model_cfg).from_dict({**model_cfg.to_hf_dict(), "eos_token_id": [eos, im_end]})
     cfg = TrainConfig(**{**train_cfg.__dict__, "time_budget_s": minutes * 60, "seed": seed})
-    result = train(model_cfg, train_ids, eval_ids, cfg, out_dir=out)
+    result = train(model_cfg, train_ids, eval_ids, cfg, out_dir=out, init_from=resume)
     gen = {"do_sample": True, **GENERATION_DEFAULTS, "eos_token_id": [eos, im_end],
            "pad_token_id": pad}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
@@ -97,6 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of speech pairs also used as chat transcripts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--resume", default=None,
+                   help="continue training from this checkpoint directory (same config)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
                       max_steps=args.max_steps, eval_every=args.eval_every,
                       chunk_size=args.chunk_size, threads=args.threads)
     summary = build(Path(args.out), vocab_size=args.vocab_size, minutes=args.minutes,
-                    seed=args.seed, chat_share=args.chat_share, train_cfg=cfg)
+                    seed=args.seed, chat_share=args.chat_share, train_cfg=cfg,
+                    resume=Path(args.resume) if args.resume else None)
     print(json.dumps({k: summary[k] for k in ("steps", "tokens", "elapsed_s", "eval_loss",
                                               "eval_perplexity", "parameters")}))
     return 0

@@ -114,12 +114,21 @@ def evaluate(model: KimiLinearForCausalLM, tokens: torch.Tensor, seq_len: int,
 
 
 def train(model_cfg: ModelConfig, train_tokens: torch.Tensor, eval_tokens: torch.Tensor,
-          cfg: TrainConfig, out_dir: Path | None = None, log=print) -> dict:
+          cfg: TrainConfig, out_dir: Path | None = None, log=print,
+          init_from: Path | None = None) -> dict:
+    """Train from scratch, or continue from the checkpoint at `init_from` (same config)."""
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    model = KimiLinearForCausalLM(model_cfg, chunk_size=cfg.chunk_size)
-    init_weights(model, cfg.seed)
+    if init_from is not None:
+        from kdaserve.model.loader import load_model
+
+        model = load_model(init_from, chunk_size=cfg.chunk_size, progress=False)
+        if model.config != model_cfg:
+            raise ValueError(f"{init_from} has another model config than the one to train")
+    else:
+        model = KimiLinearForCausalLM(model_cfg, chunk_size=cfg.chunk_size)
+        init_weights(model, cfg.seed)
     model.train()
     moes = _moe_layers(model)
     for m in moes:
@@ -134,7 +143,8 @@ def train(model_cfg: ModelConfig, train_tokens: torch.Tensor, eval_tokens: torch
     log(f"model: {n_params / 1e6:.2f}M parameters; {len(train_tokens)} training tokens")
     history = []
     start = time.monotonic()
-    bar = tqdm(total=cfg.max_steps, desc="Training", unit="step")
+    bar = tqdm(total=int(cfg.time_budget_s), desc="Training", unit="s",
+               bar_format="{l_bar}{bar}| {n:.0f}/{total}s budget{postfix}")
     step = 0
     tokens_seen = 0
     while step < cfg.max_steps and time.monotonic() - start < cfg.time_budget_s:
@@ -151,8 +161,8 @@ def train(model_cfg: ModelConfig, train_tokens: torch.Tensor, eval_tokens: torch
         _balance(moes, cfg.bias_update_rate)
         step += 1
         tokens_seen += x[:, 1:].numel()
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.1e}")
+        bar.n = min(int(time.monotonic() - start), bar.total)
+        bar.set_postfix(step=step, loss=f"{loss.item():.3f}", lr=f"{lr:.1e}")
         if step % cfg.eval_every == 0:
             ev = evaluate(model, eval_tokens, cfg.seq_len, cfg.eval_batches, cfg.batch_size)
             elapsed = time.monotonic() - start

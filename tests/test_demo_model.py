@@ -1,0 +1,38 @@
+"""The bundled demo model: loads through kdaserve and transformers with the same greedy tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve import LLM, SamplingParams
+from kdaserve.assets import default_model_path
+from kdaserve.config import ModelConfig
+
+
+def test_bundled_model_is_a_small_hybrid_moe():
+    path = default_model_path()
+    cfg = ModelConfig.from_pretrained(path)
+    assert len(cfg.kda_layers) == 3 * len(cfg.mla_layers)
+    assert cfg.num_experts == 32 and cfg.num_experts_per_token == 4
+    assert cfg.moe_layers[0] == 1 and cfg.num_shared_experts >= 1
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                 "model.safetensors"):
+        assert (path / name).is_file(), name
+    assert (path / "model.safetensors").stat().st_size < 30 * 2**20
+
+
+def test_greedy_matches_transformers():
+    from transformers import KimiLinearForCausalLM
+
+    path = default_model_path()
+    llm = LLM()
+    prompt = "ROMEO:\nBut soft, what light"
+    ids = llm.tokenizer.encode(prompt)
+    ours = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    hf = KimiLinearForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert ours.token_ids == ref
+    assert ours.text == llm.tokenizer.decode(ref)
