@@ -410,7 +410,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     long_prefill_token_threshold: int | None = None
-    max_waiting: int = 4096
     policy: str = "fcfs"
 
     def __post_init__(self) -> None:
@@ -433,6 +432,7 @@ class EngineConfig:
     device: str = "cpu"
     kda_chunk_size: int | None = None
     seed: int = 0
+    num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

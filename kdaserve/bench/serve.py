@@ -1,4 +1,4 @@
-"""`kdaserve bench serve`: online load against an OpenAI-compatible server (like `vllm bench serve`).
+"""`kdaserve bench serve`: load an OpenAI-compatible server, in the style of `vllm bench serve`.
 
 Requests go to /v1/completions with streaming, arriving as a Poisson process (or all at once for
 rate inf). Prompts are random common words, so no tokenizer is needed here; `--input-len` counts

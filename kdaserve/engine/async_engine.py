@@ -139,7 +139,10 @@ def _describe(exc: BaseException) -> str:
 # ---- the child process -----------------------------------------------------------------------
 def _engine_process(config_msg: bytes, cmd_addr: str, out_addr: str, log_level: int) -> None:
     """Entry point of the engine process (spawned, so it starts from a fresh interpreter)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which shuts us down
+    # Ctrl-C or a SIGTERM to the process group reaches the server too, which then shuts us down
+    # once its open requests are done; if the server dies instead, the loop notices and exits.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
     ctx = zmq.Context()
@@ -188,10 +191,10 @@ class _EngineLoop:
 
     def run(self) -> None:
         while True:
+            if os.getppid() != self.parent:
+                logger.warning("the server process is gone; the engine exits")
+                return
             if not self.core.has_unfinished() and not self.cmds.poll(_IDLE_POLL_MS):
-                if os.getppid() != self.parent:
-                    logger.warning("server process is gone; engine exits")
-                    return
                 continue
             if not self._drain():
                 return
@@ -282,7 +285,7 @@ class AsyncEngine:
         self._tokens = itertools.count()
         self._decoder = msgspec.msgpack.Decoder(Reply)
         self._encoder = msgspec.msgpack.Encoder()
-        self._dead: EngineDeadError | None = None
+        self._dead: str | None = None          # why the engine is gone, once it is
         self._fatal: str | None = None
         self._closing = False
         self._proc: multiprocessing.process.BaseProcess | None = None
@@ -364,10 +367,8 @@ class AsyncEngine:
             except EngineError:
                 pass
             await self._wait_exit(timeout_s)
-            if proc.is_alive():
-                proc.terminate()
-                await self._wait_exit(timeout_s)
-            if proc.is_alive():
+            if proc.is_alive():         # it ignores SIGTERM (see _engine_process)
+                logger.warning("the engine did not stop within %.0f s; killing it", timeout_s)
                 proc.kill()
                 await self._wait_exit(timeout_s)
         if proc is not None:
@@ -410,12 +411,12 @@ class AsyncEngine:
                 why += f": {self._fatal}"
             if self.info is not None:     # during start() the caller gets the reason instead
                 logger.error("%s", why)
-        self._dead = EngineDeadError(why)
+        self._dead = why
         for stream in self._streams.values():
-            stream.queue.put_nowait(self._dead)
+            stream.queue.put_nowait(EngineDeadError(why))
         for fut in self._stats_waiters.values():
             if not fut.done():
-                fut.set_exception(self._dead)
+                fut.set_exception(EngineDeadError(why))
 
     @property
     def is_alive(self) -> bool:
@@ -434,7 +435,7 @@ class AsyncEngine:
     # ---- messages ------------------------------------------------------------------------------
     def _check_alive(self) -> None:
         if self._dead is not None:
-            raise self._dead
+            raise EngineDeadError(self._dead)
         if self.info is None:
             raise EngineError("the engine has not started")
 
@@ -443,7 +444,7 @@ class AsyncEngine:
         try:
             self._cmd.send(self._encoder.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as exc:   # no peer (it died) or the socket is closed
-            raise self._dead or EngineDeadError(f"cannot reach the engine: {exc}") from None
+            raise EngineDeadError(self._dead or f"cannot reach the engine: {exc}") from None
 
     async def _read_loop(self) -> None:
         assert self._out is not None

@@ -52,6 +52,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model: KimiLinearForCausalLM | None = None,
                  tokenizer: Tokenizer | None = None, progress: bool = False) -> None:
         self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         device = torch.device(config.device)
         chunk = config.kda_chunk_size or default_chunk_size(device)
         # Snapshots sit on block boundaries, which must be KDA chunk boundaries (powers of 2).
@@ -159,7 +161,8 @@ class EngineCore:
         touched = self.scheduler.update(out, result)
         deltas = [self._delta(req) for req in touched]
         # requests the scheduler ended on its own (too large for the cache) owe a final delta
-        deltas += [self._final_delta(rid, "length") for rid in out.finished if rid in self._tracked]
+        deltas += [self._final_delta(rid, "length") for rid in self.scheduler.pop_ended()
+                   if rid in self._tracked]
         return deltas
 
     def _delta(self, req: Request) -> RequestDelta:

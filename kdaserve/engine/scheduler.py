@@ -26,6 +26,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
         self._restore: dict[str, int] = {}
+        self._ended: list[str] = []     # ended by the scheduler itself, not by a stop
         self.num_preemptions = 0
 
     # ---- intake ---------------------------------------------------------------------------
@@ -121,6 +122,7 @@ class Scheduler:
                 if not self.running and not scheduled:
                     # Alone and still too big: it can never fit; end it instead of spinning.
                     self.finish(req.request_id, RequestStatus.FINISHED_LENGTH)
+                    self._ended.append(req.request_id)
                     continue
                 break
             self.waiting.remove(req)
@@ -132,6 +134,11 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+
+    def pop_ended(self) -> list[str]:
+        """Requests the scheduler ended on its own since the last call (too large to fit)."""
+        ended, self._ended = self._ended, []
+        return ended
 
     def _next_waiting(self) -> Request:
         if self.config.policy == "priority":

@@ -1,0 +1,244 @@
+"""`kdaserve serve`: the OpenAI-compatible HTTP server, with the engine in a child process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from kdaserve.assets import DEMO_MODEL_DIR, default_model_path
+from kdaserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kdaserve.engine.async_engine import DEFAULT_MAX_WAITING, AsyncEngine, EngineStartupError
+from kdaserve.generation_defaults import generation_defaults
+from kdaserve.request import SamplingParams
+from kdaserve.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+from kdaserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("kdaserve")
+
+DEMO_MODEL_NAME = "kdaserve-demo"
+API_KEY_ENV = "KDASERVE_API_KEY"
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20,
+               "mib": 1 << 20, "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+               "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "1073741824", "256MiB", "1GiB", "1.5G" (K/M/G/T are binary, KB/MB/... not)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use bytes or e.g. 256MiB, 1GiB")
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def _int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
+_port = _int_at_least(0, 65535)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    p = parser
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="model directory (config.json, *.safetensors, tokenizer files); "
+                        "default: the bundled demo model")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=8000,
+                   help="port to listen on (default: %(default)s)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients send and see in /v1/models (default: "
+                        f"{DEMO_MODEL_NAME!r} for the bundled model, else the directory name)")
+    p.add_argument("--max-model-len", type=_positive_int, default=4096,
+                   help="longest prompt + completion in tokens (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=64,
+                   help="most requests in one batch; also the number of KDA state slots "
+                        "(default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
+                   help="token budget of one engine step (default: %(default)s)")
+    p.add_argument("--cache-memory", type=parse_size, default="512MiB",
+                   help="memory for MLA pages and KDA state slots, e.g. 256MiB, 1GiB or bytes "
+                        "(default: 512MiB)")
+    p.add_argument("--block-size", type=_positive_int, default=16,
+                   help="tokens per MLA cache block, a power of two (default: %(default)s)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="weight and activation dtype (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    p.add_argument("--kda-chunk-size", type=_positive_int, default=None,
+                   help="KDA prefill chunk size (default: 64 on GPU, 16 on CPU)")
+    p.add_argument("--max-waiting", type=_non_negative_int, default=DEFAULT_MAX_WAITING,
+                   help="most requests waiting for their first token; beyond it requests get "
+                        "HTTP 503 (default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set; "
+                        "/health and /metrics stay open)")
+    p.add_argument("--max-body-size", type=parse_size, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body; bigger ones get HTTP 413 (default: 16MiB)")
+    p.add_argument("--seed", type=int, default=0, help="engine random seed (default: %(default)s)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="turn off hybrid prefix caching (MLA blocks + KDA state snapshots)")
+    p.add_argument("--state-snapshot-budget", type=_snapshot_budget, default=None,
+                   help="memory for KDA state snapshots: bytes (e.g. 64MiB) or a fraction of "
+                        "--cache-memory (e.g. 0.25, the default)")
+    p.add_argument("--state-snapshot-interval", type=_positive_int, default=512,
+                   help="also snapshot KDA states every N tokens of long prompts (default: "
+                        "%(default)s)")
+    p.add_argument("--torch-threads", type=_positive_int, default=None,
+                   help="torch intra-op threads of the engine process (default: torch's)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                   help="log level (default: %(default)s)")
+
+
+def load_generation_defaults(model_dir: Path) -> dict[str, Any]:
+    """generation_config.json sampling defaults, checked now rather than on every request."""
+    defaults = generation_defaults(model_dir)
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{model_dir / 'generation_config.json'}: {exc}") from None
+    return defaults
+
+
+def served_model_name(model_dir: Path, override: str | None = None) -> str:
+    if override:
+        return override
+    if model_dir.resolve() == DEMO_MODEL_DIR.resolve():
+        return DEMO_MODEL_NAME
+    return model_dir.resolve().name
+
+
+def _snapshot_budget(text: str) -> float | int:
+    try:
+        frac = float(text)
+    except ValueError:
+        return parse_size(text)
+    if 0 <= frac < 1:
+        return frac
+    return parse_size(text)
+
+
+def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
+    budget = getattr(args, "state_snapshot_budget", None)
+    if isinstance(budget, float):
+        budget = int(budget * args.cache_memory)
+    return EngineConfig(
+        model=str(model_dir), dtype=args.dtype, device=args.device,
+        kda_chunk_size=args.kda_chunk_size, seed=args.seed,
+        num_threads=getattr(args, "torch_threads", None),
+        cache=CacheConfig(block_size=args.block_size, cache_memory_bytes=args.cache_memory,
+                          enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
+                          state_snapshot_budget_bytes=budget,
+                          state_snapshot_interval=getattr(args, "state_snapshot_interval", 512)),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.max_model_len),
+    )
+
+
+@contextlib.contextmanager
+def _exit_signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Tokenizer,
+                 defaults: dict[str, Any], name: str) -> int:
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None
+    engine = AsyncEngine(config, max_waiting=args.max_waiting,
+                         log_level=getattr(logging, args.log_level.upper()))
+    try:
+        # While the model loads, SIGINT/SIGTERM cancel us (and so stop the engine).
+        with _exit_signals(lambda *_: loop.call_soon_threadsafe(main.cancel)):
+            try:
+                info = await engine.start()
+            except EngineStartupError as exc:
+                logger.error("the engine failed to start: %s", exc)
+                return 1
+        logger.info("cache plan: %s", info.plan)
+        app = build_app(engine, tokenizer, name, info.max_model_len, api_key=args.api_key,
+                        max_body_bytes=args.max_body_size, generation_defaults=defaults)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=args.host, port=args.port, log_config=None, lifespan="off",
+            log_level=args.log_level, timeout_graceful_shutdown=5))
+        logger.info("serving %r on http://%s:%d/v1", name, args.host, args.port)
+        # uvicorn handles the signals while serving and re-raises them once it has stopped; the
+        # no-op handler lets the engine shut down cleanly after that.
+        with _exit_signals(lambda *_: None):
+            try:
+                await server.serve()
+            except SystemExit as exc:        # uvicorn exits like this when it cannot bind
+                return exc.code if isinstance(exc.code, int) and exc.code else 1
+        return 0 if server.started else 1
+    except asyncio.CancelledError:
+        logger.info("interrupted")
+        return 130
+    finally:
+        with _exit_signals(lambda *_: None):
+            await engine.shutdown()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    level = getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level)       # also when the caller configured logging first
+    try:
+        model_dir = Path(args.model) if args.model else default_model_path()
+        ModelConfig.from_pretrained(model_dir)        # fail fast on a bad path or config
+        tokenizer = Tokenizer.from_pretrained(model_dir)
+        defaults = load_generation_defaults(model_dir)
+        config = _engine_config(args, model_dir)
+    except (OSError, ValueError) as exc:
+        logger.error("%s", exc)
+        return 2
+    if defaults:
+        logger.info("sampling defaults from generation_config.json: %s", defaults)
+    name = served_model_name(model_dir, args.served_model_name)
+    return asyncio.run(_serve(args, config, tokenizer, defaults, name))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kdaserve serve",
+                                     description="OpenAI-compatible server for kdaserve models")
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

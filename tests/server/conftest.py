@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+import pytest
+from server_harness import MAIN_SERVER_ARGS, build_tiny_model, start_server
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir, tmp_path_factory):
+    """The server most tests share: no API key, default limits but a small body limit."""
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    srv = start_server(tiny_model_dir, log, *MAIN_SERVER_ARGS)
+    yield srv
+    srv.stop()

@@ -1,0 +1,54 @@
+"""Request bodies -> SamplingParams: model defaults fill only what a request leaves out."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from kdaserve.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+
+DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
+
+
+def test_defaults_fill_omitted_fields():
+    sp = CompletionRequest(prompt="a").sampling_params(16, None, DEFAULTS)
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.repetition_penalty) == (0.6, 0.9, 20, 1.1)
+    assert (sp.max_tokens, sp.n, sp.logprobs, sp.min_p) == (16, 1, None, 0.0)
+
+
+def test_request_fields_beat_defaults():
+    req = CompletionRequest(prompt="a", temperature=0.0, top_k=-1, stop="x", seed=5, n=2)
+    sp = req.sampling_params(4, 2, DEFAULTS)
+    assert (sp.temperature, sp.top_k, sp.top_p) == (0.0, 0, 0.9)
+    assert (sp.stop, sp.seed, sp.n, sp.logprobs, sp.max_tokens) == (["x"], 5, 2, 2, 4)
+
+
+def test_without_defaults_vllm_values():
+    sp = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]).sampling_params(
+        8, None, {})
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.repetition_penalty) == (1.0, 1.0, 0, 1.0)
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "a", "max_tokens": "3"},          # strict: no str -> int
+    {"prompt": "a", "max_tokens": 2.5},
+    {"prompt": "a", "stream": "yes"},
+    {"prompt": "a", "n": 129},
+    {"prompt": [1, "b"]},
+    {"prompt": "a", "stream_options": {"include_usage": True}},
+])
+def test_completion_request_rejects(body):
+    with pytest.raises(pydantic.ValidationError):
+        CompletionRequest.model_validate(body)
+
+
+def test_chat_top_logprobs_needs_logprobs():
+    with pytest.raises(pydantic.ValidationError, match="top_logprobs requires logprobs"):
+        ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})
+
+
+def test_tokenize_needs_exactly_one_input():
+    with pytest.raises(pydantic.ValidationError, match="exactly one"):
+        TokenizeRequest.model_validate({})
+    assert TokenizeRequest.model_validate({"prompt": "x"}).add_special_tokens is True
