@@ -114,6 +114,8 @@ class EngineStatsSnapshot(msgspec.Struct):
     prefix_cache_hits: int
     prefix_cache_query_tokens: int
     prefix_cache_hit_tokens: int
+    state_snapshots: int
+    state_snapshot_bytes: int
     prompt_tokens: int
     generation_tokens: int
     preemptions: int
@@ -251,7 +253,8 @@ class _EngineLoop:
             num_free_slots=cache.num_free_slots, num_blocks=cache.block_pool.num_blocks,
             all_free=bool(cache.all_free()), prefix_cache_queries=cs.queries,
             prefix_cache_hits=cs.hits, prefix_cache_query_tokens=cs.query_tokens,
-            prefix_cache_hit_tokens=cs.hit_tokens, prompt_tokens=core.stats.prompt_tokens,
+            prefix_cache_hit_tokens=cs.hit_tokens, state_snapshots=cache.snapshots.num_used,
+            state_snapshot_bytes=cache.snapshots.bytes_held, prompt_tokens=core.stats.prompt_tokens,
             generation_tokens=core.stats.generation_tokens,
             preemptions=core.stats.preemptions, steps=core.stats.steps)
 

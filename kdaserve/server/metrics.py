@@ -34,6 +34,8 @@ _GAUGES = (
     ("kdaserve:cache_free_slots", "num_free_slots", "Free KDA state slots."),
     ("kdaserve:cache_num_blocks", "num_blocks", "MLA cache blocks in total."),
     ("kdaserve:cache_all_free", "all_free", "1 when no request holds cache blocks or slots."),
+    ("kdaserve:state_snapshots", "state_snapshots", "KDA state snapshots held (prefix cache)."),
+    ("kdaserve:state_snapshot_bytes", "state_snapshot_bytes", "Bytes of KDA state snapshots held."),
 )
 _COUNTERS = (
     ("kdaserve:prefix_cache_queries", "prefix_cache_queries", "Prefix cache lookups."),

@@ -20,7 +20,8 @@ from kdaserve.request import SamplingParams
 
 STATS_KEYS = {"num_running", "num_waiting", "cache_usage", "num_free_blocks", "num_free_slots",
               "num_blocks", "all_free", "prefix_cache_queries", "prefix_cache_hits",
-              "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "prompt_tokens",
+              "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "state_snapshots",
+              "state_snapshot_bytes", "prompt_tokens",
               "generation_tokens", "preemptions", "steps"}
 
 

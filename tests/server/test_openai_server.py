@@ -363,6 +363,9 @@ def test_64_concurrent_streams(server, model_name):
     assert m["kdaserve:cache_all_free"] == 1.0
     assert m["kdaserve:num_requests_running"] == 0
     assert m["kdaserve:num_requests_waiting"] == 0
+    assert m["kdaserve:prefix_cache_queries_total"] >= 64       # every request looked the cache up
+    assert m["kdaserve:state_snapshots"] >= 1
+    assert m["kdaserve:state_snapshot_bytes"] > 0
 
 
 def test_disconnect_aborts_request(server):
