@@ -33,6 +33,7 @@ def test_greedy_matches_transformers():
     hf = KimiLinearForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                          repetition_penalty=1.0, top_p=None, temperature=None,
                           eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
     assert ours.token_ids == ref
     assert ours.text == llm.tokenizer.decode(ref)

@@ -41,8 +41,10 @@ def run_hf(model_dir: str, prompts: list[list[int]], out_len: int, batch: int) -
         start = time.perf_counter()
         tokens = []
         for i in range(0, len(prompts), batch):
+            # plain greedy: override the model's generation_config sampling defaults
             out = hf.generate(ids[i:i + batch], attention_mask=torch.ones_like(ids[i:i + batch]),
                               max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False,
+                              repetition_penalty=1.0, top_p=None, temperature=None,
                               eos_token_id=None, pad_token_id=0)
             tokens.extend(out[:, ids.shape[1]:].tolist())
         elapsed = time.perf_counter() - start
