@@ -7,7 +7,7 @@ import pytest
 
 from kdaserve.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "kimi-linear-48b-config.json"
+RELEASED_48B = Path(__file__).parent / "data" / "kimi-linear-48b-config.json"
 
 BASE = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -20,9 +20,7 @@ BASE = dict(
 
 
 def test_released_48b_config():
-    raw = json.loads(SHARED.read_text()) if SHARED.exists() else None
-    if raw is None:
-        pytest.skip("shared data not present")
+    raw = json.loads(RELEASED_48B.read_text())
     cfg = ModelConfig.from_dict(raw)
     assert len(cfg.kda_layers) == 20 and cfg.mla_layers == (3, 7, 11, 15, 19, 23, 26)
     assert cfg.moe_layers == tuple(range(1, 27))

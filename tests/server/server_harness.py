@@ -16,10 +16,9 @@ from pathlib import Path
 import httpx
 import torch
 
-from kdaserve.config import ModelConfig
-from kdaserve.model.kimi_linear import KimiLinearForCausalLM
 from kdaserve.model.loader import save_model
 from kdaserve.train.bpe import save_tokenizer, train_bpe_tokenizer
+from tiny_models import random_model, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 2048
@@ -50,28 +49,8 @@ def build_tiny_model(out: Path, vocab_target: int = 300, seed: int = 0) -> Path:
     """A BPE tokenizer (~300 ids) and a random 4-layer KDA+MLA MoE model of the same vocab."""
     tok = train_bpe_tokenizer(corpus(), vocab_size=vocab_target)
     save_tokenizer(tok, out, model_max_length=4096)
-    cfg = ModelConfig.from_dict(dict(
-        vocab_size=tok.get_vocab_size(with_added_tokens=True), hidden_size=48,
-        intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
-        num_attention_heads=3, kv_lora_rank=12, q_lora_rank=None, qk_nope_head_dim=8,
-        qk_rope_head_dim=4, v_head_dim=8,
-        linear_attn_config={"kda_layers": [1, 2, 4], "full_attn_layers": [3], "num_heads": 2,
-                            "head_dim": 8, "short_conv_kernel_size": 4},
-        num_experts=6, num_experts_per_token=2, num_shared_experts=1, first_k_dense_replace=1,
-        routed_scaling_factor=1.5, eos_token_id=0,
-    ))
-    torch.manual_seed(seed)
-    model = KimiLinearForCausalLM(cfg, chunk_size=16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.3)
-            elif name.endswith("A_log"):
-                p.uniform_(0, 1.5)
-            elif name.endswith("dt_bias"):
-                p.normal_(0, 1)
-        for _, b in model.named_buffers():
-            b.normal_(0, 0.1)
+    cfg = tiny_config(vocab_size=tok.get_vocab_size(with_added_tokens=True), eos_token_id=0)
+    model = random_model(cfg, seed=seed, chunk=16)
     save_model(model.eval(), out)
     return out
 
