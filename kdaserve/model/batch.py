@@ -105,6 +105,7 @@ class ForwardBatch:
     cache: HybridCache | None = None
     state_slots: torch.Tensor | None = None  # [B] KDA slot of each sequence
     has_initial_state: torch.Tensor | None = None  # [B] float 1/0: read the slot or start at 0
+    num_fresh: int = 0                              # sequences starting from zero state
     logits_indices: torch.Tensor | None = None     # [S] rows whose logits are wanted
     keep_chunk_states: bool = False          # return KDA states at chunk ends (snapshots)
     chunk_states: dict[int, torch.Tensor] = field(default_factory=dict)  # filled by KDA layers
@@ -255,8 +256,8 @@ def build_forward_batch(
     return ForwardBatch(
         seq_lens=list(seq_lens), context_lens=ctx_list, num_decode=num_decode,
         positions=positions, kda=kda, mla=mla, cache=cache, state_slots=slots,
-        has_initial_state=has_init, logits_indices=li, keep_chunk_states=keep_chunk_states,
-        snapshots=plan,
+        has_initial_state=has_init, num_fresh=sum(1 for c in ctx_list if c == 0),
+        logits_indices=li, keep_chunk_states=keep_chunk_states, snapshots=plan,
     )
 
 

@@ -65,8 +65,11 @@ class KimiDeltaAttention(nn.Module):
             conv_store = cache.kda_conv[self.kda_index]
             state_store = cache.kda_states[self.kda_index]
             keep = fb.has_initial_state
-            window = conv_store[fb.state_slots] * keep.view(B, 1, 1).to(conv_store.dtype)
-            s0 = state_store[fb.state_slots] * keep.view(B, 1, 1, 1)
+            window = conv_store[fb.state_slots]
+            s0 = state_store[fb.state_slots]                                     # a copy
+            if fb.num_fresh:  # sequences that start now begin from zero state
+                window.mul_(keep.view(B, 1, 1).to(window.dtype))
+                s0.mul_(keep.view(B, 1, 1, 1))
         else:
             window = pre.new_zeros(B, km1, pre.shape[-1])
             s0 = torch.zeros(B, H, D, D, dtype=torch.float32, device=x.device)
@@ -84,7 +87,7 @@ class KimiDeltaAttention(nn.Module):
         ops = kda_ops(x.device)
         outs, states = [], []
         if Td:
-            o_d, s_d = ops.step(q[:Td], k[:Td], v[:Td], g[:Td], beta[:Td], s0[:Td])
+            o_d, s_d = ops.step(q[:Td], k[:Td], v[:Td], g[:Td], beta[:Td], s0[:Td], inplace=True)
             outs.append(o_d)
             states.append(s_d)
         if B > Td:

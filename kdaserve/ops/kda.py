@@ -17,13 +17,18 @@ __all__ = ["kda_chunk", "kda_recurrent", "kda_step"]
 
 def kda_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor,
+    state: torch.Tensor, inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per sequence. q,k,g [B,H,K], v [B,H,V], beta [B,H], state [B,H,K,V] -> o [B,H,V]."""
-    s = state * g.exp().unsqueeze(-1)
+    """One token per sequence. q,k,g [B,H,K], v [B,H,V], beta [B,H], state [B,H,K,V] -> o [B,H,V].
+
+    With inplace the state tensor is updated in place (the caller owns it, e.g. a gathered copy
+    of the slots): decode is memory-bound on the state, so each pass over it counts.
+    """
+    B, H, K, V = state.shape
+    s = state.mul_(g.exp().unsqueeze(-1)) if inplace else state * g.exp().unsqueeze(-1)
     kv = torch.einsum("bhk,bhkv->bhv", k, s)
     delta = (v - kv) * beta.unsqueeze(-1)
-    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    s.view(B * H, K, V).baddbmm_(k.reshape(B * H, K, 1), delta.reshape(B * H, 1, V))
     o = torch.einsum("bhk,bhkv->bhv", q, s)
     return o, s
 
