@@ -44,16 +44,3 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Expert(nn.Module):
-    """One routed expert, with the checkpoint's names: w1 gate, w3 up, w2 down."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(hidden, intermediate, bias=False)
-        self.w2 = nn.Linear(intermediate, hidden, bias=False)
-        self.w3 = nn.Linear(hidden, intermediate, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))

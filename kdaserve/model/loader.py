@@ -25,6 +25,25 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # transformers' save_pretrained names the dense layer's MLP like the MoE block.
 _DENSE_ALIAS = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate_proj|up_proj|down_proj)\.")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# Routed experts are stored stacked in the model; the checkpoint names them one by one.
+_EXPERT = re.compile(r"^(.*\.block_sparse_moe)\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+
+
+def _expert_target(name: str) -> tuple[str, int, str] | None:
+    """`...experts.{e}.w1.weight` -> (stacked parameter name, e, part)."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    stacked = f"{m.group(1)}.experts_w2" if m.group(3) == "w2" else f"{m.group(1)}.experts_w13"
+    return stacked, int(m.group(2)), m.group(3)
+
+
+def _expert_slice(t: torch.Tensor, e: int, part: str) -> torch.Tensor:
+    """The view of stacked tensor `t` that holds expert e's `part`."""
+    if part == "w2":
+        return t[e]
+    half = t.shape[1] // 2
+    return t[e, :half] if part == "w1" else t[e, half:]
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -83,20 +102,44 @@ def load_model(
     for h in handles:
         names.extend((h, n) for n in h.keys())
     bar = tqdm(names, desc="Loading weights", unit="tensor", disable=not progress)
+    filled: dict[str, set[tuple[int, str]]] = {}
     for h, name in bar:
         if _IGNORED.search(name):
             continue
-        key = _canonical(name, params)
+        expert = _expert_target(name)
+        key = expert[0] if expert else _canonical(name, params)
         if key not in params:
             raise CheckpointError(f"unexpected tensor '{name}' in checkpoint {path}")
         t = h.get_tensor(name)
+        keep32 = key.endswith(FP32_PARAM_SUFFIXES)
+        dtype = torch.float32 if keep32 else target
+        if expert is not None:
+            _, e, part = expert
+            if e >= params[key].shape[0]:
+                raise CheckpointError(f"tensor '{name}': expert {e} beyond num_experts")
+            if key not in loaded:
+                loaded[key] = torch.empty(params[key].shape, dtype=dtype, device=device)
+            dst = _expert_slice(loaded[key], e, part)
+            if tuple(t.shape) != tuple(dst.shape):
+                raise CheckpointError(
+                    f"tensor '{name}' has shape {tuple(t.shape)}, expected {tuple(dst.shape)} "
+                    "from config.json")
+            dst.copy_(t)
+            filled.setdefault(key, set()).add((e, part))
+            continue
         want = tuple(params[key].shape)
         if tuple(t.shape) != want:
             raise CheckpointError(
                 f"tensor '{name}' has shape {tuple(t.shape)}, expected {want} from config.json"
             )
-        keep32 = key.endswith(FP32_PARAM_SUFFIXES)
-        loaded[key] = t.to(device=device, dtype=torch.float32 if keep32 else target)
+        loaded[key] = t.to(device=device, dtype=dtype)
+    for key, parts in filled.items():
+        want = {(e, p) for e in range(params[key].shape[0])
+                for p in (("w2",) if key.endswith("experts_w2") else ("w1", "w3"))}
+        if parts != want:
+            e, part = min(want - parts)
+            prefix = key.rsplit(".", 1)[0]
+            raise CheckpointError(f"checkpoint {path} lacks tensor '{prefix}.experts.{e}.{part}.weight'")
     if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
         loaded["lm_head.weight"] = loaded.get("model.embed_tokens.weight")
     missing = sorted(k for k in params if k not in loaded or loaded[k] is None)
@@ -121,10 +164,21 @@ def save_model(model: KimiLinearForCausalLM, out: str | os.PathLike,
         t = t.detach()
         if dtype is not None and t.is_floating_point() and not name.endswith(FP32_PARAM_SUFFIXES):
             t = t.to(dtype)
-        state[name] = t.contiguous().cpu()
+        for out_name, piece in _checkpoint_pieces(name, t):
+            state[out_name] = piece.contiguous().cpu()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf = model.config.to_hf_dict()
     if dtype is not None:
         hf["dtype"] = str(dtype).removeprefix("torch.")
     with open(out / "config.json", "w", encoding="utf-8") as f:
         json.dump(hf, f, indent=2)
+
+
+def _checkpoint_pieces(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A model tensor under the released checkpoint's names (stacked experts split apart)."""
+    for suffix, parts in ((".experts_w13", ("w1", "w3")), (".experts_w2", ("w2",))):
+        if name.endswith(suffix):
+            prefix = name[: -len(suffix)]
+            return [(f"{prefix}.experts.{e}.{p}.weight", _expert_slice(t, e, p))
+                    for e in range(t.shape[0]) for p in parts]
+    return [(name, t)]

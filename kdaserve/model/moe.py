@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdaserve.config import ModelConfig
-from kdaserve.model.layers import MLP, Expert
+from kdaserve.model.layers import MLP
 
 
 class Router(nn.Module):
@@ -45,36 +45,76 @@ class Router(nn.Module):
 
 
 class SparseMoE(nn.Module):
+    """Routed experts stored stacked (`experts_w13` = w1 | w3 per expert, `experts_w2`); the
+    loader maps the checkpoint's per-expert names onto them.
+
+    Slots (token, expert) are grouped by expert, then every active expert's group runs through
+    its fused w13 and w2 — as one padded batched matmul over all active experts when groups are
+    small (decode batches: many experts, a few rows each), or one matmul per expert when groups
+    are large or few (prefill, single-token decode), where padding and gathers cost more than
+    the calls they save. Legend: T tokens, k experts per token, E experts, I width, H hidden.
+    """
+
+    # groups at least this large on average, or at most this many experts: per-expert matmuls
+    LARGE_GROUP = 32
+    FEW_EXPERTS = 4
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.num_experts = cfg.num_experts
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.num_experts, self.intermediate = e, i
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(
-            Expert(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)
-        )
+        self.experts_w13 = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.experts_w2 = nn.Parameter(torch.empty(e, h, i))
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts)
             if cfg.num_shared_experts else None
         )
         self.load_counts: torch.Tensor | None = None  # set by trainers that balance the router
 
+    def _expert_mlp(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """One expert ([n,H], weights 2-D) or a padded group of experts ([Ea,cap,H], 3-D)."""
+        batched = w13.dim() == 3
+        h = torch.bmm(x, w13.transpose(1, 2)) if batched else F.linear(x, w13)
+        h = F.silu(h[..., : self.intermediate]) * h[..., self.intermediate:]
+        return torch.bmm(h, w2.transpose(1, 2)) if batched else F.linear(h, w2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)                                   # [T,k]
-        flat_ids = ids.reshape(-1)
-        order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts)
+        weights, ids = self.gate(x)                                    # [T,k]
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)                              # slots grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)      # [E]
         if self.load_counts is not None:
             self.load_counts += counts.to(self.load_counts)
-        token_of = order // ids.shape[1]
-        w_sorted = weights.reshape(-1)[order]
+        token = order // k
+        slot_w = weights.reshape(-1)[order, None].to(x.dtype)
+        count_list = counts.tolist()
+        active = [e for e, n in enumerate(count_list) if n]
         out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts.tolist()):  # over experts, never tokens
-            if n:
-                rows = token_of[start:start + n]
-                y = self.experts[e](x[rows]) * w_sorted[start:start + n, None].to(x.dtype)
-                out.index_add_(0, rows, y)
+        if len(active) <= self.FEW_EXPERTS or flat.numel() >= self.LARGE_GROUP * len(active):
+            start = 0
+            for e in active:
+                n = count_list[e]
+                rows = token[start:start + n]
+                y = self._expert_mlp(x[rows], self.experts_w13[e], self.experts_w2[e])
+                out.index_add_(0, rows, y * slot_w[start:start + n])
                 start += n
+        else:
+            act = torch.tensor(active, device=x.device)
+            group = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+            group[act] = torch.arange(len(active), device=x.device)
+            expert_sorted = flat[order]
+            rank = torch.arange(flat.numel(), device=x.device) - (counts.cumsum(0) - counts)[
+                expert_sorted]
+            rows = group[expert_sorted]
+            buf = x.new_zeros(len(active), max(count_list), x.shape[1])
+            buf[rows, rank] = x[token]                                 # [Ea,cap,H]
+            w13, w2 = self.experts_w13, self.experts_w2
+            if len(active) < self.num_experts:
+                w13, w2 = w13[act], w2[act]
+            y = self._expert_mlp(buf, w13, w2)[rows, rank]             # [T*k,H]
+            out.index_add_(0, token, y * slot_w)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -73,7 +73,7 @@ def init_weights(model: KimiLinearForCausalLM, seed: int) -> None:
                 p.copy_(dt + torch.log(-torch.expm1(-dt)))
             elif p.dim() >= 2:
                 std = 0.02
-                if name.endswith(("o_proj.weight", "down_proj.weight", "w2.weight")):
+                if name.endswith(("o_proj.weight", "down_proj.weight", "experts_w2")):
                     std = 0.02 / math.sqrt(2 * model.config.num_hidden_layers)
                 p.normal_(0.0, std, generator=g)
             elif name.endswith("weight"):

@@ -103,3 +103,19 @@ def test_saved_checkpoint_loads_in_transformers(hf_checkpoint, tmp_path):
     ids = torch.arange(3, 30)[None]
     with torch.no_grad():
         assert (back(ids).logits - hf(ids).logits).abs().max() < 1e-5
+
+
+def test_missing_or_misshaped_expert_is_named(hf_checkpoint, tmp_path):
+    path, _ = hf_checkpoint
+    state = load_file(str(path / "model.safetensors"))
+    out = _copy(path, tmp_path / "experts")
+    missing = dict(state)
+    missing.pop("model.layers.2.block_sparse_moe.experts.5.w3.weight")
+    save_file(missing, str(out / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"layers\.2\.block_sparse_moe\.experts\.5\.w3"):
+        load_model(out, progress=False)
+    bad = dict(state)
+    bad["model.layers.1.block_sparse_moe.experts.0.w2.weight"] = torch.zeros(3, 3)
+    save_file(bad, str(out / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"experts\.0\.w2.*\(3, 3\)"):
+        load_model(out, progress=False)
