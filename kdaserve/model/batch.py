@@ -30,6 +30,9 @@ class HybridCache:
     block_size: int
     snap_states: list[torch.Tensor] = field(default_factory=list)  # [num_snapshots, H, K, V]
     snap_conv: list[torch.Tensor] = field(default_factory=list)    # [num_snapshots, K-1, 3HK]
+    # One layer's worth of live states, reused by every KDA layer in turn: gathering the slots
+    # into fresh memory each layer costs page faults that dominate a decode step on CPU.
+    state_scratch: torch.Tensor | None = None                        # [num_slots, H, K, V]
 
     @classmethod
     def allocate(cls, cfg, num_blocks: int, block_size: int, num_slots: int,
@@ -50,6 +53,8 @@ class HybridCache:
                          for _ in cfg.kda_layers] if num_snapshots else [],
             snap_conv=[torch.zeros(num_snapshots, km1, cfg.kda_conv_dim, dtype=dtype,
                                    device=device) for _ in cfg.kda_layers] if num_snapshots else [],
+            state_scratch=torch.empty(num_slots, h, d, d, dtype=torch.float32, device=device)
+            if cfg.kda_layers else None,
         )
 
     def restore(self, slots: torch.Tensor, snapshot_ids: torch.Tensor) -> None:

@@ -66,7 +66,8 @@ class KimiDeltaAttention(nn.Module):
             state_store = cache.kda_states[self.kda_index]
             keep = fb.has_initial_state
             window = conv_store[fb.state_slots]
-            s0 = state_store[fb.state_slots]                                     # a copy
+            s0 = torch.index_select(state_store, 0, fb.state_slots,
+                                    out=cache.state_scratch[:B])                  # a copy
             if fb.num_fresh:  # sequences that start now begin from zero state
                 window.mul_(keep.view(B, 1, 1).to(window.dtype))
                 s0.mul_(keep.view(B, 1, 1, 1))
