@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(eq=False)
@@ -18,12 +17,10 @@ class BlockPool:
     """Free blocks wait in LRU order; a freed block keeps its hash (and its cached content)
     until it is handed out again, so a later request can still hit it."""
 
-    def __init__(self, num_blocks: int,
-                 on_evict: Callable[[Block], None] | None = None) -> None:
+    def __init__(self, num_blocks: int) -> None:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, Block] = {}
-        self.on_evict = on_evict
 
     @property
     def num_blocks(self) -> int:
@@ -51,8 +48,6 @@ class BlockPool:
     def _uncache(self, block: Block) -> None:
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-        if self.on_evict is not None:
-            self.on_evict(block)
         block.block_hash = None
 
     def free(self, blocks: list[Block]) -> None:
@@ -75,13 +70,6 @@ class BlockPool:
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
             block.ref_cnt += 1
-
-    def evict(self, block: Block) -> None:
-        """Drop a free block's cached content now (it stays free, moved to the front)."""
-        if block.block_hash is not None:
-            self._uncache(block)
-        if block.ref_cnt == 0:
-            self._free.move_to_end(block.block_id, last=False)
 
     def cache_block(self, block: Block, block_hash: bytes) -> None:
         if block.block_hash is None and block_hash not in self.cached:

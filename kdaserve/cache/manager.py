@@ -62,13 +62,6 @@ class CacheManager:
         assert slot is not None
         return slot
 
-    def holds(self, request_id: str) -> bool:
-        return request_id in self._held
-
-    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        have = len(self._held[request_id].blocks) if request_id in self._held else 0
-        return max(0, -(-num_tokens // self.block_size) - have)
-
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free
@@ -126,7 +119,7 @@ class CacheManager:
         return True
 
     # ---- prefix caching -------------------------------------------------------------------
-    def find_hit(self, request_id: str, tokens: list[int], extra_keys: tuple = (),
+    def find_hit(self, tokens: list[int], extra_keys: tuple = (),
                  cache_salt: str | None = None) -> PrefixHit | None:
         """Longest prefix that is MLA-cached and ends at a ready snapshot (at least one token is
         left to compute, for the logits)."""

@@ -38,11 +38,12 @@ class ModelRunner:
         return gen
 
     @staticmethod
-    def order(seqs: list[ScheduledSequence]) -> list[ScheduledSequence]:
-        """Decode rows (one token with context) first, as the model's batch layout requires."""
+    def order(seqs: list[ScheduledSequence]) -> tuple[list[ScheduledSequence], int]:
+        """Decode rows (one token with context) first, as the model's batch layout requires;
+        returns the ordered sequences and the number of decode rows."""
         decode = [s for s in seqs if len(s.token_ids) == 1 and s.context_len > 0]
         rest = [s for s in seqs if not (len(s.token_ids) == 1 and s.context_len > 0)]
-        return decode + rest
+        return decode + rest, len(decode)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> ModelRunnerOutput:
@@ -50,7 +51,7 @@ class ModelRunner:
             self._generators.pop(rid, None)
         if out.is_empty:
             return ModelRunnerOutput(sampled={})
-        seqs = self.order(out.sequences)
+        seqs, num_decode = self.order(out.sequences)
         restores = [(s.state_slot, s.restore_snapshot) for s in seqs
                     if s.restore_snapshot is not None]
         if restores:
@@ -58,7 +59,6 @@ class ModelRunner:
                                torch.tensor([r[1] for r in restores], device=self.device))
         row = {s.request_id: i for i, s in enumerate(seqs)}
         snaps = [(row[rid], pos, sid) for rid, pos, sid in out.snapshot_requests]
-        num_decode = sum(1 for s in seqs if len(s.token_ids) == 1 and s.context_len > 0)
         lens = [len(s.token_ids) for s in seqs]
         ends, pos = [], 0
         for s, n in zip(seqs, lens):

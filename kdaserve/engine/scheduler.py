@@ -114,8 +114,7 @@ class Scheduler:
             req = self._next_waiting()
             hit = None
             if req.num_computed_tokens == 0:
-                hit = self.cache.find_hit(req.request_id, req.all_token_ids, req.extra_keys,
-                                          req.cache_salt)
+                hit = self.cache.find_hit(req.all_token_ids, req.extra_keys, req.cache_salt)
             computed = hit.num_tokens if hit is not None else req.num_computed_tokens
             n = min(req.num_tokens - computed, budget, chunk_cap)
             if not self.cache.allocate(req.request_id, computed + n, hit):

@@ -73,7 +73,6 @@ class KDALayout:
     pad_src: torch.Tensor           # [Bp, L] rows of prefill tokens (Tp = a zero row)
     unpad_idx: torch.Tensor         # [Tp] flat rows of the padded [Bp*L] layout, packed order
     padded_len: int
-    chunk_start: torch.Tensor       # [Bp] absolute position of the first padded row
     pad_is_reshape: bool = False    # equal lengths, no alignment pad: [Tp] -> [Bp, L] is a view
 
 
@@ -123,10 +122,6 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decode
 
 
 def _arange(n: int, device: torch.device) -> torch.Tensor:
@@ -198,7 +193,7 @@ def build_forward_batch(
     unpad_idx = p_seq * padded_len + pre[p_seq] + p_local
     pad_is_reshape = bool(Bp and (pre == 0).all() and (p_lens == padded_len).all())
     kda = KDALayout(conv_pad_idx, conv_unpad_idx, conv_state_idx, pad_src, unpad_idx, padded_len,
-                    p_ctx - pre, pad_is_reshape)
+                    pad_is_reshape)
 
     q_len = int(p_lens.max()) if Bp else 0
     qi = _arange(q_len, device)

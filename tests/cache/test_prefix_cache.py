@@ -47,7 +47,7 @@ def test_hit_needs_snapshot_and_orphans_are_reused_first():
                      snapshot_interval=1 << 20)
     tokens = list(range(100, 114))                # 14 tokens: 3 full blocks
     m.begin_step()
-    hit = m.find_hit("a", tokens)
+    hit = m.find_hit(tokens)
     assert hit.num_tokens == 0 and hit.cached_mla_tokens == 0
     assert m.allocate("a", 14, hit)
     assert m.plan_snapshots("a", tokens, 14, 0, 14) == [(12, 0)]   # end of last full block
@@ -56,10 +56,10 @@ def test_hit_needs_snapshot_and_orphans_are_reused_first():
     # blocks 0..2 lead to the snapshot: LRU tail; block 3 (partial, no hash) is reused first
     assert m.block_pool.free_order()[0] == 3
     m.begin_step()
-    hit = m.find_hit("b", tokens[:12] + [1, 2, 3])
+    hit = m.find_hit(tokens[:12] + [1, 2, 3])
     assert hit.num_tokens == 12 and hit.snapshot.snapshot_id == 0
     other = tokens[:8] + [7, 7, 7, 7, 7]           # diverges inside block 2
-    hit = m.find_hit("c", other)
+    hit = m.find_hit(other)
     assert hit.num_tokens == 0 and hit.cached_mla_tokens == 8   # no snapshot at 8: a branch
     assert m.allocate("c", 13, hit)
     assert m.plan_snapshots("c", other, 13, 0, 13) == [(8, 1), (12, 2)]
