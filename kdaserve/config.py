@@ -424,6 +424,32 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: who proposes drafts and how many per step.
+
+    method "dspark": the block drafter fed by the target's hidden states (`draft_model` is its
+    directory; default: the `draft/` folder next to the target's weights). method "ngram":
+    prompt lookup, no model (the longest earlier match of the last `ngram_max`..`ngram_min`
+    tokens proposes what followed it).
+    """
+
+    method: str = "dspark"
+    num_speculative_tokens: int = 7
+    draft_model: str | None = None
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in ("dspark", "ngram"):
+            raise ConfigError(f"speculative method must be 'dspark' or 'ngram', got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ConfigError("num_speculative_tokens must be in [1, 32], got "
+                              f"{self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError("need 1 <= ngram_min <= ngram_max")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the weights."""
 
@@ -435,6 +461,7 @@ class EngineConfig:
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -16,6 +16,7 @@ class ScheduledSequence:
     state_slot: int
     sample: bool                      # the chunk ends at the last known token: sample one
     restore_snapshot: int | None = None  # snapshot id to load into the slot first (prefix hit)
+    num_draft_tokens: int = 0         # the last len(...) token_ids are drafts to verify
 
 
 @dataclass
@@ -44,7 +45,13 @@ class SampledToken:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, SampledToken]
+    """sampled: the new tokens of each request that sampled (one, or with speculation the
+    accepted drafts followed by the correction/bonus token). drafts: proposals to verify next
+    step. dropped_snapshots: planned snapshots whose position was rejected (never written)."""
+
+    sampled: dict[str, list[SampledToken]]
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    dropped_snapshots: list[int] = field(default_factory=list)
 
 
 @dataclass

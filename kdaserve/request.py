@@ -114,6 +114,9 @@ class Request:
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    spec_token_ids: list[int] = field(default_factory=list)   # drafts to verify next step
+    num_draft_tokens: int = 0           # drafts verified so far (speculative decoding stats)
+    num_accepted_tokens: int = 0        # of which accepted
 
     @property
     def all_token_ids(self) -> list[int]:

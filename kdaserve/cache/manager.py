@@ -140,8 +140,11 @@ class CacheManager:
 
     def plan_snapshots(self, request_id: str, tokens: list[int], num_prompt: int, start: int,
                        end: int, extra_keys: tuple = (), cache_salt: str | None = None,
-                       ) -> list[tuple[int, int]]:
-        """(position, snapshot id) pairs to take while computing tokens [start, end)."""
+                       certain: int | None = None) -> list[tuple[int, int]]:
+        """(position, snapshot id) pairs to take while computing tokens [start, end).
+
+        Tokens past `certain` are speculative drafts: hashes over them are used for this plan
+        but not remembered (a rejected draft's block must never be committed under them)."""
         if not self.prefix_caching or not self.snapshots.capacity:
             return []
         held = self._held[request_id]
@@ -153,10 +156,12 @@ class CacheManager:
             positions.append(decode_p)
         if not positions:
             return []
-        held.hashes = block_hashes(tokens[:end], bs, extra_keys, cache_salt, held.hashes)
+        certain = end if certain is None else certain
+        hashes = block_hashes(tokens[:end], bs, extra_keys, cache_salt, list(held.hashes))
+        held.hashes = hashes[: max(len(held.hashes), certain // bs)]
         out = []
         for p in positions:
-            chain = held.hashes[: p // bs]
+            chain = hashes[: p // bs]
             snap, orphans = self.snapshots.reserve(chain[-1], p, chain, self.step, self._protect)
             self._demote(orphans)
             if snap is None:
@@ -182,6 +187,15 @@ class CacheManager:
         for i in range(held.num_cached_blocks, full):
             self.block_pool.cache_block(held.blocks[i], held.hashes[i])
         held.num_cached_blocks = full
+
+    def drop_snapshots(self, snapshot_ids: list[int]) -> None:
+        """Forget reserved snapshots that were never written (their position was a rejected
+        draft)."""
+        for sid in snapshot_ids:
+            snap = self.snapshots.by_id.get(sid)
+            if snap is not None:
+                self._demote(self.snapshots.drop(snap))
+                self.stats.snapshots_taken -= 1
 
     def _replace_decode_snapshot(self, held: _Holding, snap: Snapshot) -> None:
         """Policy 4 keeps one decode-time snapshot per request: the latest."""

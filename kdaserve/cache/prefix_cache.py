@@ -76,6 +76,7 @@ class SnapshotPool:
         self.mla_bytes_per_token = mla_bytes_per_token
         self._free = list(range(num_snapshots - 1, -1, -1))
         self.by_hash: dict[bytes, Snapshot] = {}
+        self.by_id: dict[int, Snapshot] = {}
         self.downstream: dict[bytes, int] = {}   # block hash -> snapshots at/after it
         self.evictions = 0
 
@@ -111,6 +112,7 @@ class SnapshotPool:
         snap = Snapshot(self._free.pop(), prefix_hash, position, last_use=step,
                         ready_step=step + 1, chain=list(chain))
         self.by_hash[prefix_hash] = snap
+        self.by_id[snap.snapshot_id] = snap
         for h in snap.chain:
             self.downstream[h] = self.downstream.get(h, 0) + 1
         return snap, orphans
@@ -118,6 +120,7 @@ class SnapshotPool:
     def drop(self, snap: Snapshot) -> list[bytes]:
         """Remove a snapshot; returns the block hashes no snapshot depends on any more."""
         del self.by_hash[snap.prefix_hash]
+        del self.by_id[snap.snapshot_id]
         self._free.append(snap.snapshot_id)
         self.evictions += 1
         orphans = []

@@ -16,6 +16,7 @@ from kdaserve.config import EngineConfig, SchedulerConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.runner import ModelRunner
 from kdaserve.engine.scheduler import Scheduler
+from kdaserve.engine.spec.proposer import NgramDrafts, Proposer
 from kdaserve.model.kimi_linear import KimiLinearForCausalLM
 from kdaserve.model.loader import load_model
 from kdaserve.outputs import RequestDelta
@@ -91,7 +92,8 @@ class EngineCore:
             snapshot_bytes=state.bytes_per_slot, mla_bytes_per_token=latent.bytes_per_token,
             snapshot_interval=cc.state_snapshot_interval)
         self.scheduler = Scheduler(sched, self.cache)
-        self.runner = ModelRunner(model, self.plan, device, seed=config.seed)
+        self.runner = ModelRunner(model, self.plan, device, seed=config.seed,
+                                  proposer=build_proposer(config, model, device))
         self.eos_ids = frozenset(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}
         self._children: dict[str, list[str]] = {}
@@ -203,6 +205,18 @@ class EngineCore:
         kids = self._children.get(tr.parent)
         if kids is not None and all(k not in self._tracked for k in kids):
             del self._children[tr.parent]
+
+
+def build_proposer(config: EngineConfig, model: KimiLinearForCausalLM,
+                   device: torch.device) -> Proposer | None:
+    spec = config.speculative
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return NgramDrafts(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
+    from kdaserve.engine.spec.dspark import DSparkProposer
+
+    return DSparkProposer.from_config(spec, config, model, device)
 
 
 def _has_tokenizer(path: Path) -> bool:

@@ -9,7 +9,7 @@ from typing import Any, Union
 from tqdm.auto import tqdm
 
 from kdaserve.assets import default_model_path
-from kdaserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kdaserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from kdaserve.engine.core import EngineCore
 from kdaserve.outputs import CompletionOutput, RequestOutput
 from kdaserve.request import SamplingParams
@@ -26,7 +26,9 @@ class LLM:
                  long_prefill_token_threshold: int | None = None,
                  enable_prefix_caching: bool = True,
                  state_snapshot_budget: int | None = None,
-                 state_snapshot_interval: int = 512) -> None:
+                 state_snapshot_interval: int = 512,
+                 speculative_method: str | None = None, num_speculative_tokens: int = 7,
+                 speculative_model: str | None = None) -> None:
         path = str(model) if model is not None else str(default_model_path())
         self.config = EngineConfig(
             model=path, dtype=dtype, device=device, kda_chunk_size=kda_chunk_size, seed=seed,
@@ -38,6 +40,10 @@ class LLM:
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       long_prefill_token_threshold=long_prefill_token_threshold),
+            speculative=SpeculativeConfig(method=speculative_method,
+                                          num_speculative_tokens=num_speculative_tokens,
+                                          draft_model=speculative_model)
+            if speculative_method else None,
         )
         self.engine = EngineCore(self.config, progress=True)
         self.tokenizer = self.engine.tokenizer

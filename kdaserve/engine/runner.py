@@ -1,4 +1,10 @@
-"""Owns the tensors: the model, the hybrid cache, per-request RNGs. One forward per step."""
+"""Owns the tensors: the model, the hybrid cache, per-request RNGs. One forward per step.
+
+With speculative decoding a decode row carries the last token and its drafts; the forward keeps
+the KDA state after each of its positions, verification decides how many drafts stand, and the
+state after the last accepted one is committed to the slot (no second pass). MLA latents of
+rejected positions stay in the pages, past the request's computed length, and are overwritten.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +14,18 @@ import torch
 
 from kdaserve.cache.planner import CachePlan
 from kdaserve.engine.sampler import SamplingRow, sample
+from kdaserve.engine.spec.proposer import Proposal, ProposalInput, Proposer
+from kdaserve.engine.spec.rejection import VerifyRow, verify
 from kdaserve.model.batch import HybridCache, build_forward_batch
 from kdaserve.model.kimi_linear import KimiLinearForCausalLM
-from kdaserve.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from kdaserve.outputs import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
 from kdaserve.request import Request
 
 
 class ModelRunner:
     def __init__(self, model: KimiLinearForCausalLM, plan: CachePlan,
-                 device: torch.device | str = "cpu", seed: int = 0) -> None:
+                 device: torch.device | str = "cpu", seed: int = 0,
+                 proposer: Proposer | None = None) -> None:
         self.model = model
         self.device = torch.device(device)
         self.cfg = model.config
@@ -24,7 +33,9 @@ class ModelRunner:
                                           plan.num_state_slots, model.dtype, self.device,
                                           num_snapshots=plan.num_snapshots)
         self.seed = seed
+        self.proposer = proposer
         self._generators: dict[str, torch.Generator] = {}
+        self._draft_probs: dict[str, torch.Tensor] = {}
         self._unseeded = torch.Generator().manual_seed(seed)
         self.num_forward_tokens = 0
 
@@ -38,17 +49,22 @@ class ModelRunner:
         return gen
 
     @staticmethod
-    def order(seqs: list[ScheduledSequence]) -> tuple[list[ScheduledSequence], int]:
-        """Decode rows (one token with context) first, as the model's batch layout requires;
-        returns the ordered sequences and the number of decode rows."""
-        decode = [s for s in seqs if len(s.token_ids) == 1 and s.context_len > 0]
-        rest = [s for s in seqs if not (len(s.token_ids) == 1 and s.context_len > 0)]
+    def is_decode(s: ScheduledSequence) -> bool:
+        return s.context_len > 0 and (len(s.token_ids) == 1 or s.num_draft_tokens > 0)
+
+    @classmethod
+    def order(cls, seqs: list[ScheduledSequence]) -> tuple[list[ScheduledSequence], int]:
+        """Decode rows (one token with context, or a token and its drafts) first, as the
+        model's batch layout requires; returns the ordered sequences and their number."""
+        decode = [s for s in seqs if cls.is_decode(s)]
+        rest = [s for s in seqs if not cls.is_decode(s)]
         return decode + rest, len(decode)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> ModelRunnerOutput:
         for rid in out.finished:
             self._generators.pop(rid, None)
+            self._draft_probs.pop(rid, None)
         if out.is_empty:
             return ModelRunnerOutput(sampled={})
         seqs, num_decode = self.order(out.sequences)
@@ -58,31 +74,102 @@ class ModelRunner:
             self.cache.restore(torch.tensor([r[0] for r in restores], device=self.device),
                                torch.tensor([r[1] for r in restores], device=self.device))
         row = {s.request_id: i for i, s in enumerate(seqs)}
-        snaps = [(row[rid], pos, sid) for rid, pos, sid in out.snapshot_requests]
+        speculating = {s.request_id for s in seqs if s.num_draft_tokens}
+        snaps = [(row[rid], pos, sid) for rid, pos, sid in out.snapshot_requests
+                 if rid not in speculating]
+        spec_snaps = [(row[rid], pos, sid) for rid, pos, sid in out.snapshot_requests
+                      if rid in speculating]
         lens = [len(s.token_ids) for s in seqs]
-        ends, pos = [], 0
+        wanted, starts, pos = [], [], 0
         for s, n in zip(seqs, lens):
+            starts.append(pos)
+            if s.num_draft_tokens:
+                wanted.extend(range(pos, pos + n))
+            elif s.sample:
+                wanted.append(pos + n - 1)
             pos += n
-            if s.sample:
-                ends.append(pos - 1)
         fb = build_forward_batch(
             lens, [s.context_len for s in seqs], num_decode=num_decode,
             conv_kernel=self.cfg.conv_kernel_size, chunk_size=self.model.chunk_size,
             cache=self.cache, block_tables=[s.block_ids for s in seqs],
-            state_slots=[s.state_slot for s in seqs], logits_indices=ends,
+            state_slots=[s.state_slot for s in seqs], logits_indices=wanted,
             snapshots=snaps or None, device=self.device,
         )
         ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long,
                            device=self.device)
         self.num_forward_tokens += len(ids)
-        logits, _ = self.model(ids, fb)
-        sampling = [s for s in seqs if s.sample]
-        if not sampling:
-            return ModelRunnerOutput(sampled={})
-        rows = []
-        for s in sampling:
-            req = requests[s.request_id]
-            rows.append(SamplingRow(s.request_id, req.sampling_params, req.prompt_token_ids,
-                                    req.output_token_ids, self._generator(req)))
-        tokens = sample(logits.cpu(), rows)
-        return ModelRunnerOutput(sampled={s.request_id: t for s, t in zip(sampling, tokens)})
+        capture = self.proposer.capture_layers if self.proposer is not None else ()
+        logits, captured = self.model(ids, fb, capture_layers=capture)
+        sampled = self._sample(seqs, logits.cpu(), requests)
+        valid = [len(sampled[s.request_id]) if s.num_draft_tokens else n
+                 for s, n in zip(seqs, lens)]
+        dropped = self._settle_speculation(fb, seqs, valid, spec_snaps)
+        drafts: dict[str, list[int]] = {}
+        if self.proposer is not None and sampled:
+            hidden = torch.cat(captured, -1) if captured else None
+            rows = {rid: self._sampling_row(requests[rid]) for rid in sampled}
+            props = self.proposer.propose(ProposalInput(
+                seqs, valid, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()},
+                requests, fb, hidden, rows))
+            drafts = self._keep_proposals(props)
+        return ModelRunnerOutput(sampled=sampled, drafts=drafts, dropped_snapshots=dropped)
+
+    def _sampling_row(self, req: Request) -> SamplingRow:
+        return SamplingRow(req.request_id, req.sampling_params, req.prompt_token_ids,
+                           req.output_token_ids, self._generator(req))
+
+    def _sample(self, seqs: list[ScheduledSequence], logits: torch.Tensor,
+                requests: Mapping[str, Request]) -> dict[str, list[SampledToken]]:
+        """logits: the wanted rows in forward order (all positions of verify rows)."""
+        plain_idx, plain_rows, ver_idx, ver_rows = [], [], [], []
+        at = 0
+        for s in seqs:
+            if s.num_draft_tokens:
+                n = s.num_draft_tokens + 1
+                ver_idx.extend(range(at, at + n))
+                probs = self._draft_probs.pop(s.request_id, None)
+                if probs is not None:
+                    probs = probs[: s.num_draft_tokens]
+                ver_rows.append(VerifyRow(self._sampling_row(requests[s.request_id]),
+                                          list(s.token_ids[1:]), probs))
+                at += n
+            elif s.sample:
+                plain_idx.append(at)
+                plain_rows.append(self._sampling_row(requests[s.request_id]))
+                at += 1
+        out: dict[str, list[SampledToken]] = {}
+        if plain_rows:
+            tokens = sample(logits[plain_idx], plain_rows)
+            out.update({r.request_id: [t] for r, t in zip(plain_rows, tokens)})
+        if ver_rows:
+            tokens = verify(logits[ver_idx], ver_rows)
+            out.update({v.row.request_id: t for v, t in zip(ver_rows, tokens)})
+        return out
+
+    def _settle_speculation(self, fb, seqs: list[ScheduledSequence], valid: list[int],
+                            spec_snaps: list[tuple[int, int, int]]) -> list[int]:
+        """Commit the KDA state after each verify row's last accepted token, take the
+        snapshots that fall on accepted positions; returns the snapshot ids dropped."""
+        rolled = [(b, valid[b] - 1, s.state_slot) for b, s in enumerate(seqs)
+                  if s.num_draft_tokens and valid[b] < len(s.token_ids)]
+        if rolled and self.cfg.kda_layers:
+            b, upto, slot = (torch.tensor(c, device=self.device) for c in zip(*rolled))
+            self.cache.commit_decode(fb, b, upto, slot)
+        taken, dropped = [], []
+        for b, p, sid in spec_snaps:
+            upto = p - seqs[b].context_len
+            (taken if upto <= valid[b] else dropped).append((b, upto - 1, sid))
+        if taken and self.cfg.kda_layers:
+            b, upto, sid = (torch.tensor(c, device=self.device) for c in zip(*taken))
+            self.cache.snapshot_decode(fb, b, upto, sid)
+        return [sid for _, _, sid in dropped]
+
+    def _keep_proposals(self, props: dict[str, Proposal]) -> dict[str, list[int]]:
+        drafts = {}
+        for rid, p in props.items():
+            drafts[rid] = p.tokens
+            if p.probs is not None:
+                self._draft_probs[rid] = p.probs
+            else:
+                self._draft_probs.pop(rid, None)
+        return drafts

@@ -82,12 +82,18 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
         i = 0
+        drafts: dict[str, int] = {}
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
             if n <= 0:
                 i += 1
                 continue
+            if n == 1 and req.spec_token_ids:
+                d = self._num_drafts(req, budget)
+                if d:
+                    drafts[req.request_id] = d
+                    n += d
             while not self.cache.allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -103,7 +109,8 @@ class Scheduler:
         if not preempted:
             self._admit(scheduled, budget, chunk_cap)
         snaps: list[tuple[str, int, int]] = []
-        seqs = [self._to_sequence(req, n, snaps) for req, n in scheduled]
+        seqs = [self._to_sequence(req, n, snaps, drafts.get(req.request_id, 0))
+                for req, n in scheduled]
         self._restore.clear()
         finished, self._finished_since_step = self._finished_since_step, []
         return SchedulerOutput(sequences=seqs, preempted=preempted, finished=finished,
@@ -134,6 +141,13 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
 
+    def _num_drafts(self, req: Request, budget: int) -> int:
+        """How many of the request's drafts to verify: never past max_tokens or max_model_len
+        (the step yields drafts + 1 tokens), nor the step's token budget."""
+        room = min(req.max_tokens - len(req.output_token_ids),
+                   self.config.max_model_len - req.num_tokens) - 1
+        return max(0, min(len(req.spec_token_ids), room, budget - 1))
+
     def pop_ended(self) -> list[str]:
         """Requests the scheduler ended on its own since the last call (too large to fit)."""
         ended, self._ended = self._ended, []
@@ -148,25 +162,31 @@ class Scheduler:
         self.cache.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _to_sequence(self, req: Request, n: int,
-                     snaps: list[tuple[str, int, int]]) -> ScheduledSequence:
+    def _to_sequence(self, req: Request, n: int, snaps: list[tuple[str, int, int]],
+                     num_drafts: int = 0) -> ScheduledSequence:
         start = req.num_computed_tokens
         all_ids = req.all_token_ids
-        tokens = all_ids[start:start + n]
-        for pos, sid in self.cache.plan_snapshots(req.request_id, all_ids, req.num_prompt_tokens,
+        tokens = all_ids[start:start + n - num_drafts] + req.spec_token_ids[:num_drafts]
+        # Snapshots past a draft's position are taken only if that draft is accepted; the
+        # runner reports the others as dropped (hashing drafts here is what they would be).
+        for pos, sid in self.cache.plan_snapshots(req.request_id, all_ids + tokens[1:]
+                                                  if num_drafts else all_ids,
+                                                  req.num_prompt_tokens,
                                                   start, start + n, req.extra_keys,
-                                                  req.cache_salt):
+                                                  req.cache_salt, certain=start + n - num_drafts):
             snaps.append((req.request_id, pos, sid))
         return ScheduledSequence(
             request_id=req.request_id, token_ids=tokens, context_len=start,
             block_ids=self.cache.block_ids(req.request_id),
             state_slot=self.cache.slot(req.request_id),
-            sample=start + n == req.num_tokens,
+            sample=start + n - num_drafts == req.num_tokens,
             restore_snapshot=self._restore.get(req.request_id),
+            num_draft_tokens=num_drafts,
         )
 
     # ---- after the model ran ----------------------------------------------------------------
@@ -174,24 +194,44 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, finish what hit a stop.
         Returns the requests that got a new token (finished ones included)."""
         touched = []
+        if result.dropped_snapshots:
+            self.cache.drop_snapshots(result.dropped_snapshots)
         for seq in out.sequences:
             req = self.requests.get(seq.request_id)
             if req is None:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += len(seq.token_ids)
-            self.cache.commit(req.request_id, req.all_token_ids, req.num_computed_tokens,
-                              req.extra_keys, req.cache_salt)
+            tokens = result.sampled.get(seq.request_id, []) if seq.sample else []
+            if seq.num_draft_tokens:
+                # the last known token and the accepted drafts are computed; the rest is not
+                req.num_computed_tokens += len(tokens)
+                req.num_draft_tokens += seq.num_draft_tokens
+                req.num_accepted_tokens += len(tokens) - 1
+            else:
+                req.num_computed_tokens += len(seq.token_ids)
+            req.spec_token_ids = []
             if not seq.sample:
+                self._commit(req)
                 continue
-            token = result.sampled[seq.request_id]
-            req.output_token_ids.append(token.token_id)
-            if token.top_logprobs is not None:
-                req.output_logprobs.append(token.top_logprobs)
+            status = None
+            for token in tokens:  # a stop inside an accepted run drops the tokens after it
+                req.output_token_ids.append(token.token_id)
+                if token.top_logprobs is not None:
+                    req.output_logprobs.append(token.top_logprobs)
+                status = self._stop_status(req)
+                if status is not None:
+                    break
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+            self._commit(req)
             touched.append(req)
-            status = self._stop_status(req)
             if status is not None:
                 self.finish(req.request_id, status)
+            else:
+                req.spec_token_ids = result.drafts.get(req.request_id, [])
         return touched
+
+    def _commit(self, req: Request) -> None:
+        self.cache.commit(req.request_id, req.all_token_ids, req.num_computed_tokens,
+                          req.extra_keys, req.cache_salt)
 
     def _stop_status(self, req: Request) -> RequestStatus | None:
         sp = req.sampling_params

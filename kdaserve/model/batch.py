@@ -1,8 +1,9 @@
 """The token layout of one forward pass, shared by every layer.
 
 Sequences are packed back to back into T rows. The first `num_decode` sequences are decode rows
-(exactly one new token each, with context in the cache); the rest are prefill rows (chunks of
-prompts, or whole sequences when there is no cache). All gather indices are built once here,
+(a few new tokens with context in the cache: one, or with speculation the last token and its
+drafts, run through the KDA recurrence keeping the state after each position); the rest are
+prefill rows (chunks of prompts, or whole sequences when there is no cache). All gather indices are built once here,
 vectorised, so a layer's forward is a handful of batched tensor ops.
 
 Legend: T tokens, B sequences (Bd decode, Bp prefill), K conv kernel, C KDA chunk size,
@@ -65,6 +66,27 @@ class HybridCache:
             cv.index_copy_(0, slots, scv.index_select(0, snapshot_ids))
 
 
+    def commit_decode(self, fb: ForwardBatch, rows: torch.Tensor, upto: torch.Tensor,
+                      slots: torch.Tensor) -> None:
+        """Roll multi-token decode rows back: the state and conv window after position `upto`
+        of decode row `rows` (kept by the forward) become the slot's, every KDA layer."""
+        self._copy_decode(fb, rows, upto, slots, self.kda_states, self.kda_conv)
+
+    def snapshot_decode(self, fb: ForwardBatch, rows: torch.Tensor, upto: torch.Tensor,
+                        snapshot_ids: torch.Tensor) -> None:
+        """Save the kept state after position `upto` of decode row `rows` as snapshots."""
+        self._copy_decode(fb, rows, upto, snapshot_ids, self.snap_states, self.snap_conv)
+
+    def _copy_decode(self, fb: ForwardBatch, rows: torch.Tensor, upto: torch.Tensor,
+                     dest: torch.Tensor, states: list[torch.Tensor],
+                     convs: list[torch.Tensor]) -> None:
+        assert fb.decode is not None
+        ld = fb.decode.pad_src.shape[1]
+        for i, (st, cv) in enumerate(zip(states, convs)):
+            st.index_copy_(0, dest, fb.decode_states[i][rows, upto].to(st.dtype))
+            cv.index_copy_(0, dest, fb.decode_windows[i][rows * ld + upto].to(cv.dtype))
+
+
 @dataclass
 class KDALayout:
     conv_pad_idx: torch.Tensor      # [B, K-1+Lc] rows of cat(window.view(B*(K-1), C), x, 0)
@@ -74,6 +96,15 @@ class KDALayout:
     unpad_idx: torch.Tensor         # [Tp] flat rows of the padded [Bp*L] layout, packed order
     padded_len: int
     pad_is_reshape: bool = False    # equal lengths, no alignment pad: [Tp] -> [Bp, L] is a view
+
+
+@dataclass
+class DecodeLayout:
+    """Decode rows with more than one token (verification of drafts): a padded [Bd, Ld] view."""
+
+    pad_src: torch.Tensor           # [Bd, Ld] rows of decode tokens (Td = a zero row)
+    unpad_idx: torch.Tensor         # [Td] flat rows of [Bd*Ld], packed order
+    window_idx: torch.Tensor        # [Bd*Ld, K-1] conv-window rows after each position
 
 
 @dataclass
@@ -90,8 +121,8 @@ class SnapshotPlan:
 @dataclass
 class MLALayout:
     slot_mapping: torch.Tensor | None      # [T] flat cache row for each new token
-    decode_ctx_idx: torch.Tensor | None    # [Bd, Ld] flat cache rows
-    decode_ctx_mask: torch.Tensor | None   # [Bd, Ld] bool
+    decode_ctx_idx: torch.Tensor | None    # [Td, Lk] flat cache rows (one query per token)
+    decode_ctx_mask: torch.Tensor | None   # [Td, Lk] bool
     prefill_q_idx: torch.Tensor            # [Bp, Qp] rows of prefill tokens (Tp = zero row)
     prefill_unpad_idx: torch.Tensor        # [Tp] flat rows of [Bp*Qp]
     prefill_ctx_idx: torch.Tensor | None   # [Bp, Lp] flat cache rows (None: no cache)
@@ -106,6 +137,11 @@ class ForwardBatch:
     positions: torch.Tensor                 # [T]
     kda: KDALayout
     mla: MLALayout
+    num_decode_tokens: int = 0
+    decode: DecodeLayout | None = None      # set when a decode row has several tokens
+    # filled by KDA layers for multi-token decode rows: state / conv window after each position
+    decode_states: dict[int, torch.Tensor] = field(default_factory=dict)   # [Bd, Ld, H, K, V]
+    decode_windows: dict[int, torch.Tensor] = field(default_factory=dict)  # [Bd*Ld, K-1, C]
     cache: HybridCache | None = None
     state_slots: torch.Tensor | None = None  # [B] KDA slot of each sequence
     has_initial_state: torch.Tensor | None = None  # [B] float 1/0: read the slot or start at 0
@@ -151,8 +187,8 @@ def build_forward_batch(
         raise ValueError("a forward without a cache cannot continue sequences (context_lens > 0)")
     if any(n <= 0 for n in seq_lens):
         raise ValueError("every sequence in a batch needs at least one token")
-    if any(seq_lens[i] != 1 for i in range(num_decode)):
-        raise ValueError("decode rows must have exactly one token")
+    if any(ctx_list[i] <= 0 for i in range(num_decode)):
+        raise ValueError("decode rows continue a sequence: they need context")
     lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
     ctx = torch.tensor(ctx_list, dtype=torch.long, device=device)
     cu = torch.zeros(B + 1, dtype=torch.long, device=device)
@@ -175,8 +211,24 @@ def build_forward_batch(
     conv_state_idx = torch.where(offs >= 0, B * km1 + cu[:-1][:, None] + offs,
                                  _arange(B, device)[:, None] * km1 + km1 + offs)
 
+    # ---- decode rows with several tokens: padded [Bd, Ld] for the recurrence ---------------
+    Td = int(cu[num_decode])
+    decode = None
+    if num_decode and Td > num_decode:
+        d_lens = lens[:num_decode]
+        ld = int(d_lens.max())
+        jd = _arange(ld, device)
+        d_valid = jd[None] < d_lens[:, None]
+        d_pad_src = torch.where(d_valid, cu[:num_decode, None] + jd[None],
+                                torch.full((num_decode, ld), Td, dtype=torch.long, device=device))
+        d_unpad = seq_of[:Td] * ld + local[:Td]
+        b_of = _arange(num_decode, device).repeat_interleave(ld)                # [Bd*Ld]
+        offs = (jd + 1).repeat(num_decode)[:, None] - km1 + _arange(km1, device)[None]
+        d_window = torch.where(offs >= 0, B * km1 + cu[b_of][:, None] + offs,
+                               b_of[:, None] * km1 + km1 + offs).clamp(max=B * km1 + T)
+        decode = DecodeLayout(d_pad_src, d_unpad, d_window)
+
     # ---- prefill rows: padded layouts for KDA chunks and MLA queries -----------------------
-    Td = num_decode
     p_lens, p_ctx, p_cu = lens[num_decode:], ctx[num_decode:], cu[num_decode:] - Td
     Bp = B - num_decode
     Tp = T - Td
@@ -219,11 +271,11 @@ def build_forward_batch(
 
         slot_mapping = rows(seq_of, positions)
         if num_decode:
-            d_total = ctx[:num_decode] + 1
-            ld = int(d_total.max())
-            jd = _arange(ld, device)
-            decode_ctx_idx = rows(_arange(num_decode, device)[:, None], jd[None].expand(num_decode, ld))
-            decode_ctx_mask = jd[None] < d_total[:, None]
+            d_total = positions[:Td] + 1
+            lk = int(d_total.max())
+            jk = _arange(lk, device)
+            decode_ctx_idx = rows(seq_of[:Td, None], jk[None].expand(Td, lk))
+            decode_ctx_mask = jk[None] < d_total[:, None]
         if Bp:
             total = p_ctx + p_lens
             lp = int(total.max())
@@ -255,7 +307,8 @@ def build_forward_batch(
         has_init = (ctx > 0).to(torch.float32)
     return ForwardBatch(
         seq_lens=list(seq_lens), context_lens=ctx_list, num_decode=num_decode,
-        positions=positions, kda=kda, mla=mla, cache=cache, state_slots=slots,
+        positions=positions, kda=kda, mla=mla, num_decode_tokens=Td, decode=decode,
+        cache=cache, state_slots=slots,
         has_initial_state=has_init, num_fresh=sum(1 for c in ctx_list if c == 0),
         logits_indices=li, keep_chunk_states=keep_chunk_states, snapshots=plan,
     )

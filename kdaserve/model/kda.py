@@ -54,7 +54,7 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]
-        B, Td = fb.num_seqs, fb.num_decode
+        B, Bd, Td = fb.num_seqs, fb.num_decode, fb.num_decode_tokens
         H, D = self.num_heads, self.head_dim
         cache = fb.cache
         km1 = self.q_conv1d.kernel_size[0] - 1
@@ -76,9 +76,17 @@ class KimiDeltaAttention(nn.Module):
             s0 = torch.zeros(B, H, D, D, dtype=torch.float32, device=x.device)
         lay = fb.kda
         plan = fb.snapshots
-        conv, new_window, snap_windows = causal_conv1d_packed(
+        dec = fb.decode
+        snap_idx = plan.window_idx if plan is not None else None
+        dec_idx = dec.window_idx if dec is not None and cache is not None else None
+        parts = [i for i in (snap_idx, dec_idx) if i is not None]
+        conv, new_window, windows = causal_conv1d_packed(
             pre, window, w.squeeze(1), lay.conv_pad_idx, lay.conv_unpad_idx, lay.conv_state_idx,
-            plan.window_idx if plan is not None else None)
+            torch.cat(parts, 0) if parts else None)
+        n_snap = snap_idx.shape[0] if snap_idx is not None else 0
+        snap_windows = windows[:n_snap] if windows is not None else None
+        if dec_idx is not None:
+            fb.decode_windows[self.kda_index] = windows[n_snap:]
         q, k, v = F.silu(conv).float().view(T, 3, H, D).unbind(1)
         q = l2norm(q) * D ** -0.5
         k = l2norm(k)
@@ -87,11 +95,21 @@ class KimiDeltaAttention(nn.Module):
 
         ops = kda_ops(x.device)
         outs, states = [], []
-        if Td:
-            o_d, s_d = ops.step(q[:Td], k[:Td], v[:Td], g[:Td], beta[:Td], s0[:Td], inplace=True)
+        if Bd and dec is None:
+            o_d, s_d = ops.step(q[:Td], k[:Td], v[:Td], g[:Td], beta[:Td], s0[:Bd], inplace=True)
             outs.append(o_d)
             states.append(s_d)
-        if B > Td:
+        elif Bd:  # several tokens per row: the recurrence, keeping the state after each one
+            def dpad(t: torch.Tensor) -> torch.Tensor:                         # [Td,...]->[Bd,Ld,...]
+                return torch.cat([t[:Td], t.new_zeros((1,) + t.shape[1:])], 0)[dec.pad_src]
+
+            o_d, s_d, kept = ops.recurrent(dpad(q), dpad(k), dpad(v), dpad(g), dpad(beta),
+                                           s0[:Bd], keep_states=cache is not None)
+            outs.append(o_d.reshape(-1, H, D)[dec.unpad_idx])
+            states.append(s_d)
+            if kept is not None:
+                fb.decode_states[self.kda_index] = kept
+        if B > Bd:
             Bp, L = lay.pad_src.shape
 
             def pad(t: torch.Tensor) -> torch.Tensor:                          # [Tp,...]->[Bp,L,...]
@@ -100,7 +118,7 @@ class KimiDeltaAttention(nn.Module):
                 t = torch.cat([t[Td:], t.new_zeros((1,) + t.shape[1:])], 0)
                 return t[lay.pad_src]
 
-            o_p, s_p, kept = ops.chunk(pad(q), pad(k), pad(v), pad(g), pad(beta), s0[Td:],
+            o_p, s_p, kept = ops.chunk(pad(q), pad(k), pad(v), pad(g), pad(beta), s0[Bd:],
                                        self.chunk_size, fb.keep_chunk_states)
             o_p = o_p.reshape(Bp * L, H, D)
             outs.append(o_p if lay.pad_is_reshape else o_p[lay.unpad_idx])
@@ -114,7 +132,7 @@ class KimiDeltaAttention(nn.Module):
             conv_store.index_copy_(0, fb.state_slots, new_window.to(conv_store.dtype))
             if plan is not None:
                 self._save_snapshots(cache, plan, s_new, fb.chunk_states.get(self.kda_index),
-                                     snap_windows, Td)
+                                     snap_windows, Bd)
         gate = self.g_b_proj(self.g_a_proj(x)).view(T, H, D)
         o = self.o_norm(o.to(x.dtype), gate).reshape(T, H * D)
         return self.o_proj(o)

@@ -65,7 +65,7 @@ class MultiHeadLatentAttention(nn.Module):
         return torch.cat([k_nope, k_pe], -1), v
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        T, Td = x.shape[0], fb.num_decode
+        T, Td = x.shape[0], fb.num_decode_tokens
         q = self.queries(x)                                                     # [T,H,N+R]
         if self.use_rope and self.rope:
             q = torch.cat([q[..., : self.nope], apply_rope(q[..., self.nope:], fb.positions,

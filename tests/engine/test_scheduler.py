@@ -25,7 +25,7 @@ def req(rid, n, max_tokens=5, priority=0, t=0.0):
 
 def step(s: Scheduler, token=7):
     out = s.schedule()
-    sampled = {q.request_id: SampledToken(token) for q in out.sequences if q.sample}
+    sampled = {q.request_id: [SampledToken(token)] for q in out.sequences if q.sample}
     s.update(out, ModelRunnerOutput(sampled))
     return {q.request_id: len(q.token_ids) for q in out.sequences}, out
 

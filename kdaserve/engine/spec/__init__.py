@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (n-gram, the DSpark block drafter) and the rejection sampler."""

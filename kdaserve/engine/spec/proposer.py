@@ -1,0 +1,58 @@
+"""What a proposer sees after a verified step, and the interface every proposer implements."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kdaserve.engine.sampler import SamplingRow
+from kdaserve.model.batch import ForwardBatch
+from kdaserve.outputs import ScheduledSequence
+from kdaserve.request import Request
+
+
+@dataclass
+class ProposalInput:
+    seqs: list[ScheduledSequence]        # in forward order
+    num_valid: list[int]                 # tokens of each sequence whose computation stands
+    new_tokens: dict[str, list[int]]     # tokens sampled this step, per request that sampled
+    requests: Mapping[str, Request]
+    fb: ForwardBatch
+    hidden: torch.Tensor | None          # [T, n*H] the target's hidden states at the draft's layers
+    sampling: dict[str, SamplingRow]     # per request that sampled (its generator, params)
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: torch.Tensor | None = None    # [len(tokens), V] when drawn at random, else None
+
+
+class Proposer(Protocol):
+    num_tokens: int
+    capture_layers: tuple[int, ...]
+
+    def propose(self, inp: ProposalInput) -> dict[str, Proposal]: ...
+
+
+class NgramDrafts:
+    """The n-gram proposer behind the Proposer interface."""
+
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, num_tokens: int, ngram_min: int, ngram_max: int) -> None:
+        from kdaserve.engine.spec.ngram import NgramProposer
+
+        self.num_tokens = num_tokens
+        self.lookup = NgramProposer(num_tokens, ngram_min, ngram_max)
+
+    def propose(self, inp: ProposalInput) -> dict[str, Proposal]:
+        out = {}
+        for rid, new in inp.new_tokens.items():
+            drafts = self.lookup.propose(inp.requests[rid].all_token_ids + new)
+            if drafts:
+                out[rid] = Proposal(drafts)
+        return out
