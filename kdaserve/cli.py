@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     from kdaserve.train.demo import add_arguments as add_train_arguments
 
     add_train_arguments(sub.add_parser("train", help="train the demo model from its corpus"))
+    from kdaserve.train.draft import add_extract_arguments, add_train_draft_arguments
+
+    add_extract_arguments(sub.add_parser(
+        "extract-hidden", help="target hidden states over a corpus, for draft training"))
+    add_train_draft_arguments(sub.add_parser(
+        "train-draft", help="train the DSpark draft on extract-hidden shards"))
     return p
 
 
@@ -101,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
         from kdaserve.train.demo import run
 
         return run(args)
+    if args.command == "extract-hidden":
+        from kdaserve.train.draft import run_extract
+
+        return run_extract(args)
+    if args.command == "train-draft":
+        from kdaserve.train.draft import run_train_draft
+
+        return run_train_draft(args)
     return 2
 
 

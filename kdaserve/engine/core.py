@@ -93,7 +93,7 @@ class EngineCore:
             snapshot_interval=cc.state_snapshot_interval)
         self.scheduler = Scheduler(sched, self.cache)
         self.runner = ModelRunner(model, self.plan, device, seed=config.seed,
-                                  proposer=build_proposer(config, model, device))
+                                  proposer=build_proposer(config, model, device, self.plan))
         self.eos_ids = frozenset(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}
         self._children: dict[str, list[str]] = {}
@@ -208,7 +208,7 @@ class EngineCore:
 
 
 def build_proposer(config: EngineConfig, model: KimiLinearForCausalLM,
-                   device: torch.device) -> Proposer | None:
+                   device: torch.device, plan: CachePlan) -> Proposer | None:
     spec = config.speculative
     if spec is None:
         return None
@@ -216,7 +216,8 @@ def build_proposer(config: EngineConfig, model: KimiLinearForCausalLM,
         return NgramDrafts(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
     from kdaserve.engine.spec.dspark import DSparkProposer
 
-    return DSparkProposer.from_config(spec, config, model, device)
+    return DSparkProposer.from_config(spec, config, model, device, plan.num_blocks,
+                                      plan.block_size)
 
 
 def _has_tokenizer(path: Path) -> bool:

@@ -1,0 +1,112 @@
+"""The DSpark proposer: ingests the target's hidden states into the draft's MLA pages (same block
+ids as the target's pages), then drafts a block of k tokens per request in one draft forward.
+
+Legend: B requests drafting, L context positions, k drafts, V vocab.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kdaserve.config import EngineConfig, SpeculativeConfig
+from kdaserve.engine.spec.proposer import Proposal, ProposalInput
+from kdaserve.engine.spec.rejection import _draw, target_probs
+from kdaserve.model.dspark import DSparkDraft
+from kdaserve.model.kimi_linear import KimiLinearForCausalLM
+
+
+class DSparkProposer:
+    def __init__(self, draft: DSparkDraft, target: KimiLinearForCausalLM, num_tokens: int,
+                 num_blocks: int, block_size: int, device: torch.device) -> None:
+        cfg = draft.config
+        self.draft, self.target = draft, target
+        self.num_tokens = min(num_tokens, cfg.block_size)
+        self.block = cfg.block_size
+        self.capture_layers = tuple(cfg.target_layer_ids)
+        self.block_size = block_size
+        self.device = device
+        self.pages = [torch.zeros(num_blocks, block_size, cfg.mla_latent_dim,
+                                  dtype=target.dtype, device=device) for _ in draft.layers]
+
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig, config: EngineConfig,
+                    target: KimiLinearForCausalLM, device: torch.device,
+                    num_blocks: int, block_size: int) -> DSparkProposer:
+        path = Path(spec.draft_model) if spec.draft_model else Path(config.model) / "draft"
+        draft = DSparkDraft.from_pretrained(path, dtype=target.dtype, device=device)
+        if draft.config.hidden_size != target.config.hidden_size or \
+                draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"draft {path} does not fit the target (hidden/vocab size differ)")
+        if max(draft.config.target_layer_ids) >= target.config.num_hidden_layers:
+            raise ValueError(f"draft {path} reads target layers the target does not have")
+        return cls(draft, target, spec.num_speculative_tokens, num_blocks, block_size, device)
+
+    @torch.inference_mode()
+    def propose(self, inp: ProposalInput) -> dict[str, Proposal]:
+        fb, seqs = inp.fb, inp.seqs
+        starts, pos = [], 0
+        for s in seqs:
+            starts.append(pos)
+            pos += len(s.token_ids)
+        # 1. the target's hidden states of every position that stands become draft context
+        rows = torch.tensor([starts[b] + j for b, m in enumerate(inp.num_valid) for j in range(m)],
+                            dtype=torch.long, device=self.device)
+        lats = self.draft.context_latents(inp.hidden[rows], fb.positions[rows])
+        dest = fb.mla.slot_mapping[rows]
+        for page, lat in zip(self.pages, lats):
+            page.view(-1, page.shape[-1]).index_copy_(0, dest, lat.to(page.dtype))
+        # 2. one block per request that sampled: its newest token, then mask positions
+        drafting = [(b, s) for b, s in enumerate(seqs) if s.request_id in inp.new_tokens]
+        if not drafting:
+            return {}
+        k = self.num_tokens
+        first_tok = torch.tensor([inp.new_tokens[s.request_id][-1] for _, s in drafting],
+                                 device=self.device)
+        ctx_len = torch.tensor([s.context_len + inp.num_valid[b] for b, s in drafting],
+                               device=self.device)                                   # [B]
+        B, L = len(drafting), int(ctx_len.max())
+        width = max(len(s.block_ids) for _, s in drafting)
+        bt = torch.zeros(B, width, dtype=torch.long)
+        for i, (_, s) in enumerate(drafting):
+            bt[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.long)
+        bt = bt.to(self.device)
+        j = torch.arange(L, device=self.device)
+        blk = (j // self.block_size).clamp(max=width - 1)
+        ctx_rows = bt[:, blk] * self.block_size + j % self.block_size               # [B,L]
+        ctx_mask = j[None] < ctx_len[:, None]
+        ctx = [page.view(-1, page.shape[-1])[ctx_rows] for page in self.pages]
+        mask = torch.cat([ctx_mask[:, None].expand(B, self.block, L),
+                          torch.ones(B, self.block, self.block, dtype=torch.bool,
+                                     device=self.device)], -1)
+        positions = ctx_len[:, None] + torch.arange(self.block, device=self.device)[None]
+        first = self.target.model.embed_tokens(first_tok)[:, None]
+        h = self.draft.block_hidden(first, positions, ctx, mask, self.block)[:, :k]
+        logits = self.target.lm_head(h).float()                                      # [B,k,V]
+        return self._pick(logits, first_tok, [inp.sampling[s.request_id] for _, s in drafting],
+                          [s.request_id for _, s in drafting])
+
+    def _pick(self, logits: torch.Tensor, prev: torch.Tensor, rows, rids) -> dict[str, Proposal]:
+        """Left to right: each draft adds the Markov bias of the one before it."""
+        B, k, _ = logits.shape
+        random = [i for i, r in enumerate(rows) if r.params.temperature > 0]
+        tokens = torch.empty(B, k, dtype=torch.long)
+        probs = torch.empty(len(random), k, logits.shape[-1]) if random else None
+        prev = prev.cpu()
+        logits = logits.cpu()
+        for j in range(k):
+            lj = logits[:, j] + self.draft.markov_bias(prev).float().cpu()
+            tok = lj.argmax(-1)
+            if random:
+                q = target_probs(lj[random], [rows[i] for i in random])
+                probs[:, j] = q
+                for n, i in enumerate(random):
+                    tok[i] = _draw(q[n], rows[i].generator)
+            tokens[:, j] = tok
+            prev = tok
+        out = {}
+        where = {i: n for n, i in enumerate(random)}
+        for i, rid in enumerate(rids):
+            out[rid] = Proposal(tokens[i].tolist(), probs[where[i]] if i in where else None)
+        return out

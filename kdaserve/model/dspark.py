@@ -1,0 +1,172 @@
+"""The DSpark-style block drafter: a few dense MLA decoder layers fed by the target's hidden states.
+
+Its context is not tokens: the target's hidden states after `target_layer_ids`, concatenated,
+go through `context_proj` + norm, and each draft layer's kv_a projection turns them into that
+layer's MLA latents (cached in pages, like the target's). One forward drafts a block of k query
+positions per request: the last accepted token followed by k-1 mask embeddings, attending to the
+context and, non-causally, to each other. Tokens are then picked left to right with a low-rank
+Markov bias from the previous token. Only the target's embedding and LM head are shared.
+
+Legend: B requests, Q query positions, L context positions, H hidden, D latent width, V vocab.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from kdaserve.model.layers import MLP, RMSNorm
+from kdaserve.model.mla import MultiHeadLatentAttention
+from kdaserve.ops.mla import mla_absorbed
+from kdaserve.ops.rope import apply_rope
+
+MODEL_TYPE = "dspark_draft"
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """Field names follow the target's ModelConfig, so the MLA module reads either."""
+
+    hidden_size: int
+    vocab_size: int
+    target_layer_ids: tuple[int, ...]
+    num_hidden_layers: int = 1
+    num_attention_heads: int = 4
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    intermediate_size: int = 512
+    block_size: int = 8
+    markov_rank: int = 32
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    q_lora_rank: int | None = None
+    mla_use_nope: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def mla_latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return {"model_type": MODEL_TYPE, **d}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> DraftConfig:
+        if raw.get("model_type") != MODEL_TYPE:
+            raise ValueError(f"not a DSpark draft config (model_type {raw.get('model_type')!r})")
+        known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
+        known["target_layer_ids"] = tuple(known["target_layer_ids"])
+        return cls(**known)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MultiHeadLatentAttention(cfg, 0)  # type: ignore[arg-type]
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """x [B,Q,H] block rows at positions [B,Q]; ctx [B,L,D] this layer's context latents;
+        mask [B,Q,L+Q]: what each query may see of context then block."""
+        attn = self.self_attn
+        b, q_len, hid = x.shape
+        h = self.input_layernorm(x).reshape(b * q_len, hid)
+        flat_pos = positions.reshape(-1)
+        q = attn.queries(h)                                                   # [BQ,heads,N+R]
+        q_pe = q[..., attn.nope:]
+        if attn.use_rope and attn.rope:
+            q_pe = apply_rope(q_pe, flat_pos, attn.rope_theta)
+        own = attn.latents(h, flat_pos).view(b, q_len, -1)                     # [B,Q,D]
+        keys = torch.cat([ctx.to(own.dtype), own], 1)                          # [B,L+Q,D]
+        w_uk, w_uv = attn.absorbed_weights()
+        o = mla_absorbed(q[..., : attn.nope].view(b, q_len, attn.num_heads, attn.nope),
+                         q_pe.reshape(b, q_len, attn.num_heads, -1), keys, mask, w_uk, w_uv,
+                         attn.scale)
+        x = x + attn.o_proj(o.reshape(b, q_len, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DSparkDraft(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        hid = cfg.hidden_size
+        self.context_proj = nn.Linear(hid * len(cfg.target_layer_ids), hid, bias=False)
+        self.context_norm = RMSNorm(hid, cfg.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(hid))
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(hid, cfg.rms_norm_eps)
+        self.markov_in = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
+        self.markov_out = nn.Linear(cfg.markov_rank, cfg.vocab_size, bias=False)
+        nn.init.zeros_(self.markov_out.weight)
+
+    # ---- the pieces inference and training share ------------------------------------------
+    def context_latents(self, hidden: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """Target hidden states [T, n*H] at positions [T] -> each draft layer's latents [T, D]."""
+        c = self.context_norm(self.context_proj(hidden.to(self.context_proj.weight.dtype)))
+        return [layer.self_attn.latents(c, positions) for layer in self.layers]
+
+    def block_hidden(self, first: torch.Tensor, positions: torch.Tensor,
+                     ctx: list[torch.Tensor], mask: torch.Tensor, block: int) -> torch.Tensor:
+        """first [B,Q/block,H]: embeddings of each block's first token; the rest of every block
+        is mask embeddings. positions [B,Q]; ctx per layer [B,L,D]; mask [B,Q,L+Q]."""
+        b, nb, hid = first.shape
+        x = torch.cat([first[:, :, None], self.mask_embedding.to(first.dtype).expand(
+            b, nb, block - 1, hid)], 2).reshape(b, nb * block, hid)
+        for layer, lat in zip(self.layers, ctx):
+            x = layer(x, positions, lat, mask)
+        return self.norm(x)
+
+    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
+        """[...] previous tokens -> [..., V] additive logits."""
+        return self.markov_out(self.markov_in(prev))
+
+    # ---- files ------------------------------------------------------------------------------
+    def save_pretrained(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> DSparkDraft:
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"no draft model at {path} (config.json missing)")
+        cfg = DraftConfig.from_dict(json.loads((path / "config.json").read_text()))
+        model = cls(cfg)
+        state = load_file(str(path / "model.safetensors"))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"draft checkpoint {path}: missing {sorted(missing)}, "
+                             f"unexpected {sorted(unexpected)}")
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def training_mask(ctx_len: int, anchors: torch.Tensor, block: int) -> torch.Tensor:
+    """anchors [B,A] block start positions -> mask [B, A*block, ctx_len + A*block]: a block's
+    queries see the context before its anchor and every position of their own block."""
+    b, a = anchors.shape
+    q_anchor = anchors.repeat_interleave(block, 1)                              # [B,Q]
+    ctx_ok = torch.arange(ctx_len, device=anchors.device)[None, None] < q_anchor[..., None]
+    blk = torch.arange(a, device=anchors.device).repeat_interleave(block)
+    same = (blk[:, None] == blk[None, :]).expand(b, -1, -1)
+    return torch.cat([ctx_ok, same], -1)
