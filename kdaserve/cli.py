@@ -52,10 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench", required=True)
     from kdaserve.bench import offline
 
-    from kdaserve.bench import prefix, reference
+    from kdaserve.bench import prefix, reference, spec
 
     offline.add_arguments(bsub.add_parser("offline", help="offline throughput vs transformers"))
     prefix.add_arguments(bsub.add_parser("prefix", help="shared-prefix TTFT, caching off vs on"))
+    spec.add_arguments(bsub.add_parser("spec", help="speculative decoding vs plain decode"))
     reference.add_arguments(bsub.add_parser(
         "reference", help="model vs transformers / fla-core (needs the test extras)"))
     try:
@@ -99,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             from kdaserve.bench.prefix import run as run_prefix
 
             return run_prefix(args)
+        if args.bench == "spec":
+            from kdaserve.bench.spec import run as run_spec
+
+            return run_spec(args)
         if args.bench == "serve":
             from kdaserve.bench.serve import run_bench_serve
 

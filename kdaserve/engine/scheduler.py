@@ -28,6 +28,9 @@ class Scheduler:
         self._restore: dict[str, int] = {}
         self._ended: list[str] = []     # ended by the scheduler itself, not by a stop
         self.num_preemptions = 0
+        self.num_verify_rows = 0        # speculative verifications (one request, one step)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     # ---- intake ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -206,6 +209,9 @@ class Scheduler:
                 req.num_computed_tokens += len(tokens)
                 req.num_draft_tokens += seq.num_draft_tokens
                 req.num_accepted_tokens += len(tokens) - 1
+                self.num_verify_rows += 1
+                self.num_draft_tokens += seq.num_draft_tokens
+                self.num_accepted_tokens += len(tokens) - 1
             else:
                 req.num_computed_tokens += len(seq.token_ids)
             req.spec_token_ids = []

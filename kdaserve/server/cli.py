@@ -18,7 +18,8 @@ from typing import Any
 import uvicorn
 
 from kdaserve.assets import DEMO_MODEL_DIR, default_model_path
-from kdaserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kdaserve.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
+                             SpeculativeConfig)
 from kdaserve.engine.async_engine import DEFAULT_MAX_WAITING, AsyncEngine, EngineStartupError
 from kdaserve.generation_defaults import generation_defaults
 from kdaserve.request import SamplingParams
@@ -111,6 +112,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--state-snapshot-interval", type=_positive_int, default=512,
                    help="also snapshot KDA states every N tokens of long prompts (default: "
                         "%(default)s)")
+    p.add_argument("--speculative-method", choices=("dspark", "ngram"), default=None,
+                   help="speculative decoding: the DSpark draft fed by the target's hidden "
+                        "states, or n-gram prompt lookup (default: off)")
+    p.add_argument("--speculative-tokens", type=_positive_int, default=7,
+                   help="drafts verified per step (default: %(default)s)")
+    p.add_argument("--speculative-model", default=None,
+                   help="DSpark draft directory (default: <model>/draft)")
     p.add_argument("--torch-threads", type=_positive_int, default=None,
                    help="torch intra-op threads of the engine process (default: torch's)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
@@ -160,6 +168,10 @@ def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len),
+        speculative=SpeculativeConfig(method=args.speculative_method,
+                                      num_speculative_tokens=args.speculative_tokens,
+                                      draft_model=args.speculative_model)
+        if getattr(args, "speculative_method", None) else None,
     )
 
 

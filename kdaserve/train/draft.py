@@ -166,7 +166,7 @@ def train_draft(model: str, hidden: str, out: str, *, steps: int = 2000, batch: 
         ev_loss, ev_hits = _block_loss(draft, embed, lm_head, ev_ids, ev_hid, anc, block)
     mean_acc, rate = acceptance(ev_hits)
     draft.save_pretrained(out)
-    report = {"steps": steps, "train_loss": float(loss), "heldout_loss": float(ev_loss),
+    report = {"steps": steps, "train_loss": loss.item(), "heldout_loss": ev_loss.item(),
               "heldout_mean_accepted": mean_acc, "heldout_acceptance_rate": rate,
               "block_size": block, "target_layer_ids": list(cfg.target_layer_ids),
               "parameters": sum(p.numel() for p in draft.parameters())}
