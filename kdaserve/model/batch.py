@@ -121,12 +121,13 @@ class SnapshotPlan:
 @dataclass
 class MLALayout:
     slot_mapping: torch.Tensor | None      # [T] flat cache row for each new token
-    decode_ctx_idx: torch.Tensor | None    # [Td, Lk] flat cache rows (one query per token)
-    decode_ctx_mask: torch.Tensor | None   # [Td, Lk] bool
+    decode_ctx_blocks: torch.Tensor | None  # [Td, Wd] cache blocks (one query per token)
+    decode_ctx_mask: torch.Tensor | None    # [Td, Wd*block_size] bool
     prefill_q_idx: torch.Tensor            # [Bp, Qp] rows of prefill tokens (Tp = zero row)
     prefill_unpad_idx: torch.Tensor        # [Tp] flat rows of [Bp*Qp]
-    prefill_ctx_idx: torch.Tensor | None   # [Bp, Lp] flat cache rows (None: no cache)
-    prefill_mask: torch.Tensor | None      # [Bp, 1, Qp, Lp] bool, None when plainly causal
+    prefill_ctx_blocks: torch.Tensor | None  # [Bp, Wp] cache blocks (None: no cache)
+    prefill_mask: torch.Tensor | None      # [Bp, 1, Qp, Lp] bool (Lp = Wp*block_size with a
+                                           # cache), None when plainly causal
 
 
 @dataclass
@@ -254,7 +255,7 @@ def build_forward_batch(
                                 dtype=torch.long, device=device))
     prefill_unpad_idx = p_seq * q_len + p_local
 
-    slot_mapping = decode_ctx_idx = decode_ctx_mask = prefill_ctx_idx = prefill_mask = None
+    slot_mapping = decode_ctx_blocks = decode_ctx_mask = prefill_ctx_blocks = prefill_mask = None
     if cache is not None:
         bs = cache.block_size
         if block_tables is None:
@@ -264,35 +265,25 @@ def build_forward_batch(
         for i, t in enumerate(block_tables):  # per sequence, not per token
             bt[i, : len(t)] = torch.tensor(t, dtype=torch.long)
         bt = bt.to(device)
-
-        def rows(b_idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-            blk = (pos // bs).clamp(max=width - 1)
-            return bt[b_idx, blk] * bs + pos % bs
-
-        slot_mapping = rows(seq_of, positions)
+        blk = (positions // bs).clamp(max=width - 1)
+        slot_mapping = bt[seq_of, blk] * bs + positions % bs
+        # context is read whole blocks at a time: a gather of block_size rows per index
         if num_decode:
             d_total = positions[:Td] + 1
-            lk = int(d_total.max())
-            jk = _arange(lk, device)
-            decode_ctx_idx = rows(seq_of[:Td, None], jk[None].expand(Td, lk))
-            decode_ctx_mask = jk[None] < d_total[:, None]
+            wd = int((d_total.max() + bs - 1) // bs)
+            decode_ctx_blocks = bt[seq_of[:Td], :wd]
+            decode_ctx_mask = _arange(wd * bs, device)[None] < d_total[:, None]
         if Bp:
             total = p_ctx + p_lens
-            lp = int(total.max())
-            jk = _arange(lp, device)
-            b_idx = _arange(Bp, device)[:, None] + num_decode
-            prefill_ctx_idx = rows(b_idx, jk[None].expand(Bp, lp))
+            wp = int((total.max() + bs - 1) // bs)
+            jk = _arange(wp * bs, device)
+            prefill_ctx_blocks = bt[num_decode:, :wp]
             qpos = p_ctx[:, None] + qi[None]                              # [Bp, Qp]
             mask = jk[None, None, :] <= qpos[:, :, None]                  # [Bp, Qp, Lp]
             mask = mask & q_valid[:, :, None] | (~q_valid[:, :, None] & (jk == 0)[None, None])
             prefill_mask = mask[:, None]
-    elif Bp and bool((p_lens != p_lens[0]).any()):
-        mask = qi[None, None, :] <= qi[None, :, None]                     # causal [1, Qp, Qp]
-        kv_valid = q_valid[:, None, :]
-        mask = (mask & kv_valid & q_valid[:, :, None]) | (~q_valid[:, :, None] & (qi == 0)[None, None])
-        prefill_mask = mask[:, None]
-    mla = MLALayout(slot_mapping, decode_ctx_idx, decode_ctx_mask, prefill_q_idx,
-                    prefill_unpad_idx, prefill_ctx_idx, prefill_mask)
+    mla = MLALayout(slot_mapping, decode_ctx_blocks, decode_ctx_mask, prefill_q_idx,
+                    prefill_unpad_idx, prefill_ctx_blocks, prefill_mask)
 
     li = None
     if logits_indices is not None:

@@ -64,16 +64,11 @@ class KimiDeltaAttention(nn.Module):
         if cache is not None:
             conv_store = cache.kda_conv[self.kda_index]
             state_store = cache.kda_states[self.kda_index]
-            keep = fb.has_initial_state
             window = conv_store[fb.state_slots]
-            s0 = torch.index_select(state_store, 0, fb.state_slots,
-                                    out=cache.state_scratch[:B])                  # a copy
-            if fb.num_fresh:  # sequences that start now begin from zero state
-                window.mul_(keep.view(B, 1, 1).to(window.dtype))
-                s0.mul_(keep.view(B, 1, 1, 1))
+            if fb.num_fresh:  # sequences that start now begin from a zero window and state
+                window.mul_(fb.has_initial_state.view(B, 1, 1).to(window.dtype))
         else:
             window = pre.new_zeros(B, km1, pre.shape[-1])
-            s0 = torch.zeros(B, H, D, D, dtype=torch.float32, device=x.device)
         lay = fb.kda
         plan = fb.snapshots
         dec = fb.decode
@@ -94,23 +89,32 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).float())                            # [T, H]
 
         ops = kda_ops(x.device)
-        outs, states = [], []
-        if Bd and dec is None:
-            o_d, s_d = ops.step(q[:Td], k[:Td], v[:Td], g[:Td], beta[:Td], s0[:Bd], inplace=True)
-            outs.append(o_d)
-            states.append(s_d)
-        elif Bd:  # several tokens per row: the recurrence, keeping the state after each one
-            def dpad(t: torch.Tensor) -> torch.Tensor:                         # [Td,...]->[Bd,Ld,...]
-                return torch.cat([t[:Td], t.new_zeros((1,) + t.shape[1:])], 0)[dec.pad_src]
+        outs = []
+        if Bd:  # decode rows continue their slot's state, updated in place
+            if dec is None:                                                    # one token each
+                def dpad(t: torch.Tensor) -> torch.Tensor:                     # [Td,...]->[Bd,1,...]
+                    return t[:Td].unsqueeze(1)
+            else:                                            # a token and its drafts: padded
+                def dpad(t: torch.Tensor) -> torch.Tensor:                     # [Td,...]->[Bd,Ld,...]
+                    return torch.cat([t[:Td], t.new_zeros((1,) + t.shape[1:])], 0)[dec.pad_src]
 
-            o_d, s_d, kept = ops.recurrent(dpad(q), dpad(k), dpad(v), dpad(g), dpad(beta),
-                                           s0[:Bd], keep_states=cache is not None)
-            outs.append(o_d.reshape(-1, H, D)[dec.unpad_idx])
-            states.append(s_d)
+            o_d, kept = ops.recurrent_slots(
+                state_store, fb.state_slots[:Bd], dpad(q), dpad(k), dpad(v), dpad(g), dpad(beta),
+                keep_states=dec is not None, scratch=cache.state_scratch)
+            o_d = o_d.reshape(-1, H, D)
+            outs.append(o_d if dec is None else o_d[dec.unpad_idx])
             if kept is not None:
                 fb.decode_states[self.kda_index] = kept
+        s_p = None
         if B > Bd:
             Bp, L = lay.pad_src.shape
+            if cache is not None:
+                s0 = torch.index_select(state_store, 0, fb.state_slots[Bd:],
+                                        out=cache.state_scratch[:Bp])                # a copy
+                if fb.num_fresh:
+                    s0.mul_(fb.has_initial_state[Bd:].view(Bp, 1, 1, 1))
+            else:
+                s0 = torch.zeros(Bp, H, D, D, dtype=torch.float32, device=x.device)
 
             def pad(t: torch.Tensor) -> torch.Tensor:                          # [Tp,...]->[Bp,L,...]
                 if lay.pad_is_reshape:
@@ -118,30 +122,29 @@ class KimiDeltaAttention(nn.Module):
                 t = torch.cat([t[Td:], t.new_zeros((1,) + t.shape[1:])], 0)
                 return t[lay.pad_src]
 
-            o_p, s_p, kept = ops.chunk(pad(q), pad(k), pad(v), pad(g), pad(beta), s0[Bd:],
+            o_p, s_p, kept = ops.chunk(pad(q), pad(k), pad(v), pad(g), pad(beta), s0,
                                        self.chunk_size, fb.keep_chunk_states)
             o_p = o_p.reshape(Bp * L, H, D)
             outs.append(o_p if lay.pad_is_reshape else o_p[lay.unpad_idx])
-            states.append(s_p)
             if kept is not None:
                 fb.chunk_states[self.kda_index] = kept
         o = torch.cat(outs, 0) if len(outs) > 1 else outs[0]                   # [T, H, D]
         if cache is not None:
-            s_new = torch.cat(states, 0) if len(states) > 1 else states[0]
-            state_store.index_copy_(0, fb.state_slots, s_new.to(state_store.dtype))
+            if s_p is not None:
+                state_store.index_copy_(0, fb.state_slots[Bd:], s_p.to(state_store.dtype))
             conv_store.index_copy_(0, fb.state_slots, new_window.to(conv_store.dtype))
             if plan is not None:
-                self._save_snapshots(cache, plan, s_new, fb.chunk_states.get(self.kda_index),
-                                     snap_windows, Bd)
+                self._save_snapshots(cache, plan, state_store[fb.state_slots[plan.seq]],
+                                     fb.chunk_states.get(self.kda_index), snap_windows, Bd)
         gate = self.g_b_proj(self.g_a_proj(x)).view(T, H, D)
         o = self.o_norm(o.to(x.dtype), gate).reshape(T, H * D)
         return self.o_proj(o)
 
-    def _save_snapshots(self, cache, plan, s_final: torch.Tensor, kept: torch.Tensor | None,
+    def _save_snapshots(self, cache, plan, states: torch.Tensor, kept: torch.Tensor | None,
                         windows: torch.Tensor, num_decode: int) -> None:
-        """States at block boundaries: the step's final state, or a chunk-end state of the
-        chunked prefill (the kernel already produced it: no extra pass)."""
-        states = s_final[plan.seq]
+        """States at block boundaries: the step's final state of each snapshotting sequence
+        (`states` [S,H,K,V]), or a chunk-end state of the chunked prefill (the kernel already
+        produced it: no extra pass)."""
         if kept is not None:
             inner = kept[(plan.seq - num_decode).clamp(min=0), plan.chunk]
             states = torch.where(plan.final.view(-1, 1, 1, 1), states, inner)

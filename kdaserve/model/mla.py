@@ -72,24 +72,24 @@ class MultiHeadLatentAttention(nn.Module):
                                                          self.rope_theta)], -1)
         lat = self.latents(x, fb.positions)                                     # [T,Dc+R]
         lay = fb.mla
-        flat = None
+        pages = flat = None
         if fb.cache is not None:
-            pages = fb.cache.mla_pages[self.mla_index]
+            pages = fb.cache.mla_pages[self.mla_index]                       # [NB,bs,Dc+R]
             flat = pages.view(-1, pages.shape[-1])
             flat.index_copy_(0, lay.slot_mapping, lat.to(flat.dtype))
         outs = []
         if Td:
             w_uk, w_uv = self.absorbed_weights()
-            ctx = flat[lay.decode_ctx_idx].to(x.dtype)                          # [Bd,Ld,Dc+R]
+            ctx = pages[lay.decode_ctx_blocks].view(Td, -1, pages.shape[-1]).to(x.dtype)
             outs.append(mla_decode_absorbed(q[:Td, :, : self.nope], q[:Td, :, self.nope:], ctx,
                                             lay.decode_ctx_mask, w_uk, w_uv, self.scale))
         if T > Td:
             Bp, Qp = lay.prefill_q_idx.shape
             qp = torch.cat([q[Td:], q.new_zeros(1, *q.shape[1:])], 0)[lay.prefill_q_idx]
-            if flat is None:
+            if pages is None:
                 ctx = torch.cat([lat[Td:], lat.new_zeros(1, lat.shape[1])], 0)[lay.prefill_q_idx]
             else:
-                ctx = flat[lay.prefill_ctx_idx].to(x.dtype)                     # [Bp,Lp,Dc+R]
+                ctx = pages[lay.prefill_ctx_blocks].view(Bp, -1, pages.shape[-1]).to(x.dtype)
             k, v = self.expand(ctx)
             o = mla_prefill_attention(qp, k, v, lay.prefill_mask, self.scale)  # [Bp,Qp,H,Vd]
             outs.append(o.reshape(Bp * Qp, self.num_heads, self.v_dim)[lay.prefill_unpad_idx])

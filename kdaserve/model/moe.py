@@ -49,10 +49,10 @@ class SparseMoE(nn.Module):
     loader maps the checkpoint's per-expert names onto them.
 
     Slots (token, expert) are grouped by expert, then every active expert's group runs through
-    its fused w13 and w2 — as one padded batched matmul over all active experts when groups are
-    small (decode batches: many experts, a few rows each), or one matmul per expert when groups
-    are large or few (prefill, single-token decode), where padding and gathers cost more than
-    the calls they save. Legend: T tokens, k experts per token, E experts, I width, H hidden.
+    its fused w13 and w2 — as one padded batched matmul when groups are small (decode batches
+    and verification rows: many experts, a few rows each; over all experts when most are
+    active, so no weights are copied), or one matmul per expert when groups are large or few
+    (prefill, single-token decode), where padding and gathers cost more than the calls save. Legend: T tokens, k experts per token, E experts, I width, H hidden.
     """
 
     # groups at least this large on average, or at most this many experts: per-expert matmuls
@@ -101,18 +101,22 @@ class SparseMoE(nn.Module):
                 out.index_add_(0, rows, y * slot_w[start:start + n])
                 start += n
         else:
-            act = torch.tensor(active, device=x.device)
-            group = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
-            group[act] = torch.arange(len(active), device=x.device)
             expert_sorted = flat[order]
             rank = torch.arange(flat.numel(), device=x.device) - (counts.cumsum(0) - counts)[
                 expert_sorted]
-            rows = group[expert_sorted]
-            buf = x.new_zeros(len(active), max(count_list), x.shape[1])
-            buf[rows, rank] = x[token]                                 # [Ea,cap,H]
             w13, w2 = self.experts_w13, self.experts_w2
-            if len(active) < self.num_experts:
+            if len(active) * 2 >= self.num_experts:
+                # most experts are active: run all of them, empty groups included, rather
+                # than copy the active experts' weights out (a copy costs more than the rows)
+                rows, groups = expert_sorted, self.num_experts
+            else:
+                act = torch.tensor(active, device=x.device)
+                group = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+                group[act] = torch.arange(len(active), device=x.device)
+                rows, groups = group[expert_sorted], len(active)
                 w13, w2 = w13[act], w2[act]
+            buf = x.new_zeros(groups, max(count_list), x.shape[1])
+            buf[rows, rank] = x[token]                                 # [G,cap,H]
             y = self._expert_mlp(buf, w13, w2)[rows, rank]             # [T*k,H]
             out.index_add_(0, token, y * slot_w)
         if self.shared_experts is not None:

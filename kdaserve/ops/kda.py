@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["kda_chunk", "kda_recurrent", "kda_step"]
+__all__ = ["kda_chunk", "kda_recurrent", "kda_recurrent_slots", "kda_step"]
 
 
 def kda_step(
@@ -51,6 +51,30 @@ def kda_recurrent(
             kept.append(s)
     o = torch.stack(outs, 1) if outs else v.new_zeros(v.shape)
     return o, s, (torch.stack(kept, 1) if keep_states and kept else None)
+
+
+def kda_recurrent_slots(
+    store: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    g: torch.Tensor, beta: torch.Tensor, keep_states: bool = False,
+    scratch: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decode rows against the engine's state slots: store [S,H,K,V] fp32 is read at `slots` [B]
+    and updated in place. q,k,g [B,L,H,K], v [B,L,H,V], beta [B,L,H]. Returns o [B,L,H,V] and
+    (with keep_states) the state after every position [B,L,H,K,V] (speculative rollback).
+
+    `scratch` [>=B,H,K,V] receives the gathered states (no fresh allocation per layer). The
+    compiled CPU kernel (`ops/csrc/kda_cpu.c`) does the same without the gather and scatter.
+    """
+    B, L = q.shape[:2]
+    out = scratch[:B] if scratch is not None else None
+    s0 = torch.index_select(store, 0, slots, out=out) if out is not None else store[slots]
+    if L == 1 and not keep_states:
+        o, s = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0, inplace=True)
+        o, kept = o[:, None], None
+    else:
+        o, s, kept = kda_recurrent(q, k, v, g, beta, s0, keep_states=keep_states)
+    store.index_copy_(0, slots, s)
+    return o, kept
 
 
 def kda_chunk(

@@ -2,7 +2,9 @@
 
 The torch reference (`kdaserve.ops.kda`) runs everywhere and is what the tests check against
 fla-core's naive functions. On CUDA, when fla-core (and triton) are installed, its Triton KDA
-kernels take the chunked prefill; set KDASERVE_KDA_BACKEND=torch to force the reference.
+kernels take the chunked prefill. On CPU the decode recurrence over state slots runs in a
+compiled C kernel when a C compiler is present (`ops/cpu_kernels.py`). Set
+KDASERVE_KDA_BACKEND=torch to force the reference everywhere.
 """
 
 from __future__ import annotations
@@ -23,9 +25,36 @@ class KDAOps:
     chunk: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
     step: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     recurrent: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    # decode rows in place on the state slots: (store, slots, q, k, v, g, beta, keep_states,
+    # scratch) -> (o [B,L,H,V], states after each position or None)
+    recurrent_slots: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
-TORCH_KDA = KDAOps("torch", kda_ref.kda_chunk, kda_ref.kda_step, kda_ref.kda_recurrent)
+TORCH_KDA = KDAOps("torch", kda_ref.kda_chunk, kda_ref.kda_step, kda_ref.kda_recurrent,
+                   kda_ref.kda_recurrent_slots)
+
+
+def _compiled_recurrent_slots(kernel):
+    def recurrent_slots(store, slots, q, k, v, g, beta, keep_states=False, scratch=None):
+        B, L, H, K = q.shape
+        kept = (torch.empty(B, L, H, K, v.shape[-1], dtype=torch.float32)
+                if keep_states else None)
+        return kernel(store, slots, q, k, v, g, beta, kept), kept
+
+    return recurrent_slots
+
+
+@lru_cache(maxsize=None)
+def _cpu_ops() -> KDAOps:
+    if os.environ.get("KDASERVE_KDA_BACKEND", "auto") == "torch":
+        return TORCH_KDA
+    from kdaserve.ops.cpu_kernels import kda_recurrent_slots_kernel
+
+    kernel = kda_recurrent_slots_kernel()
+    if kernel is None:
+        return TORCH_KDA
+    return KDAOps("torch+c", kda_ref.kda_chunk, kda_ref.kda_step, kda_ref.kda_recurrent,
+                  _compiled_recurrent_slots(kernel))
 
 
 def _fla_chunk_factory() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
@@ -49,8 +78,9 @@ def _cuda_ops() -> KDAOps:
         chunk = _fla_chunk_factory()
     except Exception:  # fla-core or triton missing: the reference is always correct
         return TORCH_KDA
-    return KDAOps("fla-triton", chunk, kda_ref.kda_step, kda_ref.kda_recurrent)
+    return KDAOps("fla-triton", chunk, kda_ref.kda_step, kda_ref.kda_recurrent,
+                  kda_ref.kda_recurrent_slots)
 
 
 def kda_ops(device: torch.device) -> KDAOps:
-    return _cuda_ops() if device.type == "cuda" else TORCH_KDA
+    return _cuda_ops() if device.type == "cuda" else _cpu_ops()
