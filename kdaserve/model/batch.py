@@ -89,8 +89,10 @@ class HybridCache:
 
 @dataclass
 class KDALayout:
-    conv_pad_idx: torch.Tensor      # [B, K-1+Lc] rows of cat(window.view(B*(K-1), C), x, 0)
-    conv_unpad_idx: torch.Tensor    # [T] flat rows of the conv output [B*Lc]
+    # per run of sequences (decode rows, prefill rows): ([b, K-1+Lc] rows of
+    # cat(window.view(B*(K-1), C), x, 0), [t] flat rows of that run's conv output [b*Lc] or
+    # None when every sequence of the run has length Lc)
+    conv_groups: list[tuple[torch.Tensor, torch.Tensor | None]]
     conv_state_idx: torch.Tensor    # [B, K-1] rows of the same, the window after this step
     pad_src: torch.Tensor           # [Bp, L] rows of prefill tokens (Tp = a zero row)
     unpad_idx: torch.Tensor         # [Tp] flat rows of the padded [Bp*L] layout, packed order
@@ -115,7 +117,7 @@ class SnapshotPlan:
     seq: torch.Tensor           # [S] batch index of the sequence
     final: torch.Tensor         # [S] bool: the boundary is the end of this step's chunk
     chunk: torch.Tensor         # [S] index into the prefill row's chunk states (when not final)
-    window_idx: torch.Tensor    # [S, K-1] conv-window rows (same row space as conv_pad_idx)
+    window_idx: torch.Tensor    # [S, K-1] conv-window rows (rows of the conv input `ext`)
 
 
 @dataclass
@@ -201,19 +203,30 @@ def build_forward_batch(
 
     # ---- KDA: conv windows -----------------------------------------------------------------
     km1 = conv_kernel - 1
-    lc = int(lens.max())
-    jc = _arange(km1 + lc, device) - km1                                  # [K-1+Lc]
-    conv_pad_idx = torch.where(
-        jc[None] < 0, _arange(B, device)[:, None] * km1 + km1 + jc[None],
-        torch.where(jc[None] < lens[:, None], B * km1 + cu[:-1, None] + jc[None],
-                    torch.full((B, km1 + lc), B * km1 + T, dtype=torch.long, device=device)))
-    conv_unpad_idx = seq_of * lc + local
+    Td = int(cu[num_decode])
+    conv_groups = []
+    for r0, r1 in ((0, num_decode), (num_decode, B)):
+        if r1 == r0:
+            continue
+        g_lens = lens[r0:r1]
+        lc = int(g_lens.max())
+        jc = _arange(km1 + lc, device) - km1                              # [K-1+Lc]
+        rows_g = _arange(r1 - r0, device)[:, None] + r0
+        pad_idx = torch.where(
+            jc[None] < 0, rows_g * km1 + km1 + jc[None],
+            torch.where(jc[None] < g_lens[:, None], B * km1 + cu[r0:r1, None] + jc[None],
+                        torch.full((r1 - r0, km1 + lc), B * km1 + T, dtype=torch.long,
+                                   device=device)))
+        t0, t1 = int(cu[r0]), int(cu[r1])
+        unpad = None
+        if bool((g_lens != lc).any()):
+            unpad = (seq_of[t0:t1] - r0) * lc + local[t0:t1]
+        conv_groups.append((pad_idx, unpad))
     offs = lens[:, None] - km1 + _arange(km1, device)[None]               # [B, K-1]
     conv_state_idx = torch.where(offs >= 0, B * km1 + cu[:-1][:, None] + offs,
                                  _arange(B, device)[:, None] * km1 + km1 + offs)
 
     # ---- decode rows with several tokens: padded [Bd, Ld] for the recurrence ---------------
-    Td = int(cu[num_decode])
     decode = None
     if num_decode and Td > num_decode:
         d_lens = lens[:num_decode]
@@ -245,7 +258,7 @@ def build_forward_batch(
     pad_src = torch.where(valid, p_cu[:-1, None] + loc, torch.full_like(loc, Tp))
     unpad_idx = p_seq * padded_len + pre[p_seq] + p_local
     pad_is_reshape = bool(Bp and (pre == 0).all() and (p_lens == padded_len).all())
-    kda = KDALayout(conv_pad_idx, conv_unpad_idx, conv_state_idx, pad_src, unpad_idx, padded_len,
+    kda = KDALayout(conv_groups, conv_state_idx, pad_src, unpad_idx, padded_len,
                     pad_is_reshape)
 
     q_len = int(p_lens.max()) if Bp else 0

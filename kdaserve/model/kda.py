@@ -76,7 +76,7 @@ class KimiDeltaAttention(nn.Module):
         dec_idx = dec.window_idx if dec is not None and cache is not None else None
         parts = [i for i in (snap_idx, dec_idx) if i is not None]
         conv, new_window, windows = causal_conv1d_packed(
-            pre, window, w.squeeze(1), lay.conv_pad_idx, lay.conv_unpad_idx, lay.conv_state_idx,
+            pre, window, w.squeeze(1), lay.conv_groups, lay.conv_state_idx,
             torch.cat(parts, 0) if parts else None)
         n_snap = snap_idx.shape[0] if snap_idx is not None else 0
         snap_windows = windows[:n_snap] if windows is not None else None
