@@ -84,23 +84,24 @@ def kda_recurrent_slots_kernel() -> KDARecurrentSlots | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
 
     def run(store: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            kept: torch.Tensor | None = None) -> torch.Tensor:
+            kept: torch.Tensor | None = None, keep_every: int = 1) -> torch.Tensor:
         """store [S,H,K,V] fp32 (updated in place), slots [B] int64; q,k,g [B,L,H,K],
-        v [B,L,H,V], beta [B,L,H] (fp32, contiguous); kept [B,L,H,K,V] or None is filled
-        with the state after each position. Returns o [B,L,H,V]."""
+        v [B,L,H,V], beta [B,L,H] (fp32); kept [B,L/keep_every,H,K,V] or None is filled with
+        the state after every keep_every-th position. Returns o [B,L,H,V]."""
         B, L, H, K = q.shape
         V = v.shape[-1]
         args = [t.contiguous() for t in (slots, q, k, v, g, beta)]
         assert store.is_contiguous() and store.dtype == torch.float32
         assert all(t.dtype == torch.float32 for t in args[1:]) and args[0].dtype == torch.int64
+        assert L % keep_every == 0 and (kept is None or kept.is_contiguous())
         o = torch.empty(B, L, H, V, dtype=torch.float32)
         slots_, q_, k_, v_, g_, beta_ = args
         fn(_ptr(store), _ptr(slots_), 0, B, L, H, K, V, _ptr(q_), _ptr(k_), _ptr(v_), _ptr(g_),
-           _ptr(beta_), _ptr(o), _ptr(kept))
+           _ptr(beta_), _ptr(o), _ptr(kept), keep_every)
         return o
 
     return run

@@ -14,6 +14,9 @@ import torch
 
 __all__ = ["kda_chunk", "kda_recurrent", "kda_recurrent_slots", "kda_step"]
 
+# bytes of pairwise-decay temporaries per slice of chunks in kda_chunk (fits in L2/L3)
+_INTRA_BYTES = 2 << 20
+
 
 def kda_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -107,29 +110,38 @@ def kda_chunk(
 
     q, k, v, g = chunks(q), chunks(k), chunks(v), chunks(g)
     beta = beta.to(dt).reshape(B, N, C, H).permute(0, 3, 1, 2).unsqueeze(-1)  # [B,H,N,C,1]
-    gc = g.cumsum(-2)                                                         # [B,H,N,C,K]
-    a, qk = _chunk_scores(q, k, gc, sub_chunk if C % sub_chunk == 0 else C)
+    c = sub_chunk if C % sub_chunk == 0 else C
+    # The intra-chunk part is independent per chunk; its pairwise-decay temporaries hold c*K
+    # floats per position, so chunks go through it a few at a time, keeping them in cache
+    # (one pass over a whole prompt batch would allocate tens of MB per op).
+    step = max(1, _INTRA_BYTES // (B * H * C * c * K * 4))
     incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     strict = incl.clone().fill_diagonal_(False)
-    a = (a * beta).masked_fill(~strict, 0.0)
-    qk = qk.masked_fill(~incl, 0.0)
     eye = torch.eye(C, dtype=dt, device=q.device)
-    lower = a + eye
-    u0 = torch.linalg.solve_triangular(lower, beta * v, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(lower, beta * (gc.exp() * k), upper=False, unitriangular=True)
-    qd = q * gc.exp()
-    g_end = gc[..., -1:, :]                                                   # [B,H,N,1,K]
-    k_end = k * (g_end - gc).exp()                                            # [B,H,N,C,K]
-    decay_end = g_end.squeeze(-2).exp().unsqueeze(-1)                         # [B,H,N,K,1]
 
     s = state.to(dt)
     outs, kept = [], []
-    for n in range(N):
-        u = u0[:, :, n] - w[:, :, n] @ s                                      # [B,H,C,V]
-        outs.append(qd[:, :, n] @ s + qk[:, :, n] @ u)
-        s = decay_end[:, :, n] * s + k_end[:, :, n].transpose(-1, -2) @ u
-        if keep_chunk_states:
-            kept.append(s)
+    for n0 in range(0, N, step):
+        sl = slice(n0, min(N, n0 + step))
+        qs, ks, vs, bs = q[:, :, sl], k[:, :, sl], v[:, :, sl], beta[:, :, sl]
+        gc = g[:, :, sl].cumsum(-2)                                           # [B,H,n,C,K]
+        a, qk = _chunk_scores(qs, ks, gc, c)
+        a = (a * bs).masked_fill(~strict, 0.0)
+        qk = qk.masked_fill(~incl, 0.0)
+        lower = a + eye
+        u0 = torch.linalg.solve_triangular(lower, bs * vs, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(lower, bs * (gc.exp() * ks), upper=False,
+                                          unitriangular=True)
+        qd = qs * gc.exp()
+        g_end = gc[..., -1:, :]                                               # [B,H,n,1,K]
+        k_end = (ks * (g_end - gc).exp()).transpose(-1, -2)                   # [B,H,n,K,C]
+        decay_end = g_end.squeeze(-2).exp().unsqueeze(-1)                     # [B,H,n,K,1]
+        for i in range(u0.shape[2]):
+            u = u0[:, :, i] - w[:, :, i] @ s                                  # [B,H,C,V]
+            outs.append(qd[:, :, i] @ s + qk[:, :, i] @ u)
+            s = decay_end[:, :, i] * s + k_end[:, :, i] @ u
+            if keep_chunk_states:
+                kept.append(s)
     o = torch.stack(outs, 2) if outs else v.new_zeros(B, H, 0, C, V)          # [B,H,N,C,V]
     o = o.permute(0, 2, 3, 1, 4).reshape(B, L, H, V)
     return o, s, (torch.stack(kept, 1) if keep_chunk_states and kept else None)

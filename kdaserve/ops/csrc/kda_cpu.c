@@ -10,7 +10,13 @@
  * does not depend on how rows are split between threads.
  *
  * Layouts (contiguous): store [S, H, K, V]; slots [B]; q, k, g [B, L, H, K]; v [B, L, H, V];
- * beta [B, L, H]; o [B, L, H, V]; kept [B, L, H, K, V] or NULL (the state after each position).
+ * beta [B, L, H]; o [B, L, H, V]; kept [B, L / keep_every, H, K, V] or NULL: the state after
+ * every keep_every-th position (1: each position, for speculative rollback; the chunk size:
+ * chunk ends, for prefix-cache snapshots).
+ *
+ * The same kernel runs prefill rows (store = their initial states, slots = 0..B-1): on a CPU the
+ * recurrence with the state held in L1 beats the chunked form, whose pairwise-decay temporaries
+ * are memory-bound, and decode and prefill then share one arithmetic.
  */
 #include <math.h>
 #include <stdint.h>
@@ -19,7 +25,7 @@
 void kda_recurrent_slots(float *store, const int64_t *slots, int64_t row_begin, int64_t row_end,
                          int64_t L, int64_t H, int64_t K, int64_t V,
                          const float *q, const float *k, const float *v, const float *g,
-                         const float *beta, float *o, float *kept) {
+                         const float *beta, float *o, float *kept, int64_t keep_every) {
     float kv[V], delta[V], out[V];
     for (int64_t b = row_begin; b < row_end; ++b) {
         for (int64_t h = 0; h < H; ++h) {
@@ -51,7 +57,10 @@ void kda_recurrent_slots(float *store, const int64_t *slots, int64_t row_begin, 
                     }
                 }
                 memcpy(o + bth * V, out, sizeof(float) * V);
-                if (kept) memcpy(kept + bth * K * V, S, sizeof(float) * K * V);
+                if (kept && (t + 1) % keep_every == 0) {
+                    const int64_t at = (b * (L / keep_every) + (t + 1) / keep_every - 1) * H + h;
+                    memcpy(kept + at * K * V, S, sizeof(float) * K * V);
+                }
             }
         }
     }
