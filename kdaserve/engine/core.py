@@ -19,6 +19,7 @@ from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.spec.proposer import NgramDrafts, Proposer
 from kdaserve.model.kimi_linear import KimiLinearForCausalLM
 from kdaserve.model.loader import load_model
+from kdaserve.ops.host_memory import tune_host_allocator
 from kdaserve.outputs import RequestDelta
 from kdaserve.request import Request, RequestStatus, SamplingParams
 from kdaserve.tokenizer import Tokenizer
@@ -56,6 +57,8 @@ class EngineCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         device = torch.device(config.device)
+        if device.type == "cpu":
+            tune_host_allocator()
         chunk = config.kda_chunk_size or default_chunk_size(device)
         # Snapshots sit on block boundaries, which must be KDA chunk boundaries (powers of 2).
         chunk = min(chunk, config.cache.block_size)

@@ -80,7 +80,8 @@ class MultiHeadLatentAttention(nn.Module):
         outs = []
         if Td:
             w_uk, w_uv = self.absorbed_weights()
-            ctx = pages[lay.decode_ctx_blocks].view(Td, -1, pages.shape[-1]).to(x.dtype)
+            ctx = pages.index_select(0, lay.decode_ctx_blocks.reshape(-1)).view(
+                Td, -1, pages.shape[-1]).to(x.dtype)                           # [Td,Lk,Dc+R]
             outs.append(mla_decode_absorbed(q[:Td, :, : self.nope], q[:Td, :, self.nope:], ctx,
                                             lay.decode_ctx_mask, w_uk, w_uv, self.scale))
         if T > Td:
@@ -89,7 +90,8 @@ class MultiHeadLatentAttention(nn.Module):
             if pages is None:
                 ctx = torch.cat([lat[Td:], lat.new_zeros(1, lat.shape[1])], 0)[lay.prefill_q_idx]
             else:
-                ctx = pages[lay.prefill_ctx_blocks].view(Bp, -1, pages.shape[-1]).to(x.dtype)
+                ctx = pages.index_select(0, lay.prefill_ctx_blocks.reshape(-1)).view(
+                    Bp, -1, pages.shape[-1]).to(x.dtype)                       # [Bp,Lp,Dc+R]
             k, v = self.expand(ctx)
             o = mla_prefill_attention(qp, k, v, lay.prefill_mask, self.scale)  # [Bp,Qp,H,Vd]
             outs.append(o.reshape(Bp * Qp, self.num_heads, self.v_dim)[lay.prefill_unpad_idx])
