@@ -5,9 +5,10 @@ Plain C with a C ABI keeps the build to a second (no torch headers) and the kern
 Python overhead. When no compiler is found or the build fails, `kda_recurrent_slots_kernel()`
 returns None and callers use the torch reference; KDASERVE_CPU_KERNELS=0 forces that.
 
-The kernel runs on the calling thread: it is bound by reading each state once (a decode step
-of 64 rows of the demo model: ~0.2 ms per layer either way), and a second thread would compete
-with torch's own OpenMP threads spinning between ops.
+A decode step runs on the calling thread: it is bound by reading each state once (64 rows of
+the demo model: ~0.2 ms per layer with one thread or two). Prefill rows, where the recurrence
+is compute-bound, are split between a pool of torch's thread count (ctypes releases the GIL;
+rows are independent, so the result does not depend on the split).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -67,6 +69,15 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
+# below this many (row, position, head) steps a call stays on one thread
+_PARALLEL_MIN_STEPS = 4096
+
+
+@lru_cache(maxsize=None)
+def _pool(n: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=n, thread_name_prefix="kdaserve-kernel")
+
+
 KDARecurrentSlots = Callable[..., torch.Tensor]
 
 
@@ -100,8 +111,17 @@ def kda_recurrent_slots_kernel() -> KDARecurrentSlots | None:
         assert L % keep_every == 0 and (kept is None or kept.is_contiguous())
         o = torch.empty(B, L, H, V, dtype=torch.float32)
         slots_, q_, k_, v_, g_, beta_ = args
-        fn(_ptr(store), _ptr(slots_), 0, B, L, H, K, V, _ptr(q_), _ptr(k_), _ptr(v_), _ptr(g_),
-           _ptr(beta_), _ptr(o), _ptr(kept), keep_every)
+        rest = (L, H, K, V, _ptr(q_), _ptr(k_), _ptr(v_), _ptr(g_), _ptr(beta_), _ptr(o),
+                _ptr(kept), keep_every)
+        n = min(torch.get_num_threads(), B)
+        if n <= 1 or B * L * H < _PARALLEL_MIN_STEPS:
+            fn(_ptr(store), _ptr(slots_), 0, B, *rest)
+            return o
+        bounds = [B * i // n for i in range(n + 1)]
+        futures = [_pool(n).submit(fn, _ptr(store), _ptr(slots_), bounds[i], bounds[i + 1],
+                                   *rest) for i in range(n)]
+        for f in futures:
+            f.result()
         return o
 
     return run
