@@ -67,7 +67,7 @@ class EngineCore:
                                chunk_size=chunk, progress=progress)
         else:
             model.set_chunk_size(chunk)
-        self.model = model
+        self.model = model.fuse_for_inference()
         if tokenizer is None and config.model and _has_tokenizer(Path(config.model)):
             tokenizer = Tokenizer.from_pretrained(config.model)
         self.tokenizer = tokenizer

@@ -42,11 +42,44 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = nn.Linear(d, h * d, bias=False)
         self.o_norm = GatedRMSNorm(d, eps=cfg.rms_norm_eps)
         self.o_proj = nn.Linear(h * d, hidden, bias=False)
+        self._fused: torch.Tensor | None = None       # see fuse_input_projections
+        self._fused_ptrs: list[int] = []
 
-    def decay(self, x: torch.Tensor) -> torch.Tensor:
-        """Log-space decay g [T,H,D] (fp32, <= 0)."""
-        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        raw = raw.view(x.shape[0], self.num_heads, self.head_dim)
+    def _input_linears(self) -> list[nn.Linear]:
+        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj]
+
+    def fuse_input_projections(self) -> None:
+        """Inference: the six projections of the layer input (q, k, v, f_a, g_a, b) become one
+        matmul. Their weights are re-pointed as row views of one tensor, so nothing is stored
+        twice and checkpoint names stay; if a weight is replaced later (dtype change, reload),
+        its pointer no longer matches and the layer goes back to separate matmuls."""
+        lins = self._input_linears()
+        if len({lin.weight.dtype for lin in lins}) != 1:
+            return
+        fused = torch.cat([lin.weight.detach() for lin in lins], 0)
+        start = 0
+        for lin in lins:
+            n = lin.weight.shape[0]
+            lin.weight = nn.Parameter(fused[start:start + n], requires_grad=False)
+            start += n
+        self._fused = fused
+        self._fused_ptrs = [lin.weight.data_ptr() for lin in lins]
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor]:
+        """x [T,hidden] -> (q|k|v [T,3HD], f_a [T,D], g_a [T,D], b [T,H])."""
+        lins = self._input_linears()
+        if self._fused is not None and [lin.weight.data_ptr() for lin in lins] == self._fused_ptrs:
+            hd3 = 3 * self.num_heads * self.head_dim
+            return F.linear(x, self._fused).split([hd3, self.head_dim, self.head_dim,
+                                                   self.num_heads], -1)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        return qkv, self.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)
+
+    def decay(self, f_a: torch.Tensor) -> torch.Tensor:
+        """Log-space decay g [T,H,D] (fp32, <= 0) from the f_a projection [T,D] of the input."""
+        raw = self.f_b_proj(f_a).float() + self.dt_bias.float()
+        raw = raw.view(f_a.shape[0], self.num_heads, self.head_dim)
         a = self.A_log.float().view(1, self.num_heads, 1).exp()
         if self.gate_lower_bound is not None:
             return self.gate_lower_bound * torch.sigmoid(a * raw)
@@ -59,7 +92,7 @@ class KimiDeltaAttention(nn.Module):
         cache = fb.cache
         km1 = self.q_conv1d.kernel_size[0] - 1
 
-        pre = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)   # [T, 3HD]
+        pre, f_a, g_a, b_raw = self._project(x)                                 # pre [T, 3HD]
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
         if cache is not None:
             conv_store = cache.kda_conv[self.kda_index]
@@ -85,8 +118,8 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = F.silu(conv).float().view(T, 3, H, D).unbind(1)
         q = l2norm(q) * D ** -0.5
         k = l2norm(k)
-        g = self.decay(x)
-        beta = torch.sigmoid(self.b_proj(x).float())                            # [T, H]
+        g = self.decay(f_a)
+        beta = torch.sigmoid(b_raw.float())                                     # [T, H]
 
         ops = kda_ops(x.device)
         outs = []
@@ -136,7 +169,7 @@ class KimiDeltaAttention(nn.Module):
             if plan is not None:
                 self._save_snapshots(cache, plan, state_store[fb.state_slots[plan.seq]],
                                      fb.chunk_states.get(self.kda_index), snap_windows, Bd)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(T, H, D)
+        gate = self.g_b_proj(g_a).view(T, H, D)
         o = self.o_norm(o.to(x.dtype), gate).reshape(T, H * D)
         return self.o_proj(o)
 

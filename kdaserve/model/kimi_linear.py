@@ -71,6 +71,13 @@ class KimiLinearForCausalLM(nn.Module):
             if isinstance(layer.self_attn, KimiDeltaAttention):
                 layer.self_attn.chunk_size = chunk_size
 
+    def fuse_for_inference(self) -> KimiLinearForCausalLM:
+        """Fuse projections that read the same input (see KimiDeltaAttention)."""
+        for layer in self.model.layers:
+            if isinstance(layer.self_attn, KimiDeltaAttention):
+                layer.self_attn.fuse_input_projections()
+        return self
+
     def to_dtype(self, dtype: torch.dtype) -> KimiLinearForCausalLM:
         for name, p in list(self.named_parameters()) + list(self.named_buffers()):
             if p.is_floating_point():

@@ -165,7 +165,10 @@ def save_model(model: KimiLinearForCausalLM, out: str | os.PathLike,
         if dtype is not None and t.is_floating_point() and not name.endswith(FP32_PARAM_SUFFIXES):
             t = t.to(dtype)
         for out_name, piece in _checkpoint_pieces(name, t):
-            state[out_name] = piece.contiguous().cpu()
+            piece = piece.contiguous().cpu()
+            if piece.untyped_storage().nbytes() != piece.nbytes:  # a view (fused weights)
+                piece = piece.clone()
+            state[out_name] = piece
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf = model.config.to_hf_dict()
     if dtype is not None:
