@@ -52,11 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench", required=True)
     from kdaserve.bench import offline
 
-    from kdaserve.bench import prefix, reference, spec
+    from kdaserve.bench import kda, prefix, reference, spec
 
     offline.add_arguments(bsub.add_parser("offline", help="offline throughput vs transformers"))
     prefix.add_arguments(bsub.add_parser("prefix", help="shared-prefix TTFT, caching off vs on"))
     spec.add_arguments(bsub.add_parser("spec", help="speculative decoding vs plain decode"))
+    kda.add_arguments(bsub.add_parser("kda", help="KDA recurrence: torch vs compiled CPU kernel"))
     reference.add_arguments(bsub.add_parser(
         "reference", help="model vs transformers / fla-core (needs the test extras)"))
     try:
@@ -100,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             from kdaserve.bench.prefix import run as run_prefix
 
             return run_prefix(args)
+        if args.bench == "kda":
+            from kdaserve.bench.kda import run as run_kda
+
+            return run_kda(args)
         if args.bench == "spec":
             from kdaserve.bench.spec import run as run_spec
 

@@ -125,10 +125,10 @@ class KimiDeltaAttention(nn.Module):
         outs = []
         if Bd:  # decode rows continue their slot's state, updated in place
             if dec is None:                                                    # one token each
-                def dpad(t: torch.Tensor) -> torch.Tensor:                     # [Td,...]->[Bd,1,...]
+                def dpad(t: torch.Tensor) -> torch.Tensor:                # [Td,..]->[Bd,1,..]
                     return t[:Td].unsqueeze(1)
             else:                                            # a token and its drafts: padded
-                def dpad(t: torch.Tensor) -> torch.Tensor:                     # [Td,...]->[Bd,Ld,...]
+                def dpad(t: torch.Tensor) -> torch.Tensor:               # [Td,..]->[Bd,Ld,..]
                     return torch.cat([t[:Td], t.new_zeros((1,) + t.shape[1:])], 0)[dec.pad_src]
 
             o_d, kept = ops.recurrent_slots(
@@ -149,7 +149,7 @@ class KimiDeltaAttention(nn.Module):
             else:
                 s0 = torch.zeros(Bp, H, D, D, dtype=torch.float32, device=x.device)
 
-            def pad(t: torch.Tensor) -> torch.Tensor:                          # [Tp,...]->[Bp,L,...]
+            def pad(t: torch.Tensor) -> torch.Tensor:                     # [Tp,..]->[Bp,L,..]
                 if lay.pad_is_reshape:
                     return t[Td:].reshape(Bp, L, *t.shape[1:])
                 t = torch.cat([t[Td:], t.new_zeros((1,) + t.shape[1:])], 0)
@@ -182,4 +182,5 @@ class KimiDeltaAttention(nn.Module):
             inner = kept[(plan.seq - num_decode).clamp(min=0), plan.chunk]
             states = torch.where(plan.final.view(-1, 1, 1, 1), states, inner)
         cache.snap_states[self.kda_index].index_copy_(0, plan.dest, states)
-        cache.snap_conv[self.kda_index].index_copy_(0, plan.dest, windows.to(cache.snap_conv[0].dtype))
+        snap_conv = cache.snap_conv[self.kda_index]
+        snap_conv.index_copy_(0, plan.dest, windows.to(snap_conv.dtype))

@@ -52,7 +52,8 @@ class SparseMoE(nn.Module):
     its fused w13 and w2 — as one padded batched matmul when groups are small (decode batches
     and verification rows: many experts, a few rows each; over all experts when most are
     active, so no weights are copied), or one matmul per expert when groups are large or few
-    (prefill, single-token decode), where padding and gathers cost more than the calls save. Legend: T tokens, k experts per token, E experts, I width, H hidden.
+    (prefill, single-token decode), where padding and gathers cost more than the calls save.
+    Legend: T tokens, k experts per token, E experts, I width, H hidden.
     """
 
     # groups at least this large on average, or at most this many experts: per-expert matmuls

@@ -77,3 +77,16 @@ def test_disabled_kernel_falls_back(monkeypatch):
         monkeypatch.delenv("KDASERVE_CPU_KERNELS")
         cpu_kernels.kda_recurrent_slots_kernel.cache_clear()
         registry._cpu_ops.cache_clear()
+
+
+@needs_cc
+def test_bench_kda_prints_its_figures(capsys):
+    import json
+
+    from kdaserve.cli import main
+
+    assert main(["bench", "kda", "--json", "--iters", "2", "--repeats", "1", "--decode-rows", "4",
+                 "--prefill-rows", "2", "--prefill-len", "32"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for part in ("decode", "verify", "prefill"):
+        assert out[part]["compiled_us"] > 0 and out[part]["speedup"] > 0
