@@ -46,23 +46,28 @@ def _build(src: Path) -> Path | None:
         return None
     key = hashlib.sha256(src.read_bytes() + " ".join([cc, *_FLAGS, platform.machine(),
                                                       platform.node()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"{src.stem}-{key}.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *_FLAGS, str(src), "-o", tmp, "-lm"], check=True,
-                       capture_output=True, timeout=120)
-        os.replace(tmp, out)  # atomic: concurrent builders each install a whole file
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        log.warning("kdaserve: building %s failed (%s); using the torch reference. %s",
-                    src.name, e, detail.decode(errors="replace")[-500:])
-        Path(tmp).unlink(missing_ok=True)
-        return None
-    return out
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "kdaserve-kernels"):
+        out = folder / f"{src.stem}-{key}.so"
+        if out.is_file():
+            return out
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        except OSError:  # not writable: try the next place
+            continue
+        os.close(fd)
+        try:
+            subprocess.run([cc, *_FLAGS, str(src), "-o", tmp, "-lm"], check=True,
+                           capture_output=True, timeout=120)
+            os.replace(tmp, out)  # atomic: concurrent builders each install a whole file
+            return out
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", b"") or b""
+            log.warning("kdaserve: building %s failed (%s); using the torch reference. %s",
+                        src.name, e, detail.decode(errors="replace")[-500:])
+            Path(tmp).unlink(missing_ok=True)
+            return None
+    return None
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
@@ -89,7 +94,11 @@ def kda_recurrent_slots_kernel() -> KDARecurrentSlots | None:
     lib_path = _build(_SRC)
     if lib_path is None:
         return None
-    lib = ctypes.CDLL(str(lib_path))
+    try:
+        lib = ctypes.CDLL(str(lib_path))
+    except OSError as e:
+        log.warning("kdaserve: loading %s failed (%s); using the torch reference", lib_path, e)
+        return None
     fn = lib.kda_recurrent_slots
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
