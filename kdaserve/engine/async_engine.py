@@ -120,6 +120,9 @@ class EngineStatsSnapshot(msgspec.Struct):
     generation_tokens: int
     preemptions: int
     steps: int
+    spec_verifications: int = 0    # decode rows that verified drafts
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply"):
@@ -256,7 +259,10 @@ class _EngineLoop:
             prefix_cache_hit_tokens=cs.hit_tokens, state_snapshots=cache.snapshots.num_used,
             state_snapshot_bytes=cache.snapshots.bytes_held, prompt_tokens=core.stats.prompt_tokens,
             generation_tokens=core.stats.generation_tokens,
-            preemptions=core.stats.preemptions, steps=core.stats.steps)
+            preemptions=core.stats.preemptions, steps=core.stats.steps,
+            spec_verifications=core.scheduler.num_verify_rows,
+            spec_draft_tokens=core.scheduler.num_draft_tokens,
+            spec_accepted_tokens=core.scheduler.num_accepted_tokens)
 
 
 # ---- the client, in the server's event loop ---------------------------------------------------
