@@ -274,10 +274,8 @@ def build_forward_batch(
         if block_tables is None:
             raise ValueError("block_tables are required with a cache")
         width = max(1, max((len(t) for t in block_tables), default=1))
-        bt = torch.zeros(B, width, dtype=torch.long)
-        for i, t in enumerate(block_tables):  # per sequence, not per token
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        bt = bt.to(device)
+        bt = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables],
+                          dtype=torch.long, device=device)                    # [B, width]
         blk = (positions // bs).clamp(max=width - 1)
         slot_mapping = bt[seq_of, blk] * bs + positions % bs
         # context is read whole blocks at a time: a gather of block_size rows per index
