@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--single-output-len", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3,
-                   help="single-stream runs per engine; the fastest counts (batch: one run)")
+                   help="runs of each workload per engine; the fastest counts")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object only")
@@ -81,17 +81,17 @@ def run(args: argparse.Namespace) -> int:
               max_num_batched_tokens=max(2048, args.input_len * 4))
     vocab = llm.engine.model.config.vocab_size
     prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
-    batch = run_kdaserve(llm, prompts, args.output_len)
+    batch = run_kdaserve(llm, prompts, args.output_len, args.repeats)
     single = run_kdaserve(llm, prompts[:1], args.single_output_len, args.repeats)
     result = {
         "model": model, "num_prompts": args.num_prompts, "input_len": args.input_len,
         "output_len": args.output_len, "threads": torch.get_num_threads(),
-        "single_repeats": args.repeats,
+        "repeats": args.repeats,
         "batch_tok_s": round(batch["output_tok_s"], 1),
         "single_tok_s": round(single["output_tok_s"], 1),
     }
     if not args.no_hf:
-        hf_batch = run_hf(model, prompts, args.output_len, args.max_num_seqs)
+        hf_batch = run_hf(model, prompts, args.output_len, args.max_num_seqs, args.repeats)
         hf_single = run_hf(model, prompts[:1], args.single_output_len, 1, args.repeats)
         result.update({
             "hf_batch_tok_s": round(hf_batch["output_tok_s"], 1),
