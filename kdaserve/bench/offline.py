@@ -77,8 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     model = str(args.model or default_model_path())
+    # no prefix caching: repeated runs (and the single stream, which reuses a batch prompt)
+    # must compute their prompts as transformers does
     llm = LLM(model, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=max(2048, args.input_len * 4))
+              max_num_batched_tokens=max(2048, args.input_len * 4), enable_prefix_caching=False)
     vocab = llm.engine.model.config.vocab_size
     prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
     batch = run_kdaserve(llm, prompts, args.output_len, args.repeats)
