@@ -25,15 +25,12 @@ from kdaserve.ops import kda as kda_ref
 class KDAOps:
     name: str
     chunk: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
-    step: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    recurrent: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
     # decode rows in place on the state slots: (store, slots, q, k, v, g, beta, keep_states,
     # scratch) -> (o [B,L,H,V], states after each position or None)
     recurrent_slots: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
-TORCH_KDA = KDAOps("torch", kda_ref.kda_chunk, kda_ref.kda_step, kda_ref.kda_recurrent,
-                   kda_ref.kda_recurrent_slots)
+TORCH_KDA = KDAOps("torch", kda_ref.kda_chunk, kda_ref.kda_recurrent_slots)
 
 
 def _compiled_recurrent_slots(kernel):
@@ -70,8 +67,7 @@ def _cpu_ops() -> KDAOps:
     kernel = kda_recurrent_slots_kernel()
     if kernel is None:
         return TORCH_KDA
-    return KDAOps("c", _compiled_chunk(kernel), kda_ref.kda_step, kda_ref.kda_recurrent,
-                  _compiled_recurrent_slots(kernel))
+    return KDAOps("c", _compiled_chunk(kernel), _compiled_recurrent_slots(kernel))
 
 
 def _fla_chunk_factory() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
@@ -95,8 +91,7 @@ def _cuda_ops() -> KDAOps:
         chunk = _fla_chunk_factory()
     except Exception:  # fla-core or triton missing: the reference is always correct
         return TORCH_KDA
-    return KDAOps("fla-triton", chunk, kda_ref.kda_step, kda_ref.kda_recurrent,
-                  kda_ref.kda_recurrent_slots)
+    return KDAOps("fla-triton", chunk, kda_ref.kda_recurrent_slots)
 
 
 def kda_ops(device: torch.device) -> KDAOps:
