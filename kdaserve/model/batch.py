@@ -293,6 +293,12 @@ def build_forward_batch(
             mask = jk[None, None, :] <= qpos[:, :, None]                  # [Bp, Qp, Lp]
             mask = mask & q_valid[:, :, None] | (~q_valid[:, :, None] & (jk == 0)[None, None])
             prefill_mask = mask[:, None]
+    elif Bp and bool((p_lens != p_lens[0]).any()):
+        mask = qi[None, None, :] <= qi[None, :, None]                     # causal [1, Qp, Qp]
+        kv_valid = q_valid[:, None, :]
+        mask = ((mask & kv_valid & q_valid[:, :, None])
+                | (~q_valid[:, :, None] & (qi == 0)[None, None]))
+        prefill_mask = mask[:, None]
     mla = MLALayout(slot_mapping, decode_ctx_blocks, decode_ctx_mask, prefill_q_idx,
                     prefill_unpad_idx, prefill_ctx_blocks, prefill_mask)
 
