@@ -153,6 +153,7 @@ class ForwardBatch:
     keep_chunk_states: bool = False          # return KDA states at chunk ends (snapshots)
     chunk_states: dict[int, torch.Tensor] = field(default_factory=dict)  # filled by KDA layers
     snapshots: SnapshotPlan | None = None
+    cu_seqlens: torch.Tensor | None = None   # [B+1] token offsets of the sequences
 
     @property
     def num_tokens(self) -> int:
@@ -318,7 +319,7 @@ def build_forward_batch(
         positions=positions, kda=kda, mla=mla, num_decode_tokens=Td, decode=decode,
         cache=cache, state_slots=slots,
         has_initial_state=has_init, num_fresh=sum(1 for c in ctx_list if c == 0),
-        logits_indices=li, keep_chunk_states=keep_chunk_states, snapshots=plan,
+        logits_indices=li, keep_chunk_states=keep_chunk_states, snapshots=plan, cu_seqlens=cu,
     )
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from kdaserve.config import ModelConfig
 from kdaserve.model.batch import ForwardBatch
 from kdaserve.model.layers import GatedRMSNorm
-from kdaserve.ops.conv import causal_conv1d_packed
+from kdaserve.ops.conv import causal_conv1d_packed, conv_input_rows
 from kdaserve.ops.registry import kda_ops
 
 
@@ -44,6 +44,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(h * d, hidden, bias=False)
         self._fused: torch.Tensor | None = None       # see fuse_input_projections
         self._fused_ptrs: list[int] = []
+        self._conv_wt: tuple[tuple, torch.Tensor] | None = None  # see _conv_weight_t
 
     def _input_linears(self) -> list[nn.Linear]:
         return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj]
@@ -76,6 +77,16 @@ class KimiDeltaAttention(nn.Module):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         return qkv, self.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)
 
+    def _conv_weight_t(self) -> torch.Tensor:
+        """The three depthwise conv weights as one [taps, 3HD] fp32 tensor (the compiled
+        prepare's layout), rebuilt only when a weight is replaced or changed in place."""
+        ws = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        key = tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
+        if self._conv_wt is None or self._conv_wt[0] != key:
+            wt = torch.cat([w.detach() for w in ws], 0).squeeze(1).t().float().contiguous()
+            self._conv_wt = (key, wt)
+        return self._conv_wt[1]
+
     def decay(self, f_a: torch.Tensor) -> torch.Tensor:
         """Log-space decay g [T,H,D] (fp32, <= 0) from the f_a projection [T,D] of the input."""
         raw = self.f_b_proj(f_a).float() + self.dt_bias.float()
@@ -93,7 +104,7 @@ class KimiDeltaAttention(nn.Module):
         km1 = self.q_conv1d.kernel_size[0] - 1
 
         pre, f_a, g_a, b_raw = self._project(x)                                 # pre [T, 3HD]
-        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
+        C = pre.shape[-1]
         if cache is not None:
             conv_store = cache.kda_conv[self.kda_index]
             state_store = cache.kda_states[self.kda_index]
@@ -101,27 +112,35 @@ class KimiDeltaAttention(nn.Module):
             if fb.num_fresh:  # sequences that start now begin from a zero window and state
                 window.mul_(fb.has_initial_state.view(B, 1, 1).to(window.dtype))
         else:
-            window = pre.new_zeros(B, km1, pre.shape[-1])
+            window = pre.new_zeros(B, km1, C)
         lay = fb.kda
         plan = fb.snapshots
         dec = fb.decode
         snap_idx = plan.window_idx if plan is not None else None
         dec_idx = dec.window_idx if dec is not None and cache is not None else None
         parts = [i for i in (snap_idx, dec_idx) if i is not None]
-        conv, new_window, windows = causal_conv1d_packed(
-            pre, window, w.squeeze(1), lay.conv_groups, lay.conv_state_idx,
-            torch.cat(parts, 0) if parts else None)
+        extra_idx = torch.cat(parts, 0) if parts else None
+        ops = kda_ops(x.device, needs_grad=torch.is_grad_enabled() and x.requires_grad)
+        if ops.prepare is not None and pre.dtype == window.dtype == torch.float32:
+            q, k, v, g, beta, new_window = ops.prepare(
+                pre, window, fb.cu_seqlens, self._conv_weight_t(), self.f_b_proj(f_a),
+                self.dt_bias, self.A_log.view(H).exp(), b_raw, H, D ** -0.5,
+                self.gate_lower_bound)
+            windows = conv_input_rows(pre, window, extra_idx) if parts else None
+        else:
+            w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
+            conv, new_window, windows = causal_conv1d_packed(
+                pre, window, w.squeeze(1), lay.conv_groups, lay.conv_state_idx, extra_idx)
+            q, k, v = F.silu(conv).float().view(T, 3, H, D).unbind(1)
+            q = l2norm(q) * D ** -0.5
+            k = l2norm(k)
+            g = self.decay(f_a)
+            beta = torch.sigmoid(b_raw.float())                                 # [T, H]
         n_snap = snap_idx.shape[0] if snap_idx is not None else 0
         snap_windows = windows[:n_snap] if windows is not None else None
         if dec_idx is not None:
             fb.decode_windows[self.kda_index] = windows[n_snap:]
-        q, k, v = F.silu(conv).float().view(T, 3, H, D).unbind(1)
-        q = l2norm(q) * D ** -0.5
-        k = l2norm(k)
-        g = self.decay(f_a)
-        beta = torch.sigmoid(b_raw.float())                                     # [T, H]
 
-        ops = kda_ops(x.device)
         outs = []
         if Bd:  # decode rows continue their slot's state, updated in place
             if dec is None:                                                    # one token each

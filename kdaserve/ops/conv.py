@@ -24,8 +24,8 @@ def causal_conv1d_packed(
     conv output [T,C] (no activation), the new window, and the windows at extra_window_idx
     [S,K-1] (snapshots inside the step) when given.
     """
+    ext = _extended(x, window)
     c = x.shape[-1]
-    ext = torch.cat([window.reshape(-1, c).to(x.dtype), x, x.new_zeros(1, c)], 0)
     k = weight.shape[-1]
     w = weight.to(x.dtype)
     outs = []
@@ -41,3 +41,15 @@ def causal_conv1d_packed(
     out = torch.cat(outs, 0) if len(outs) > 1 else outs[0]
     extra = ext[extra_window_idx] if extra_window_idx is not None else None
     return out, ext[window_idx], extra
+
+
+def _extended(x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """The conv input rows every index here points into: cat(window rows, x, a zero row)."""
+    c = x.shape[-1]
+    return torch.cat([window.reshape(-1, c).to(x.dtype), x, x.new_zeros(1, c)], 0)
+
+
+def conv_input_rows(x: torch.Tensor, window: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Conv windows at positions inside the step ([S, K-1] rows from `build_forward_batch`,
+    e.g. snapshot windows) without running the conv."""
+    return _extended(x, window)[idx]

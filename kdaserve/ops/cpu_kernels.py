@@ -31,7 +31,8 @@ import torch
 log = logging.getLogger("kdaserve")
 
 _SRC = Path(__file__).parent / "csrc" / "kda_cpu.c"
-_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
+          "-std=c11"]
 
 
 def _cache_dir() -> Path:
@@ -87,21 +88,42 @@ KDARecurrentSlots = Callable[..., torch.Tensor]
 
 
 @lru_cache(maxsize=None)
-def kda_recurrent_slots_kernel() -> KDARecurrentSlots | None:
-    """The compiled in-place KDA recurrence, or None (no compiler, disabled, build failed)."""
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (no compiler, disabled, build or load failed)."""
     if os.environ.get("KDASERVE_CPU_KERNELS", "1") == "0":
         return None
     lib_path = _build(_SRC)
     if lib_path is None:
         return None
     try:
-        lib = ctypes.CDLL(str(lib_path))
+        return ctypes.CDLL(str(lib_path))
     except OSError as e:
         log.warning("kdaserve: loading %s failed (%s); using the torch reference", lib_path, e)
         return None
+
+
+def _split_rows(fn: Callable[..., None], num_rows: int, work: int, *args) -> None:
+    """fn(row_begin, row_end, *args) over rows [0, num_rows), on the pool when there is enough
+    work (rows are independent, so the split does not change the result)."""
+    n = min(torch.get_num_threads(), num_rows)
+    if n <= 1 or work < _PARALLEL_MIN_STEPS:
+        fn(0, num_rows, *args)
+        return
+    bounds = [num_rows * i // n for i in range(n + 1)]
+    futures = [_pool(n).submit(fn, bounds[i], bounds[i + 1], *args) for i in range(n)]
+    for f in futures:
+        f.result()
+
+
+@lru_cache(maxsize=None)
+def kda_recurrent_slots_kernel() -> KDARecurrentSlots | None:
+    """The compiled in-place KDA recurrence, or None (no compiler, disabled, build failed)."""
+    lib = _library()
+    if lib is None:
+        return None
     fn = lib.kda_recurrent_slots
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+    fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -120,17 +142,54 @@ def kda_recurrent_slots_kernel() -> KDARecurrentSlots | None:
         assert L % keep_every == 0 and (kept is None or kept.is_contiguous())
         o = torch.empty(B, L, H, V, dtype=torch.float32)
         slots_, q_, k_, v_, g_, beta_ = args
-        rest = (L, H, K, V, _ptr(q_), _ptr(k_), _ptr(v_), _ptr(g_), _ptr(beta_), _ptr(o),
-                _ptr(kept), keep_every)
-        n = min(torch.get_num_threads(), B)
-        if n <= 1 or B * L * H < _PARALLEL_MIN_STEPS:
-            fn(_ptr(store), _ptr(slots_), 0, B, *rest)
-            return o
-        bounds = [B * i // n for i in range(n + 1)]
-        futures = [_pool(n).submit(fn, _ptr(store), _ptr(slots_), bounds[i], bounds[i + 1],
-                                   *rest) for i in range(n)]
-        for f in futures:
-            f.result()
+        _split_rows(fn, B, B * L * H, _ptr(store), _ptr(slots_), L, H, K, V, _ptr(q_),
+                    _ptr(k_), _ptr(v_), _ptr(g_), _ptr(beta_), _ptr(o), _ptr(kept), keep_every)
         return o
+
+    return run
+
+
+KDAPrepare = Callable[..., tuple[torch.Tensor, ...]]
+
+
+@lru_cache(maxsize=None)
+def kda_prepare_kernel() -> KDAPrepare | None:
+    """The compiled conv + activations + norms + decay of a KDA layer's inputs, or None."""
+    lib = _library()
+    if lib is None:
+        return None
+    fn = lib.kda_prepare
+    fn.restype = None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr,
+                   ctypes.c_float, i64, ptr, i64, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, ptr]
+
+    def run(pre: torch.Tensor, window: torch.Tensor, cu_seqlens: torch.Tensor,
+            conv_wt: torch.Tensor, fraw: torch.Tensor, dt_bias: torch.Tensor, a: torch.Tensor,
+            braw: torch.Tensor, num_heads: int, q_scale: float,
+            lower_bound: float | None = None) -> tuple[torch.Tensor, ...]:
+        """pre [T,3HD] q|k|v before the conv, window [B,W,3HD] the inputs before each
+        sequence, cu_seqlens [B+1] int64, conv_wt [W+1,3HD], fraw [T,HD] (f_b_proj output),
+        dt_bias [HD], a [H] = exp(A_log), braw [T,H]; all fp32, rows of pre, fraw and braw may
+        be strided. Returns q, k, v, g [T,H,D], beta [T,H] and the new window [B,W,3HD]."""
+        T, C = pre.shape
+        B, W = window.shape[0], window.shape[1]
+        H = num_heads
+        D = C // (3 * H)
+        for t in (pre, fraw, braw):
+            assert t.dtype == torch.float32 and t.stride(-1) == 1
+        window, conv_wt, dt_bias, a, cu = (t.contiguous() for t in (window, conv_wt, dt_bias, a,
+                                                                     cu_seqlens))
+        assert window.dtype == conv_wt.dtype == dt_bias.dtype == a.dtype == torch.float32
+        assert conv_wt.shape == (W + 1, C) and cu.dtype == torch.int64 and cu.numel() == B + 1
+        q, k, v, g = (torch.empty(T, H, D, dtype=torch.float32) for _ in range(4))
+        beta = torch.empty(T, H, dtype=torch.float32)
+        new_window = torch.empty(B, W, C, dtype=torch.float32)
+        _split_rows(fn, B, T * H * 8, _ptr(cu), W + 1, H, D, _ptr(pre), pre.stride(0),
+                    _ptr(window), _ptr(conv_wt), _ptr(fraw), fraw.stride(0), _ptr(dt_bias),
+                    _ptr(a), 0.0 if lower_bound is None else float(lower_bound),
+                    int(lower_bound is not None), _ptr(braw), braw.stride(0), float(q_scale),
+                    _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(new_window))
+        return q, k, v, g, beta, new_window
 
     return run

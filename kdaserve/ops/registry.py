@@ -28,6 +28,9 @@ class KDAOps:
     # decode rows in place on the state slots: (store, slots, q, k, v, g, beta, keep_states,
     # scratch) -> (o [B,L,H,V], states after each position or None)
     recurrent_slots: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    # the recurrence's inputs from the layer's projections in one call (conv, SiLU, norms,
+    # decay, beta; see cpu_kernels.kda_prepare_kernel), or None: the layer's torch ops
+    prepare: Callable[..., tuple[torch.Tensor, ...]] | None = None
 
 
 TORCH_KDA = KDAOps("torch", kda_ref.kda_chunk, kda_ref.kda_recurrent_slots)
@@ -62,12 +65,13 @@ def _compiled_chunk(kernel):
 def _cpu_ops() -> KDAOps:
     if os.environ.get("KDASERVE_KDA_BACKEND", "auto") == "torch":
         return TORCH_KDA
-    from kdaserve.ops.cpu_kernels import kda_recurrent_slots_kernel
+    from kdaserve.ops.cpu_kernels import kda_prepare_kernel, kda_recurrent_slots_kernel
 
     kernel = kda_recurrent_slots_kernel()
     if kernel is None:
         return TORCH_KDA
-    return KDAOps("c", _compiled_chunk(kernel), _compiled_recurrent_slots(kernel))
+    return KDAOps("c", _compiled_chunk(kernel), _compiled_recurrent_slots(kernel),
+                  kda_prepare_kernel())
 
 
 def _fla_chunk_factory() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
@@ -94,5 +98,8 @@ def _cuda_ops() -> KDAOps:
     return KDAOps("fla-triton", chunk, kda_ref.kda_recurrent_slots)
 
 
-def kda_ops(device: torch.device) -> KDAOps:
+def kda_ops(device: torch.device, needs_grad: bool = False) -> KDAOps:
+    """needs_grad: the forward is being trained; only the torch ops are differentiable."""
+    if needs_grad:
+        return TORCH_KDA
     return _cuda_ops() if device.type == "cuda" else _cpu_ops()

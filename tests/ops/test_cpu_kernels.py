@@ -67,16 +67,77 @@ def test_compiled_rows_are_independent_of_batch():
 def test_disabled_kernel_falls_back(monkeypatch):
     from kdaserve.ops import cpu_kernels, registry
 
+    caches = (cpu_kernels._library, cpu_kernels.kda_recurrent_slots_kernel,
+              cpu_kernels.kda_prepare_kernel, registry._cpu_ops)
     monkeypatch.setenv("KDASERVE_CPU_KERNELS", "0")
-    cpu_kernels.kda_recurrent_slots_kernel.cache_clear()
-    registry._cpu_ops.cache_clear()
+    for c in caches:
+        c.cache_clear()
     try:
         assert cpu_kernels.kda_recurrent_slots_kernel() is None
+        assert cpu_kernels.kda_prepare_kernel() is None
         assert registry.kda_ops(torch.device("cpu")) is TORCH_KDA
     finally:
         monkeypatch.delenv("KDASERVE_CPU_KERNELS")
-        cpu_kernels.kda_recurrent_slots_kernel.cache_clear()
-        registry._cpu_ops.cache_clear()
+        for c in caches:
+            c.cache_clear()
+
+
+def test_training_forward_uses_the_differentiable_ops():
+    """A forward that is being trained must not run the compiled kernels (they have no
+    autograd): every KDA input parameter gets a gradient."""
+    from kdaserve.ops.registry import kda_ops
+    from tiny_models import random_model, tiny_config
+
+    assert kda_ops(torch.device("cpu"), needs_grad=True) is TORCH_KDA
+    model = random_model(tiny_config()).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    model.forward_dense(ids).logsumexp(-1).sum().backward()
+    kda = model.model.layers[1].self_attn
+    for name in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "q_conv1d"):
+        grad = getattr(kda, name).weight.grad
+        assert grad is not None and grad.abs().sum() > 0, name
+
+
+@needs_cc
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_compiled_prepare_matches_torch_ops(monkeypatch, lower_bound):
+    """The compiled conv/norm/decay prepare against the layer's torch ops, through the model
+    with a cache: prefill rows shorter and longer than the conv window, fresh and continued
+    sequences, decode rows mixed with prefill rows; logits, states and windows agree."""
+    from kdaserve.model import kda as kda_module
+    from kdaserve.model.batch import HybridCache, build_forward_batch
+    from kdaserve.ops.registry import kda_ops
+    from tiny_models import random_model, tiny_config
+
+    assert kda_ops(torch.device("cpu")).prepare is not None
+    model = random_model(tiny_config(kda_gate_lower_bound=lower_bound)).fuse_for_inference()
+    steps = [  # (seq lens, context lens, decode rows first)
+        ([2, 7, 1, 12], [0, 0, 0, 0], 0),
+        ([1, 1, 5, 3], [2, 7, 1, 12], 2),
+        ([1, 1, 1, 1], [3, 8, 6, 15], 4),
+    ]
+
+    def run(ops_for):
+        monkeypatch.setattr(kda_module, "kda_ops", ops_for)
+        cache = HybridCache.allocate(model.config, 17, 4, 5)
+        outs = []
+        for lens, ctx, nd in steps:
+            fb = build_forward_batch(lens, ctx, num_decode=nd, conv_kernel=4, chunk_size=8,
+                                     cache=cache, block_tables=[[1 + 4 * i + j for j in range(4)]
+                                                                for i in range(4)],
+                                     state_slots=[1, 2, 3, 4])
+            ids = torch.randint(0, 64, (sum(lens),), generator=torch.Generator().manual_seed(
+                sum(lens)))
+            with torch.inference_mode():
+                outs.append(model(ids, fb)[0])
+        return outs, cache
+
+    compiled, c_cache = run(lambda device, needs_grad=False: kda_ops(device))
+    torch_, t_cache = run(lambda device, needs_grad=False: TORCH_KDA)
+    for a, b in zip(compiled, torch_):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(c_cache.kda_states + c_cache.kda_conv, t_cache.kda_states + t_cache.kda_conv):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @needs_cc
@@ -110,5 +171,5 @@ def test_engine_greedy_identical_with_torch_reference(hf_checkpoint, monkeypatch
         return [o.outputs[0].token_ids for o in outs]
 
     default = greedy()
-    monkeypatch.setattr(kda_module, "kda_ops", lambda device: TORCH_KDA)
+    monkeypatch.setattr(kda_module, "kda_ops", lambda device, needs_grad=False: TORCH_KDA)
     assert greedy() == default

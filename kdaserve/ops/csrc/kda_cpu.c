@@ -22,11 +22,55 @@
 #include <stdint.h>
 #include <string.h>
 
-void kda_recurrent_slots(float *store, const int64_t *slots, int64_t row_begin, int64_t row_end,
+/* exp and log as branch-free polynomials (Cephes' single-precision coefficients, ~1 ulp), so
+ * the loops that call them vectorise: libm's expf is a scalar call per element, which made
+ * the per-token math cost more than the torch ops it replaces. */
+static inline float exp_approx(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);  /* fminf/fmaxf do not vectorise */
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline float log_approx(float x) {   /* x > 0, normal */
+    int32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    float e = (float)((bits >> 23) - 126);
+    bits = (bits & 0x007fffff) | 0x3f000000;     /* mantissa in [0.5, 1) */
+    float m;
+    memcpy(&m, &bits, sizeof m);
+    const int small = m < 0.707106781186547524f;
+    e = small ? e - 1.0f : e;
+    m = small ? m + m - 1.0f : m - 1.0f;
+    const float z = m * m;
+    float y = 7.0376836292e-2f;
+    y = y * m - 1.1514610310e-1f;
+    y = y * m + 1.1676998740e-1f;
+    y = y * m - 1.2420140846e-1f;
+    y = y * m + 1.4249322787e-1f;
+    y = y * m - 1.6668057665e-1f;
+    y = y * m + 2.0000714765e-1f;
+    y = y * m - 2.4999993993e-1f;
+    y = y * m + 3.3333331174e-1f;
+    y = y * m * z - 2.12194440e-4f * e - 0.5f * z;
+    return m + y + 0.693359375f * e;
+}
+
+void kda_recurrent_slots(int64_t row_begin, int64_t row_end, float *store, const int64_t *slots,
                          int64_t L, int64_t H, int64_t K, int64_t V,
                          const float *q, const float *k, const float *v, const float *g,
                          const float *beta, float *o, float *kept, int64_t keep_every) {
-    float kv[V], delta[V], out[V];
+    float kv[V], delta[V], out[V], decay[K];
     for (int64_t b = row_begin; b < row_end; ++b) {
         for (int64_t h = 0; h < H; ++h) {
             float *S = store + (slots[b] * H + h) * K * V;
@@ -36,9 +80,10 @@ void kda_recurrent_slots(float *store, const int64_t *slots, int64_t row_begin, 
                 const float *vt = v + bth * V;
                 const float bt = beta[bth];
                 for (int64_t j = 0; j < V; ++j) kv[j] = 0.0f;
+                for (int64_t i = 0; i < K; ++i) decay[i] = exp_approx(gt[i]);
                 for (int64_t i = 0; i < K; ++i) {
                     float *row = S + i * V;
-                    const float e = expf(gt[i]), ki = kt[i];
+                    const float e = decay[i], ki = kt[i];
                     for (int64_t j = 0; j < V; ++j) {
                         row[j] *= e;
                         kv[j] += ki * row[j];
@@ -62,6 +107,94 @@ void kda_recurrent_slots(float *store, const int64_t *slots, int64_t row_begin, 
                     memcpy(kept + at * K * V, S, sizeof(float) * K * V);
                 }
             }
+        }
+    }
+}
+
+/* The per-token inputs of the recurrence from a KDA layer's projections (CPU, fp32): the causal
+ * depthwise conv over the packed sequences with their carried windows, SiLU, per-head L2 norm of
+ * q (then scaled) and k, the log-space decay g and beta = sigmoid(b). One pass per token row
+ * replaces a dozen torch ops, each a sweep over every token and a small allocation.
+ *
+ * Layouts: pre [T, 3HD] rows `pre_stride` apart (q | k | v channels before the conv);
+ * window [B, W, 3HD] the W = taps - 1 inputs before each sequence's first token; cu [B + 1]
+ * token offsets; conv_wt [taps, 3HD] (the conv weight transposed); fraw [T, HD] rows
+ * `f_stride` apart (f_b_proj output); dt_bias [HD]; a [H] = exp(A_log); braw [T, H] rows
+ * `b_stride` apart. Outputs: q, k, v, g [T, H, D]; beta [T, H]; new_window [B, W, 3HD], the
+ * inputs after each sequence's last token.
+ * use_bound selects g = lower_bound * sigmoid(a * raw) over g = -a * softplus(raw).
+ */
+static inline float silu(float x) { return x / (1.0f + exp_approx(-x)); }
+static inline float sigmoid(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
+/* log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|)); log1p(u) as log(1 + u) * u / ((1 + u) - 1)
+ * keeps small u exact (Goldberg). Above 20 torch returns x itself; so does this, in fp32. */
+static inline float softplus(float x) {
+    const float u = exp_approx(-fabsf(x)), w = 1.0f + u;
+    const float l1p = w == 1.0f ? u : log_approx(w) * u / (w - 1.0f);
+    return (x > 0.0f ? x : 0.0f) + l1p;
+}
+
+/* Sixteen independent partial sums (they vectorise), then their total. */
+static inline float sum_squares(const float *x, int64_t n) {
+    float lanes[16] = {0.0f};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int64_t l = 0; l < 16; ++l) lanes[l] += x[i + l] * x[i + l];
+    float total = 0.0f;
+    for (; i < n; ++i) total += x[i] * x[i];
+    for (int64_t l = 0; l < 16; ++l) total += lanes[l];
+    return total;
+}
+
+void kda_prepare(int64_t seq_begin, int64_t seq_end, const int64_t *cu, int64_t taps,
+                 int64_t H, int64_t D, const float *pre, int64_t pre_stride,
+                 const float *window, const float *conv_wt, const float *fraw, int64_t f_stride,
+                 const float *dt_bias, const float *a, float lower_bound, int64_t use_bound,
+                 const float *braw, int64_t b_stride, float q_scale, float *q, float *k,
+                 float *v, float *g, float *beta, float *new_window) {
+    const int64_t HD = H * D, C = 3 * HD, W = taps - 1;
+    float row_buf[C];
+    float *restrict row = row_buf;
+    for (int64_t b = seq_begin; b < seq_end; ++b) {
+        const int64_t start = cu[b], len = cu[b + 1] - start;
+        const float *win = window + b * W * C;
+        for (int64_t p = 0; p < len; ++p) {
+            const int64_t t = start + p;
+            for (int64_t c = 0; c < C; ++c) row[c] = 0.0f;
+            for (int64_t j = 0; j < taps; ++j) {
+                const int64_t src = p - W + j;   /* < 0: an input before this step */
+                const float *in = src >= 0 ? pre + (start + src) * pre_stride
+                                           : win + (W + src) * C;
+                const float *wj = conv_wt + j * C;
+                for (int64_t c = 0; c < C; ++c) row[c] += in[c] * wj[c];
+            }
+            for (int64_t c = 0; c < C; ++c) row[c] = silu(row[c]);
+            for (int64_t h = 0; h < H; ++h) {
+                const float *rq = row + h * D, *rk = row + HD + h * D, *rv = row + 2 * HD + h * D;
+                const float nq = q_scale / sqrtf(sum_squares(rq, D) + 1e-6f);
+                const float nk = 1.0f / sqrtf(sum_squares(rk, D) + 1e-6f);
+                float *restrict oq = q + (t * H + h) * D, *restrict ok = k + (t * H + h) * D;
+                float *restrict ov = v + (t * H + h) * D, *restrict og = g + (t * H + h) * D;
+                const float *fr = fraw + t * f_stride + h * D, *bias = dt_bias + h * D;
+                const float ah = a[h];
+                for (int64_t d = 0; d < D; ++d) {
+                    oq[d] = rq[d] * nq;
+                    ok[d] = rk[d] * nk;
+                    ov[d] = rv[d];
+                }
+                if (use_bound)
+                    for (int64_t d = 0; d < D; ++d)
+                        og[d] = lower_bound * sigmoid(ah * (fr[d] + bias[d]));
+                else
+                    for (int64_t d = 0; d < D; ++d) og[d] = -ah * softplus(fr[d] + bias[d]);
+                beta[t * H + h] = sigmoid(braw[t * b_stride + h]);
+            }
+        }
+        float *nw = new_window + b * W * C;
+        for (int64_t i = 0; i < W; ++i) {
+            const int64_t src = len - W + i;
+            memcpy(nw + i * C, src >= 0 ? pre + (start + src) * pre_stride : win + (len + i) * C,
+                   sizeof(float) * C);
         }
     }
 }
