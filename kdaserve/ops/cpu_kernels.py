@@ -21,10 +21,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -79,7 +79,7 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
 _PARALLEL_MIN_STEPS = 4096
 
 
-@lru_cache(maxsize=None)
+@cache
 def _pool(n: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=n, thread_name_prefix="kdaserve-kernel")
 
@@ -87,7 +87,7 @@ def _pool(n: int) -> ThreadPoolExecutor:
 KDARecurrentSlots = Callable[..., torch.Tensor]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (no compiler, disabled, build or load failed)."""
     if os.environ.get("KDASERVE_CPU_KERNELS", "1") == "0":
@@ -115,7 +115,7 @@ def _split_rows(fn: Callable[..., None], num_rows: int, work: int, *args) -> Non
         f.result()
 
 
-@lru_cache(maxsize=None)
+@cache
 def kda_recurrent_slots_kernel() -> KDARecurrentSlots | None:
     """The compiled in-place KDA recurrence, or None (no compiler, disabled, build failed)."""
     lib = _library()
@@ -152,7 +152,7 @@ def kda_recurrent_slots_kernel() -> KDARecurrentSlots | None:
 KDAPrepare = Callable[..., tuple[torch.Tensor, ...]]
 
 
-@lru_cache(maxsize=None)
+@cache
 def kda_prepare_kernel() -> KDAPrepare | None:
     """The compiled conv + activations + norms + decay of a KDA layer's inputs, or None."""
     lib = _library()

@@ -12,9 +12,9 @@ KDASERVE_KDA_BACKEND=torch to force the reference everywhere.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Callable
+from functools import cache
 
 import torch
 
@@ -61,7 +61,7 @@ def _compiled_chunk(kernel):
     return chunk
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cpu_ops() -> KDAOps:
     if os.environ.get("KDASERVE_KDA_BACKEND", "auto") == "torch":
         return TORCH_KDA
@@ -87,7 +87,7 @@ def _fla_chunk_factory() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torc
     return chunk
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cuda_ops() -> KDAOps:
     if os.environ.get("KDASERVE_KDA_BACKEND", "auto") == "torch":
         return TORCH_KDA

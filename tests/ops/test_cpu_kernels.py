@@ -85,8 +85,9 @@ def test_disabled_kernel_falls_back(monkeypatch):
 def test_training_forward_uses_the_differentiable_ops():
     """A forward that is being trained must not run the compiled kernels (they have no
     autograd): every KDA input parameter gets a gradient."""
-    from kdaserve.ops.registry import kda_ops
     from tiny_models import random_model, tiny_config
+
+    from kdaserve.ops.registry import kda_ops
 
     assert kda_ops(torch.device("cpu"), needs_grad=True) is TORCH_KDA
     model = random_model(tiny_config()).train()
@@ -104,10 +105,11 @@ def test_compiled_prepare_matches_torch_ops(monkeypatch, lower_bound):
     """The compiled conv/norm/decay prepare against the layer's torch ops, through the model
     with a cache: prefill rows shorter and longer than the conv window, fresh and continued
     sequences, decode rows mixed with prefill rows; logits, states and windows agree."""
+    from tiny_models import random_model, tiny_config
+
     from kdaserve.model import kda as kda_module
     from kdaserve.model.batch import HybridCache, build_forward_batch
     from kdaserve.ops.registry import kda_ops
-    from tiny_models import random_model, tiny_config
 
     assert kda_ops(torch.device("cpu")).prepare is not None
     model = random_model(tiny_config(kda_gate_lower_bound=lower_bound)).fuse_for_inference()
