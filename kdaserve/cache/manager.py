@@ -25,6 +25,7 @@ class CacheStats:
 @dataclass
 class _Holding:
     blocks: list[Block] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # of `blocks`, read every step
     slot: int | None = None
     hashes: list[bytes] = field(default_factory=list)   # chained hashes of its full blocks
     num_cached_blocks: int = 0                          # blocks registered in the pool's map
@@ -55,7 +56,7 @@ class CacheManager:
 
     # ---- queries --------------------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._held[request_id].blocks]
+        return list(self._held[request_id].block_ids)
 
     def slot(self, request_id: str) -> int:
         slot = self._held[request_id].slot
@@ -104,6 +105,7 @@ class CacheManager:
             if hit_blocks:
                 self.block_pool.touch(hit_blocks)
                 held.blocks.extend(hit_blocks)
+                held.block_ids.extend(b.block_id for b in hit_blocks)
                 held.num_cached_blocks = len(hit_blocks)
                 held.hashes = list(hit.block_hashes)
                 if hit.snapshot is not None:
@@ -115,7 +117,9 @@ class CacheManager:
         if need_slot:
             held.slot = self.state_pool.allocate()
         if need_blocks:
-            held.blocks.extend(self.block_pool.allocate(need_blocks))
+            fresh = self.block_pool.allocate(need_blocks)
+            held.blocks.extend(fresh)
+            held.block_ids.extend(b.block_id for b in fresh)
         return True
 
     # ---- prefix caching -------------------------------------------------------------------

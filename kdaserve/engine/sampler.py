@@ -74,13 +74,15 @@ def _top_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, rows: list[Sampl
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     """logits [S, V] (any float dtype) -> one token per row."""
     logits = logits.float()
-    raw_logprobs = logits.log_softmax(-1)
+    wants_logprobs = any(r.params.logprobs is not None for r in rows)
+    raw_logprobs = logits.log_softmax(-1) if wants_logprobs else None
     logits = _penalise(logits, rows)
     greedy_tok = logits.argmax(-1)
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
-    random_rows = (temps > 0).nonzero().flatten()
-    tokens = greedy_tok.clone()
-    if random_rows.numel():
+    tokens = greedy_tok
+    if any(r.params.temperature > 0 for r in rows):
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
+        random_rows = (temps > 0).nonzero().flatten()
+        tokens = greedy_tok.clone()
         idx = random_rows
         sub = logits[idx] / temps[idx, None]
         sub = _filter(sub, [rows[i] for i in idx.tolist()])
@@ -90,6 +92,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
             gen = rows[i].generator
             noise[j] = torch.empty(probs.shape[-1]).exponential_(1.0, generator=gen)
         tokens[idx] = (probs / noise).argmax(-1)
+    if raw_logprobs is None:
+        return [SampledToken(t) for t in tokens.tolist()]
     lps = _top_logprobs(raw_logprobs, tokens, rows)
     return [SampledToken(int(t), lp, top) for t, (lp, top) in zip(tokens.tolist(), lps)]
 

@@ -173,16 +173,18 @@ class Scheduler:
     def _to_sequence(self, req: Request, n: int, snaps: list[tuple[str, int, int]],
                      num_drafts: int = 0) -> ScheduledSequence:
         start = req.num_computed_tokens
-        all_ids = req.all_token_ids
-        tokens = all_ids[start:start + n - num_drafts] + req.spec_token_ids[:num_drafts]
-        # Snapshots past a draft's position are taken only if that draft is accepted; the
-        # runner reports the others as dropped (hashing drafts here is what they would be).
-        for pos, sid in self.cache.plan_snapshots(req.request_id, all_ids + tokens[1:]
-                                                  if num_drafts else all_ids,
-                                                  req.num_prompt_tokens,
-                                                  start, start + n, req.extra_keys,
-                                                  req.cache_salt, certain=start + n - num_drafts):
-            snaps.append((req.request_id, pos, sid))
+        tokens = req.token_ids_between(start, start + n - num_drafts)
+        if num_drafts:
+            tokens += req.spec_token_ids[:num_drafts]
+        if self.cache.prefix_caching:
+            # Snapshots past a draft's position are taken only if that draft is accepted; the
+            # runner reports the others as dropped (hashing drafts here is what they would be).
+            all_ids = req.all_token_ids
+            for pos, sid in self.cache.plan_snapshots(
+                    req.request_id, all_ids + tokens[1:] if num_drafts else all_ids,
+                    req.num_prompt_tokens, start, start + n, req.extra_keys, req.cache_salt,
+                    certain=start + n - num_drafts):
+                snaps.append((req.request_id, pos, sid))
         return ScheduledSequence(
             request_id=req.request_id, token_ids=tokens, context_len=start,
             block_ids=self.cache.block_ids(req.request_id),
@@ -236,6 +238,8 @@ class Scheduler:
         return touched
 
     def _commit(self, req: Request) -> None:
+        if not self.cache.prefix_caching:
+            return
         self.cache.commit(req.request_id, req.all_token_ids, req.num_computed_tokens,
                           req.extra_keys, req.cache_salt)
 
