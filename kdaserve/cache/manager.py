@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kdaserve.cache.block_pool import Block, BlockPool
-from kdaserve.cache.prefix_cache import (PrefixHit, Snapshot, SnapshotPool, block_hashes,
-                                         placement)
+from kdaserve.cache.prefix_cache import PrefixHit, Snapshot, SnapshotPool, block_hashes, placement
 from kdaserve.cache.state_pool import StatePool
 
 

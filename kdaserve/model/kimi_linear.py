@@ -72,10 +72,14 @@ class KimiLinearForCausalLM(nn.Module):
                 layer.self_attn.chunk_size = chunk_size
 
     def fuse_for_inference(self) -> KimiLinearForCausalLM:
-        """Fuse projections that read the same input (see KimiDeltaAttention)."""
+        """Inference layouts: fuse projections that read the same input (see
+        KimiDeltaAttention); on CPU, experts stored transposed (see SparseMoE)."""
         for layer in self.model.layers:
             if isinstance(layer.self_attn, KimiDeltaAttention):
                 layer.self_attn.fuse_input_projections()
+            moe = getattr(layer, "block_sparse_moe", None)
+            if moe is not None and moe.experts_w13.device.type == "cpu":
+                moe.transpose_expert_storage()
         return self
 
     def to_dtype(self, dtype: torch.dtype) -> KimiLinearForCausalLM:

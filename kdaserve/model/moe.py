@@ -8,6 +8,7 @@ from torch import nn
 
 from kdaserve.config import ModelConfig
 from kdaserve.model.layers import MLP
+from kdaserve.ops.cpu_kernels import moe_experts_kernel
 
 
 class Router(nn.Module):
@@ -49,10 +50,11 @@ class SparseMoE(nn.Module):
     loader maps the checkpoint's per-expert names onto them.
 
     Slots (token, expert) are grouped by expert, then every active expert's group runs through
-    its fused w13 and w2 — as one padded batched matmul when groups are small (decode batches
-    and verification rows: many experts, a few rows each; over all experts when most are
-    active, so no weights are copied), or one matmul per expert when groups are large or few
-    (prefill, single-token decode), where padding and gathers cost more than the calls save.
+    its fused w13 and w2. Large groups (prefill) take one matmul per expert. Small groups
+    (decode batches, verification rows, a single token) take the compiled ragged-group kernel
+    on CPU; elsewhere one matmul per expert when few are active, or one padded batched matmul
+    (over all experts when most are active, so no weights are copied), where padding and
+    gathers cost less than many small calls.
     Legend: T tokens, k experts per token, E experts, I width, H hidden.
     """
 
@@ -72,6 +74,27 @@ class SparseMoE(nn.Module):
             if cfg.num_shared_experts else None
         )
         self.load_counts: torch.Tensor | None = None  # set by trainers that balance the router
+
+    def transpose_expert_storage(self) -> None:
+        """Inference on CPU: keep each expert's weights transposed in memory (w13 as [H, 2I],
+        w2 as [I, H]), the layout the compiled ragged-group kernel reads. The parameters stay
+        [E, 2I, H] / [E, H, I] views with the checkpoint's names; matmuls read either layout
+        at the same speed, and nothing is stored twice."""
+        for name in ("experts_w13", "experts_w2"):
+            p = getattr(self, name)
+            t = p.detach().transpose(1, 2).contiguous()
+            setattr(self, name, nn.Parameter(t.transpose(1, 2), requires_grad=False))
+
+    def _ragged_kernel(self, x: torch.Tensor):
+        """The compiled kernel when it applies: CPU, fp32, no autograd, transposed storage."""
+        if x.device.type != "cpu" or x.dtype != torch.float32 or (
+                torch.is_grad_enabled() and x.requires_grad):
+            return None
+        w13t, w2t = self.experts_w13.transpose(1, 2), self.experts_w2.transpose(1, 2)
+        if not (w13t.is_contiguous() and w2t.is_contiguous()
+                and w13t.dtype == w2t.dtype == torch.float32):
+            return None
+        return moe_experts_kernel()
 
     def _expert_mlp(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """One expert ([n,H], weights 2-D) or a padded group of experts ([Ea,cap,H], 3-D)."""
@@ -93,7 +116,15 @@ class SparseMoE(nn.Module):
         count_list = counts.tolist()
         active = [e for e, n in enumerate(count_list) if n]
         out = torch.zeros_like(x)
-        if len(active) <= self.FEW_EXPERTS or flat.numel() >= self.LARGE_GROUP * len(active):
+        large = flat.numel() >= self.LARGE_GROUP * len(active)
+        kernel = None if large else self._ragged_kernel(x)
+        if kernel is not None:
+            # each expert's group at its own size: no padding to the busiest expert
+            offsets = torch.zeros(self.num_experts + 1, dtype=torch.long)
+            torch.cumsum(counts, 0, out=offsets[1:])
+            kernel(x, token, offsets, slot_w.view(-1), self.experts_w13.transpose(1, 2),
+                   self.experts_w2.transpose(1, 2), out)
+        elif large or len(active) <= self.FEW_EXPERTS:
             start = 0
             for e in active:
                 n = count_list[e]

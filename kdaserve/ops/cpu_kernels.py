@@ -30,7 +30,7 @@ import torch
 
 log = logging.getLogger("kdaserve")
 
-_SRC = Path(__file__).parent / "csrc" / "kda_cpu.c"
+_CSRC = Path(__file__).parent / "csrc"
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
           "-std=c11"]
 
@@ -45,8 +45,9 @@ def _build(src: Path) -> Path | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    key = hashlib.sha256(src.read_bytes() + " ".join([cc, *_FLAGS, platform.machine(),
-                                                      platform.node()]).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))
+    key = hashlib.sha256(src.read_bytes() + headers + " ".join(
+        [cc, *_FLAGS, platform.machine(), platform.node()]).encode()).hexdigest()[:16]
     for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "kdaserve-kernels"):
         out = folder / f"{src.stem}-{key}.so"
         if out.is_file():
@@ -88,11 +89,12 @@ KDARecurrentSlots = Callable[..., torch.Tensor]
 
 
 @cache
-def _library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (no compiler, disabled, build or load failed)."""
+def _library(source: str = "kda_cpu.c") -> ctypes.CDLL | None:
+    """The compiled kernels of csrc/`source`, or None (no compiler, disabled, build or load
+    failed)."""
     if os.environ.get("KDASERVE_CPU_KERNELS", "1") == "0":
         return None
-    lib_path = _build(_SRC)
+    lib_path = _build(_CSRC / source)
     if lib_path is None:
         return None
     try:
@@ -191,5 +193,37 @@ def kda_prepare_kernel() -> KDAPrepare | None:
                     int(lower_bound is not None), _ptr(braw), braw.stride(0), float(q_scale),
                     _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(new_window))
         return q, k, v, g, beta, new_window
+
+    return run
+
+
+MoEExperts = Callable[..., torch.Tensor]
+
+
+@cache
+def moe_experts_kernel() -> MoEExperts | None:
+    """The compiled routed-expert MLPs over ragged groups (csrc/moe_cpu.c), or None."""
+    lib = _library("moe_cpu.c")
+    if lib is None:
+        return None
+    fn = lib.moe_experts
+    fn.restype = None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+
+    def run(x: torch.Tensor, token: torch.Tensor, offsets: torch.Tensor, slot_w: torch.Tensor,
+            w13t: torch.Tensor, w2t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """x [T,H]; token [S] int64 slots grouped by expert, offsets [E+1] int64 the groups'
+        bounds; slot_w [S]; w13t [E,H,2I], w2t [E,I,H] contiguous; out [T,H] gets
+        += slot_w * expert MLP(x[token]). All fp32. Returns out."""
+        E, H, I2 = w13t.shape
+        x, token, offsets, slot_w = (t.contiguous() for t in (x, token, offsets, slot_w))
+        assert w13t.is_contiguous() and w2t.is_contiguous() and out.is_contiguous()
+        assert all(t.dtype == torch.float32 for t in (x, slot_w, w13t, w2t, out))
+        assert token.dtype == offsets.dtype == torch.int64 and offsets.numel() == E + 1
+        assert w2t.shape == (E, I2 // 2, H) and x.shape[1] == H == out.shape[1]
+        fn(0, E, H, I2 // 2, _ptr(x), _ptr(token), _ptr(offsets), _ptr(slot_w), _ptr(w13t),
+           _ptr(w2t), _ptr(out))
+        return out
 
     return run

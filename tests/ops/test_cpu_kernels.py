@@ -175,3 +175,34 @@ def test_engine_greedy_identical_with_torch_reference(hf_checkpoint, monkeypatch
     default = greedy()
     monkeypatch.setattr(kda_module, "kda_ops", lambda device, needs_grad=False: TORCH_KDA)
     assert greedy() == default
+
+
+@needs_cc
+@pytest.mark.parametrize("T", [1, 3, 64])
+def test_moe_kernel_matches_torch_experts(T):
+    """The ragged-group expert kernel against the padded torch form through SparseMoE, with
+    the transposed storage the engine uses (groups of 1..many rows, tails of the 4-row
+    blocks); the checkpoint view of the weights is unchanged by the transposition."""
+    from tiny_models import tiny_config
+
+    from kdaserve.model.moe import SparseMoE
+    from kdaserve.ops.cpu_kernels import moe_experts_kernel
+
+    assert moe_experts_kernel() is not None
+    cfg = tiny_config(num_experts=8, num_experts_per_token=3, hidden_size=40,
+                      moe_intermediate_size=12)
+    torch.manual_seed(T)
+    moe = SparseMoE(cfg)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(T, cfg.hidden_size)
+    with torch.inference_mode():
+        assert moe._ragged_kernel(x) is None          # [E, 2I, H] storage: the torch form
+        want = moe(x)
+        w13, w2 = moe.experts_w13.clone(), moe.experts_w2.clone()
+        moe.transpose_expert_storage()
+        assert torch.equal(moe.experts_w13, w13) and torch.equal(moe.experts_w2, w2)
+        assert moe._ragged_kernel(x) is not None
+        got = moe(x)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)

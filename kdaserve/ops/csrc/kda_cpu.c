@@ -22,49 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* exp and log as branch-free polynomials (Cephes' single-precision coefficients, ~1 ulp), so
- * the loops that call them vectorise: libm's expf is a scalar call per element, which made
- * the per-token math cost more than the torch ops it replaces. */
-static inline float exp_approx(float x) {
-    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);  /* fminf/fmaxf do not vectorise */
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
-static inline float log_approx(float x) {   /* x > 0, normal */
-    int32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    float e = (float)((bits >> 23) - 126);
-    bits = (bits & 0x007fffff) | 0x3f000000;     /* mantissa in [0.5, 1) */
-    float m;
-    memcpy(&m, &bits, sizeof m);
-    const int small = m < 0.707106781186547524f;
-    e = small ? e - 1.0f : e;
-    m = small ? m + m - 1.0f : m - 1.0f;
-    const float z = m * m;
-    float y = 7.0376836292e-2f;
-    y = y * m - 1.1514610310e-1f;
-    y = y * m + 1.1676998740e-1f;
-    y = y * m - 1.2420140846e-1f;
-    y = y * m + 1.4249322787e-1f;
-    y = y * m - 1.6668057665e-1f;
-    y = y * m + 2.0000714765e-1f;
-    y = y * m - 2.4999993993e-1f;
-    y = y * m + 3.3333331174e-1f;
-    y = y * m * z - 2.12194440e-4f * e - 0.5f * z;
-    return m + y + 0.693359375f * e;
-}
+#include "fastmath.h"
 
 void kda_recurrent_slots(int64_t row_begin, int64_t row_end, float *store, const int64_t *slots,
                          int64_t L, int64_t H, int64_t K, int64_t V,
@@ -124,8 +82,6 @@ void kda_recurrent_slots(int64_t row_begin, int64_t row_end, float *store, const
  * inputs after each sequence's last token.
  * use_bound selects g = lower_bound * sigmoid(a * raw) over g = -a * softplus(raw).
  */
-static inline float silu(float x) { return x / (1.0f + exp_approx(-x)); }
-static inline float sigmoid(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
 /* log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|)); log1p(u) as log(1 + u) * u / ((1 + u) - 1)
  * keeps small u exact (Goldberg). Above 20 torch returns x itself; so does this, in fp32. */
 static inline float softplus(float x) {
