@@ -50,11 +50,10 @@ class SparseMoE(nn.Module):
     loader maps the checkpoint's per-expert names onto them.
 
     Slots (token, expert) are grouped by expert, then every active expert's group runs through
-    its fused w13 and w2. Large groups (prefill) take one matmul per expert. Small groups
-    (decode batches, verification rows, a single token) take the compiled ragged-group kernel
-    on CPU; elsewhere one matmul per expert when few are active, or one padded batched matmul
-    (over all experts when most are active, so no weights are copied), where padding and
-    gathers cost less than many small calls.
+    its fused w13 and w2: on CPU through the compiled ragged-group kernel; elsewhere one matmul
+    per expert when groups are large or few (prefill, single-token decode), or one padded
+    batched matmul when groups are small (over all experts when most are active, so no weights
+    are copied), where padding and gathers cost less than many small calls.
     Legend: T tokens, k experts per token, E experts, I width, H hidden.
     """
 
@@ -116,15 +115,15 @@ class SparseMoE(nn.Module):
         count_list = counts.tolist()
         active = [e for e, n in enumerate(count_list) if n]
         out = torch.zeros_like(x)
-        large = flat.numel() >= self.LARGE_GROUP * len(active)
-        kernel = None if large else self._ragged_kernel(x)
+        kernel = self._ragged_kernel(x)
         if kernel is not None:
-            # each expert's group at its own size: no padding to the busiest expert
+            # each expert's group at its own size (no padding to the busiest expert); faster
+            # than per-expert matmuls at every batch size measured (docs/benchmarks.md)
             offsets = torch.zeros(self.num_experts + 1, dtype=torch.long)
             torch.cumsum(counts, 0, out=offsets[1:])
             kernel(x, token, offsets, slot_w.view(-1), self.experts_w13.transpose(1, 2),
                    self.experts_w2.transpose(1, 2), out)
-        elif large or len(active) <= self.FEW_EXPERTS:
+        elif len(active) <= self.FEW_EXPERTS or flat.numel() >= self.LARGE_GROUP * len(active):
             start = 0
             for e in active:
                 n = count_list[e]

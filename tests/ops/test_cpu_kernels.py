@@ -178,7 +178,7 @@ def test_engine_greedy_identical_with_torch_reference(hf_checkpoint, monkeypatch
 
 
 @needs_cc
-@pytest.mark.parametrize("T", [1, 3, 64])
+@pytest.mark.parametrize("T", [1, 3, 64, 300])
 def test_moe_kernel_matches_torch_experts(T):
     """The ragged-group expert kernel against the padded torch form through SparseMoE, with
     the transposed storage the engine uses (groups of 1..many rows, tails of the 4-row
@@ -206,3 +206,30 @@ def test_moe_kernel_matches_torch_experts(T):
         assert moe._ragged_kernel(x) is not None
         got = moe(x)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@needs_cc
+def test_moe_kernel_token_ranges_are_bitwise_independent():
+    """The kernel's token-range contract: two calls over halves of the tokens give bitwise the
+    result of one call over all (a token's experts are summed in the same order)."""
+    import ctypes
+
+    from kdaserve.ops import cpu_kernels
+
+    assert cpu_kernels.moe_experts_kernel() is not None
+    fn = cpu_kernels._library("moe_cpu.c").moe_experts
+    E, H, I, T, k = 5, 32, 16, 21, 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.rand(T, E, generator=g).topk(k, -1).indices.reshape(-1)
+    order = ids.argsort(stable=True)
+    token, slot_w = order // k, torch.rand(T * k, generator=g)
+    offsets = torch.zeros(E + 1, dtype=torch.long)
+    offsets[1:] = torch.bincount(ids, minlength=E).cumsum(0)
+    w13t, w2t = torch.randn(E, H, 2 * I, generator=g), torch.randn(E, I, H, generator=g)
+    ptr = [ctypes.c_void_p(t.data_ptr()) for t in (x, token, offsets, slot_w, w13t, w2t)]
+    whole, halves = torch.zeros(T, H), torch.zeros(T, H)
+    fn(0, T, E, H, I, *ptr, ctypes.c_void_p(whole.data_ptr()))
+    for lo, hi in ((0, 9), (9, T)):
+        fn(lo, hi, E, H, I, *ptr, ctypes.c_void_p(halves.data_ptr()))
+    assert torch.equal(whole, halves) and whole.abs().sum() > 0

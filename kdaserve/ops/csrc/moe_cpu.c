@@ -10,8 +10,10 @@
  * vectors run along contiguous outputs and no sum is reassociated: a token's result does not
  * depend on its group mates.
  *
- * Layouts: x [T, H]; token [S] the token of each slot, grouped by expert; offsets [E + 1] the
- * groups' bounds in token; slot_w [S] routing weights; out [T, H] accumulated in slot order.
+ * Layouts: x [T, H]; token [S] the token of each slot, grouped by expert and ascending within a
+ * group; offsets [E + 1] the groups' bounds in token; slot_w [S] routing weights; out [T, H]
+ * accumulated expert by expert. A call handles the tokens in [t_begin, t_end): threads split
+ * the tokens, so each token's sum runs in the same order on one thread whatever the split.
  */
 #include <stdint.h>
 #include <string.h>
@@ -83,20 +85,31 @@ static inline __attribute__((always_inline)) void expert_rows(
     }
 }
 
-void moe_experts(int64_t e_begin, int64_t e_end, int64_t H, int64_t I, const float *x,
-                 const int64_t *token, const int64_t *offsets, const float *slot_w,
-                 const float *w13t, const float *w2t, float *out) {
+/* The first slot in token[lo, hi) (ascending) whose token is >= t. */
+static int64_t first_at_or_after(const int64_t *token, int64_t lo, int64_t hi, int64_t t) {
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (token[mid] < t) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+void moe_experts(int64_t t_begin, int64_t t_end, int64_t E, int64_t H, int64_t I,
+                 const float *x, const int64_t *token, const int64_t *offsets,
+                 const float *slot_w, const float *w13t, const float *w2t, float *out) {
     float acc[MAX_ROWS * 2 * I], act[MAX_ROWS * I], y[MAX_ROWS * H];
-    for (int64_t e = e_begin; e < e_end; ++e) {
+    for (int64_t e = 0; e < E; ++e) {
         const float *w13 = w13t + e * H * 2 * I, *w2 = w2t + e * I * H;
-        const int64_t end = offsets[e + 1];
+        const int64_t begin = first_at_or_after(token, offsets[e], offsets[e + 1], t_begin);
+        const int64_t end = first_at_or_after(token, begin, offsets[e + 1], t_end);
         int64_t after = e + 1;   /* the next expert with rows, its weights to prefetch */
-        while (after < e_end && offsets[after + 1] == offsets[after]) ++after;
-        for (int64_t s = offsets[e]; s < end; s += MAX_ROWS) {
+        while (after < E && offsets[after + 1] == offsets[after]) ++after;
+        for (int64_t s = begin; s < end; s += MAX_ROWS) {
             const int64_t n = end - s < MAX_ROWS ? end - s : MAX_ROWS;
             /* the first pass over this expert's weights prefetches the next one's */
-            const float *n13 = after < e_end && s == offsets[e] ? w13t + after * H * 2 * I : 0;
-            const float *n2 = after < e_end && s == offsets[e] ? w2t + after * I * H : 0;
+            const float *n13 = after < E && s == begin ? w13t + after * H * 2 * I : 0;
+            const float *n2 = after < E && s == begin ? w2t + after * I * H : 0;
 #define ROWS_CASE(R) \
     case R: expert_rows(R, x, token + s, slot_w + s, w13, w2, H, I, out, acc, act, y, n13, n2); \
         break;
