@@ -76,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     model = str(args.model or default_model_path())
     # no prefix caching: repeated runs (and the single stream, which reuses a batch prompt)
     # must compute their prompts as transformers does

@@ -81,7 +81,7 @@ class KimiDeltaAttention(nn.Module):
         """The three depthwise conv weights as one [taps, 3HD] fp32 tensor (the compiled
         prepare's layout), rebuilt only when a weight is replaced or changed in place."""
         ws = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
-        key = tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
+        key = tuple((id(w), w.data_ptr(), w._version, w.dtype) for w in ws)
         if self._conv_wt is None or self._conv_wt[0] != key:
             wt = torch.cat([w.detach() for w in ws], 0).squeeze(1).t().float().contiguous()
             self._conv_wt = (key, wt)
@@ -120,7 +120,8 @@ class KimiDeltaAttention(nn.Module):
         dec_idx = dec.window_idx if dec is not None and cache is not None else None
         parts = [i for i in (snap_idx, dec_idx) if i is not None]
         extra_idx = torch.cat(parts, 0) if parts else None
-        ops = kda_ops(x.device, needs_grad=torch.is_grad_enabled() and x.requires_grad)
+        ops = kda_ops(x.device, needs_grad=torch.is_grad_enabled() and (
+            x.requires_grad or any(p.requires_grad for p in self.parameters())))
         if ops.prepare is not None and pre.dtype == window.dtype == torch.float32:
             q, k, v, g, beta, new_window = ops.prepare(
                 pre, window, fb.cu_seqlens, self._conv_weight_t(), self.f_b_proj(f_a),

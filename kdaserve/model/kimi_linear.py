@@ -11,6 +11,7 @@ from kdaserve.model.kda import KimiDeltaAttention
 from kdaserve.model.layers import MLP, RMSNorm
 from kdaserve.model.mla import MultiHeadLatentAttention
 from kdaserve.model.moe import SparseMoE
+from kdaserve.ops.cpu_kernels import moe_experts_kernel
 
 # Parameters kept in fp32 whatever the model dtype (as transformers does).
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "gate.weight", "e_score_correction_bias")
@@ -73,12 +74,15 @@ class KimiLinearForCausalLM(nn.Module):
 
     def fuse_for_inference(self) -> KimiLinearForCausalLM:
         """Inference layouts: fuse projections that read the same input (see
-        KimiDeltaAttention); on CPU, experts stored transposed (see SparseMoE)."""
+        KimiDeltaAttention); on CPU, experts stored transposed for the compiled kernel (see
+        SparseMoE)."""
         for layer in self.model.layers:
             if isinstance(layer.self_attn, KimiDeltaAttention):
                 layer.self_attn.fuse_input_projections()
             moe = getattr(layer, "block_sparse_moe", None)
-            if moe is not None and moe.experts_w13.device.type == "cpu":
+            if (moe is not None and moe.experts_w13.device.type == "cpu"
+                    and moe.experts_w13.dtype == torch.float32
+                    and moe_experts_kernel() is not None):
                 moe.transpose_expert_storage()
         return self
 

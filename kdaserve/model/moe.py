@@ -86,8 +86,9 @@ class SparseMoE(nn.Module):
 
     def _ragged_kernel(self, x: torch.Tensor):
         """The compiled kernel when it applies: CPU, fp32, no autograd, transposed storage."""
-        if x.device.type != "cpu" or x.dtype != torch.float32 or (
-                torch.is_grad_enabled() and x.requires_grad):
+        if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() and (
+                x.requires_grad or self.experts_w13.requires_grad
+                or self.experts_w2.requires_grad):
             return None
         w13t, w2t = self.experts_w13.transpose(1, 2), self.experts_w2.transpose(1, 2)
         if not (w13t.is_contiguous() and w2t.is_contiguous()

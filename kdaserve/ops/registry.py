@@ -99,7 +99,8 @@ def _cuda_ops() -> KDAOps:
 
 
 def kda_ops(device: torch.device, needs_grad: bool = False) -> KDAOps:
-    """needs_grad: the forward is being trained; only the torch ops are differentiable."""
-    if needs_grad:
+    """needs_grad: the forward is being trained; the compiled CPU kernels have no autograd
+    (fla's Triton kernels do)."""
+    if needs_grad and device.type != "cuda":
         return TORCH_KDA
     return _cuda_ops() if device.type == "cuda" else _cpu_ops()

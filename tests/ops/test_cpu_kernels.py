@@ -91,12 +91,20 @@ def test_training_forward_uses_the_differentiable_ops():
 
     assert kda_ops(torch.device("cpu"), needs_grad=True) is TORCH_KDA
     model = random_model(tiny_config()).train()
+    # frozen embeddings and first norm: layer 0's input needs no gradient, its weights do
+    model.model.embed_tokens.weight.requires_grad_(False)
+    model.model.layers[0].input_layernorm.weight.requires_grad_(False)
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     model.forward_dense(ids).logsumexp(-1).sum().backward()
-    kda = model.model.layers[1].self_attn
-    for name in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "q_conv1d"):
-        grad = getattr(kda, name).weight.grad
-        assert grad is not None and grad.abs().sum() > 0, name
+    for i in (0, 1):
+        kda = model.model.layers[i].self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj",
+                     "q_conv1d"):
+            grad = getattr(kda, name).weight.grad
+            assert grad is not None and grad.abs().sum() > 0, (i, name)
+        moe = model.model.layers[i].ffn
+        if hasattr(moe, "experts_w13"):
+            assert moe.experts_w13.grad is not None and moe.experts_w13.grad.abs().sum() > 0
 
 
 @needs_cc

@@ -9,7 +9,8 @@
 #include <string.h>
 
 static inline float exp_approx(float x) {
-    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);  /* fminf/fmaxf do not vectorise */
+    /* 2^n must stay a normal float: n in [-125, 127] (fminf/fmaxf do not vectorise) */
+    x = x < -87.3f ? -87.3f : (x > 88.37f ? 88.37f : x);
     const float n = floorf(x * 1.44269504088896341f + 0.5f);
     const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
