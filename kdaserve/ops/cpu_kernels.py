@@ -117,18 +117,28 @@ def _split_rows(fn: Callable[..., None], num_rows: int, work: int, *args) -> Non
         f.result()
 
 
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+def _c_function(source: str, name: str, argtypes: list) -> Callable[..., None] | None:
+    """The void C function `name` of csrc/`source` with its argument types, or None."""
+    lib = _library(source)
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.restype = None
+    fn.argtypes = argtypes
+    return fn
+
+
 @cache
 def kda_recurrent_slots_kernel() -> KDARecurrentSlots | None:
     """The compiled in-place KDA recurrence, or None (no compiler, disabled, build failed)."""
-    lib = _library()
-    if lib is None:
+    fn = _c_function("kda_cpu.c", "kda_recurrent_slots",
+                     [_I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
+                      _PTR, _PTR, _PTR, _I64])
+    if fn is None:
         return None
-    fn = lib.kda_recurrent_slots
-    fn.restype = None
-    fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
 
     def run(store: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -157,14 +167,12 @@ KDAPrepare = Callable[..., tuple[torch.Tensor, ...]]
 @cache
 def kda_prepare_kernel() -> KDAPrepare | None:
     """The compiled conv + activations + norms + decay of a KDA layer's inputs, or None."""
-    lib = _library()
-    if lib is None:
+    fn = _c_function("kda_cpu.c", "kda_prepare",
+                     [_I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                      _PTR, _PTR, _F32, _I64, _PTR, _I64, _F32, _PTR, _PTR, _PTR, _PTR, _PTR,
+                      _PTR])
+    if fn is None:
         return None
-    fn = lib.kda_prepare
-    fn.restype = None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr,
-                   ctypes.c_float, i64, ptr, i64, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, ptr]
 
     def run(pre: torch.Tensor, window: torch.Tensor, cu_seqlens: torch.Tensor,
             conv_wt: torch.Tensor, fraw: torch.Tensor, dt_bias: torch.Tensor, a: torch.Tensor,
@@ -203,13 +211,10 @@ MoEExperts = Callable[..., torch.Tensor]
 @cache
 def moe_experts_kernel() -> MoEExperts | None:
     """The compiled routed-expert MLPs over ragged groups (csrc/moe_cpu.c), or None."""
-    lib = _library("moe_cpu.c")
-    if lib is None:
+    fn = _c_function("moe_cpu.c", "moe_experts",
+                     [_I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR])
+    if fn is None:
         return None
-    fn = lib.moe_experts
-    fn.restype = None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
 
     def run(x: torch.Tensor, token: torch.Tensor, offsets: torch.Tensor, slot_w: torch.Tensor,
             w13t: torch.Tensor, w2t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
