@@ -4,15 +4,23 @@
 found in the wild: the released checkpoints' (`linear_attn_config`, `first_k_dense_replace`, ...)
 and what transformers 5.x `save_pretrained` writes (adds `layer_types`, `mlp_layer_types`,
 `linear_num_heads`, ...). Both are checked against each other when both are present.
+
+Kimi K3 (`model_type: kimi_k3`) wraps a kimi_linear-typed `text_config` that adds the K3 block
+fields (SiTU, attention-residuals, latent MoE, gated KDA/MLA), a `vision_config`, the media
+placeholder id and the routed experts' quantization; its text weights live under
+`language_model.`. Which model class serves which config is `kdaserve.model.registry`'s call.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the bookkeeping imports this module and stays free of torch
+    from kdaserve.ops.activation import GLUActivation
 
 
 class ConfigError(ValueError):
@@ -34,6 +42,7 @@ _IGNORED_FIELDS = frozenset(
         "layer_types", "mlp_layer_types", "linear_attn_config", "max_position_embeddings",
         "model_max_length", "n_group", "n_shared_experts", "num_local_experts",
         "num_experts_per_tok", "norm_topk_prob", "kda_gate_lower_bound", "gate_lower_bound",
+        "topk_method", "quantization_config",
     }
 )
 
@@ -47,8 +56,16 @@ _MODEL_FIELDS = frozenset(
         "first_k_dense_replace", "moe_layer_freq", "moe_router_activation_func",
         "moe_renormalize", "routed_scaling_factor", "use_grouped_topk", "num_expert_group",
         "topk_group", "bos_token_id", "eos_token_id", "pad_token_id",
+        # Kimi K3 blocks
+        "activation_situ_beta", "activation_situ_linear_beta", "attn_res_block_size",
+        "routed_expert_hidden_size", "latent_moe_use_norm", "mla_use_output_gate",
     }
 )
+
+# compressed-tensors formats of the routed experts that the loader understands
+_EXPERT_FORMATS = {"mxfp4-pack-quantized": "mxfp4"}
+# config.json model_type values ModelConfig reads (the registry maps them to model classes)
+TEXT_MODEL_TYPES = ("kimi_linear", "kimi_k3")
 
 
 def _require(raw: dict[str, Any], name: str) -> Any:
@@ -108,6 +125,19 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # ---- Kimi K3 (defaults: Kimi Linear) ----
+    architecture: str = "kimi_linear"          # the registry's key: kimi_linear | kimi_k3
+    hidden_act: str = "silu"                   # silu | situ
+    activation_situ_beta: float | None = None
+    activation_situ_linear_beta: float | None = None
+    attn_res_block_size: int | None = None     # None: plain residual stream
+    routed_expert_hidden_size: int | None = None   # latent MoE width, None: experts on hidden
+    latent_moe_use_norm: bool = False
+    kda_full_rank_gate: bool = False           # g_proj [HD, hidden] instead of g_a/g_b
+    mla_use_output_gate: bool = False          # attn_out * sigmoid(g_proj(x)) before o_proj
+    experts_quantization: str | None = None    # "mxfp4": routed experts stored packed
+    media_placeholder_token_id: int | None = None
+    vision_config: dict | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -146,6 +176,26 @@ class ModelConfig:
                     "config.json: 'moe_router_activation_func' must be 'sigmoid' or 'softmax', got "
                     f"{self.moe_router_activation_func!r}"
                 )
+        if self.architecture not in TEXT_MODEL_TYPES:
+            raise ConfigError(f"architecture must be one of {TEXT_MODEL_TYPES}, got "
+                              f"{self.architecture!r}")
+        if self.hidden_act not in ("silu", "situ"):
+            raise ConfigError(f"config.json: 'hidden_act' must be 'silu' or 'situ', got "
+                              f"{self.hidden_act!r}")
+        for name in ("activation_situ_beta", "activation_situ_linear_beta",
+                     "attn_res_block_size", "routed_expert_hidden_size"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ConfigError(f"config.json: field '{name}' must be positive, got {v!r}")
+        if self.experts_quantization not in (None, "mxfp4"):
+            raise ConfigError(f"unsupported routed-expert quantization {self.experts_quantization!r}")
+        if self.experts_quantization == "mxfp4" and self.moe_layers:
+            width = self.routed_expert_hidden_size or self.hidden_size
+            for name, v in (("expert input width", width),
+                            ("moe_intermediate_size", self.moe_intermediate_size)):
+                if v % 32:
+                    raise ConfigError(f"config.json: MXFP4 experts need the {name} ({v}) to be "
+                                      "a multiple of 32")
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -160,6 +210,19 @@ class ModelConfig:
     @property
     def kda_conv_dim(self) -> int:
         return 3 * self.kda_num_heads * self.kda_head_dim
+
+    @property
+    def activation(self) -> GLUActivation:
+        from kdaserve.ops.activation import GLUActivation
+        if self.hidden_act == "silu":
+            return GLUActivation()
+        return GLUActivation("situ", self.activation_situ_beta or 1.0,
+                             self.activation_situ_linear_beta)
+
+    @property
+    def expert_width(self) -> int:
+        """The width routed experts run in: the latent width of a latent MoE, else hidden."""
+        return self.routed_expert_hidden_size or self.hidden_size
 
     def layer_kind(self, layer: int) -> str:
         return "kda" if layer in self.kda_layers else "mla"
@@ -183,17 +246,46 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        if raw.get("model_type", "kimi_linear") != "kimi_linear":
+        model_type = raw.get("model_type", "kimi_linear")
+        if model_type == "kimi_k3":
+            return cls._from_k3_dict(raw)
+        if model_type != "kimi_linear":
             raise ConfigError(
-                f"config.json: 'model_type' is {raw.get('model_type')!r}; only 'kimi_linear' is supported"
+                f"config.json: 'model_type' is {model_type!r}; supported: "
+                f"{', '.join(TEXT_MODEL_TYPES)}"
             )
+        return cls._from_text_dict(raw)
+
+    @classmethod
+    def _from_k3_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """The K3 wrapper: text_config (or, as mlx-lm allows, a flat config) plus the top-level
+        multimodal and quantization fields."""
+        text = dict(raw.get("text_config") or
+                    {k: v for k, v in raw.items() if k not in _K3_TOP_FIELDS})
+        text.pop("model_type", None)
+        qc = raw.get("quantization_config") or text.pop("quantization_config", None)
+        text.pop("quantization_config", None)
+        cfg = cls._from_text_dict(text)
+        extra = {k: raw[k] for k in raw if k not in _K3_TOP_FIELDS and "text_config" in raw}
+        if extra:
+            raise ConfigError(f"config.json: unknown top-level field(s) "
+                              f"{', '.join(map(repr, sorted(extra)))} for kimi_k3")
+        return replace(
+            cfg, architecture="kimi_k3", experts_quantization=_expert_format(qc),
+            media_placeholder_token_id=raw.get("media_placeholder_token_id"),
+            vision_config=raw.get("vision_config"),
+            eos_token_id=cfg.eos_token_id or _eos_ids(raw.get("eos_token_id")))
+
+    @classmethod
+    def _from_text_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         unknown = sorted(set(raw) - _IGNORED_FIELDS - _MODEL_FIELDS)
         if unknown:
             raise ConfigError(f"config.json: unknown field(s) {', '.join(map(repr, unknown))}")
         if raw.get("attention_bias"):
             raise ConfigError("config.json: 'attention_bias: true' is not supported")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"config.json: 'hidden_act' must be 'silu', got {raw['hidden_act']!r}")
+        if raw.get("hidden_act", "silu") not in ("silu", "situ"):
+            raise ConfigError(f"config.json: 'hidden_act' must be 'silu' or 'situ', got "
+                              f"{raw['hidden_act']!r}")
         n_heads = _as_int(raw, "num_attention_heads")
         kv_heads = raw.get("num_key_value_heads") or n_heads
         if kv_heads != n_heads:
@@ -219,9 +311,9 @@ class ModelConfig:
         moe = _moe_layers(raw, n_layers, num_experts)
         if raw.get("rope_scaling") and not raw.get("mla_use_nope", True):
             raise ConfigError("config.json: 'rope_scaling' is not supported")
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        lb = raw.get("kda_gate_lower_bound", raw.get("gate_lower_bound"))
+        eos_ids = _eos_ids(raw.get("eos_token_id"))
+        lb = raw.get("kda_gate_lower_bound", raw.get("gate_lower_bound",
+                                                     lin.get("gate_lower_bound")))
         return cls(
             vocab_size=_as_int(raw, "vocab_size"),
             hidden_size=_as_int(raw, "hidden_size"),
@@ -264,10 +356,46 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos_ids,
             pad_token_id=raw.get("pad_token_id"),
+            hidden_act=raw.get("hidden_act", "silu"),
+            activation_situ_beta=_opt_float(raw, "activation_situ_beta"),
+            activation_situ_linear_beta=_opt_float(raw, "activation_situ_linear_beta"),
+            attn_res_block_size=raw.get("attn_res_block_size"),
+            routed_expert_hidden_size=raw.get("routed_expert_hidden_size"),
+            latent_moe_use_norm=bool(raw.get("latent_moe_use_norm", False)),
+            kda_full_rank_gate=bool(lin.get("use_full_rank_gate", False)),
+            mla_use_output_gate=bool(raw.get("mla_use_output_gate", False)),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """config.json contents that both kdaserve and transformers' KimiLinear read."""
+        """config.json contents that kdaserve and the references read: transformers'
+        KimiLinear for kimi_linear, mlx-lm's kimi_k3 (and llama.cpp's converter) for K3."""
+        text = self._text_hf_dict()
+        if self.architecture != "kimi_k3":
+            return text
+        text["architectures"] = ["KimiLinearForCausalLM"]
+        lin = text["linear_attn_config"]
+        lin["use_full_rank_gate"] = self.kda_full_rank_gate
+        if self.kda_gate_lower_bound is not None:
+            lin["gate_lower_bound"] = self.kda_gate_lower_bound
+        text.update(
+            hidden_act=self.hidden_act, activation_situ_beta=self.activation_situ_beta,
+            activation_situ_linear_beta=self.activation_situ_linear_beta,
+            attn_res_block_size=self.attn_res_block_size,
+            routed_expert_hidden_size=self.routed_expert_hidden_size,
+            latent_moe_use_norm=self.latent_moe_use_norm,
+            mla_use_output_gate=self.mla_use_output_gate)
+        out: dict[str, Any] = {
+            "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+            "text_config": text, "vision_config": self.vision_config,
+            "media_placeholder_token_id": self.media_placeholder_token_id,
+            "eos_token_id": text["eos_token_id"],
+        }
+        if self.experts_quantization == "mxfp4":
+            out["quantization_config"] = {"quant_method": "compressed-tensors",
+                                          "format": "mxfp4-pack-quantized"}
+        return out
+
+    def _text_hf_dict(self) -> dict[str, Any]:
         n = self.num_hidden_layers
         return {
             "architectures": ["KimiLinearForCausalLM"],
@@ -318,6 +446,42 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+_K3_TOP_FIELDS = frozenset({
+    "architectures", "model_type", "text_config", "vision_config", "media_placeholder_token_id",
+    "quantization_config", "auto_map", "dtype", "torch_dtype", "transformers_version",
+    "eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings", "use_cache",
+    "_name_or_path", "ignore_index", "image_token_index",
+})
+
+
+def _eos_ids(eos: Any) -> tuple[int, ...]:
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+
+
+def _opt_float(raw: dict[str, Any], name: str) -> float | None:
+    v = raw.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"config.json: field '{name}' must be a number, got {v!r}")
+    return float(v)
+
+
+def _expert_format(qc: dict[str, Any] | None) -> str | None:
+    """compressed-tensors quantization_config -> the routed experts' storage format."""
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    fmts = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()
+                                 if isinstance(g, dict)}
+    fmts.discard(None)
+    if method != "compressed-tensors" or len(fmts) != 1 or next(iter(fmts)) not in _EXPERT_FORMATS:
+        raise ConfigError(
+            f"config.json: quantization_config {method!r} / format {sorted(fmts)} is not "
+            f"supported (supported: compressed-tensors {sorted(_EXPERT_FORMATS)})")
+    return _EXPERT_FORMATS[next(iter(fmts))]
 
 
 def _layer_split(raw: dict[str, Any], n_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -17,7 +17,7 @@ from kdaserve.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.runner import ModelRunner
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.spec.proposer import NgramDrafts, Proposer
-from kdaserve.model.kimi_linear import KimiLinearForCausalLM
+from kdaserve.model.base import HybridForCausalLM
 from kdaserve.model.loader import load_model
 from kdaserve.ops.host_memory import tune_host_allocator
 from kdaserve.outputs import RequestDelta
@@ -51,7 +51,7 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: KimiLinearForCausalLM | None = None,
+    def __init__(self, config: EngineConfig, model: HybridForCausalLM | None = None,
                  tokenizer: Tokenizer | None = None, progress: bool = False) -> None:
         self.config = config
         if config.num_threads:
@@ -210,7 +210,7 @@ class EngineCore:
             del self._children[tr.parent]
 
 
-def build_proposer(config: EngineConfig, model: KimiLinearForCausalLM,
+def build_proposer(config: EngineConfig, model: HybridForCausalLM,
                    device: torch.device, plan: CachePlan) -> Proposer | None:
     spec = config.speculative
     if spec is None:

@@ -17,13 +17,13 @@ from kdaserve.engine.sampler import SamplingRow, sample
 from kdaserve.engine.spec.proposer import Proposal, ProposalInput, Proposer
 from kdaserve.engine.spec.rejection import VerifyRow, verify
 from kdaserve.model.batch import HybridCache, build_forward_batch
-from kdaserve.model.kimi_linear import KimiLinearForCausalLM
+from kdaserve.model.base import HybridForCausalLM
 from kdaserve.outputs import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
 from kdaserve.request import Request
 
 
 class ModelRunner:
-    def __init__(self, model: KimiLinearForCausalLM, plan: CachePlan,
+    def __init__(self, model: HybridForCausalLM, plan: CachePlan,
                  device: torch.device | str = "cpu", seed: int = 0,
                  proposer: Proposer | None = None) -> None:
         self.model = model

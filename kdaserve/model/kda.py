@@ -18,7 +18,13 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class KimiDeltaAttention(nn.Module):
-    """Legend: T tokens, B sequences, H heads, D head dim (K = V = D), L padded length."""
+    """Legend: T tokens, B sequences, H heads, D head dim (K = V = D), L padded length.
+
+    Output gate: Kimi Linear's low-rank g_b_proj(g_a_proj(x)), or K3's full-rank g_proj(x)
+    (`use_full_rank_gate`): out = o_proj(RMSNorm_D(o) · o_norm.w · sigmoid(gate)).
+    Decay: -exp(A_log)·softplus(f + dt_bias), or with `gate_lower_bound` lb (K3: -5)
+    lb·sigmoid(exp(A_log)·(f + dt_bias)). K3 stores A_log as [H], Kimi Linear as [1,1,H,1].
+    """
 
     def __init__(self, cfg: ModelConfig, kda_index: int, chunk_size: int = 16) -> None:
         super().__init__()
@@ -36,10 +42,15 @@ class KimiDeltaAttention(nn.Module):
         self.f_a_proj = nn.Linear(hidden, d, bias=False)
         self.f_b_proj = nn.Linear(d, h * d, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(h * d, dtype=torch.float32))
-        self.A_log = nn.Parameter(torch.zeros(1, 1, h, 1, dtype=torch.float32))
+        a_shape = (h,) if cfg.architecture == "kimi_k3" else (1, 1, h, 1)
+        self.A_log = nn.Parameter(torch.zeros(*a_shape, dtype=torch.float32))
         self.b_proj = nn.Linear(hidden, h, bias=False)
-        self.g_a_proj = nn.Linear(hidden, d, bias=False)
-        self.g_b_proj = nn.Linear(d, h * d, bias=False)
+        self.full_rank_gate = cfg.kda_full_rank_gate
+        if self.full_rank_gate:
+            self.g_proj = nn.Linear(hidden, h * d, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(hidden, d, bias=False)
+            self.g_b_proj = nn.Linear(d, h * d, bias=False)
         self.o_norm = GatedRMSNorm(d, eps=cfg.rms_norm_eps)
         self.o_proj = nn.Linear(h * d, hidden, bias=False)
         self._fused: torch.Tensor | None = None       # see fuse_input_projections
@@ -47,10 +58,15 @@ class KimiDeltaAttention(nn.Module):
         self._conv_wt: tuple[tuple, torch.Tensor] | None = None  # see _conv_weight_t
 
     def _input_linears(self) -> list[nn.Linear]:
-        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj]
+        gate_in = self.g_proj if self.full_rank_gate else self.g_a_proj
+        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate_in, self.b_proj]
+
+    def _gate(self, gate_in: torch.Tensor) -> torch.Tensor:
+        """The output gate's pre-sigmoid [T, HD] from the gate input projection."""
+        return gate_in if self.full_rank_gate else self.g_b_proj(gate_in)
 
     def fuse_input_projections(self) -> None:
-        """Inference: the six projections of the layer input (q, k, v, f_a, g_a, b) become one
+        """Inference: the six projections of the layer input (q, k, v, f_a, g_a|g, b) become one
         matmul. Their weights are re-pointed as row views of one tensor, so nothing is stored
         twice and checkpoint names stay; if a weight is replaced later (dtype change, reload),
         its pointer no longer matches and the layer goes back to separate matmuls."""
@@ -68,14 +84,14 @@ class KimiDeltaAttention(nn.Module):
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                   torch.Tensor]:
-        """x [T,hidden] -> (q|k|v [T,3HD], f_a [T,D], g_a [T,D], b [T,H])."""
+        """x [T,hidden] -> (q|k|v [T,3HD], f_a [T,D], gate input [T,D or HD], b [T,H])."""
         lins = self._input_linears()
         if self._fused is not None and [lin.weight.data_ptr() for lin in lins] == self._fused_ptrs:
             hd3 = 3 * self.num_heads * self.head_dim
-            return F.linear(x, self._fused).split([hd3, self.head_dim, self.head_dim,
+            return F.linear(x, self._fused).split([hd3, self.head_dim, lins[4].weight.shape[0],
                                                    self.num_heads], -1)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
-        return qkv, self.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)
+        return qkv, self.f_a_proj(x), lins[4](x), self.b_proj(x)
 
     def _conv_weight_t(self) -> torch.Tensor:
         """The three depthwise conv weights as one [taps, 3HD] fp32 tensor (the compiled
@@ -189,7 +205,7 @@ class KimiDeltaAttention(nn.Module):
             if plan is not None:
                 self._save_snapshots(cache, plan, state_store[fb.state_slots[plan.seq]],
                                      fb.chunk_states.get(self.kda_index), snap_windows, Bd)
-        gate = self.g_b_proj(g_a).view(T, H, D)
+        gate = self._gate(g_a).view(T, H, D)
         o = self.o_norm(o.to(x.dtype), gate).reshape(T, H * D)
         return self.o_proj(o)
 

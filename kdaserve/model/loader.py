@@ -1,8 +1,11 @@
-"""Load and save HF-format Kimi Linear checkpoints (safetensors only, never pickles)."""
+"""Load and save HF-format checkpoints of the family (safetensors only, never pickles): Kimi
+Linear's layout and K3's (`language_model.` prefix, sharded, MXFP4-packed routed experts).
+The model class comes from the registry."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -12,8 +15,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from kdaserve.config import ModelConfig
-from kdaserve.model.kimi_linear import FP32_PARAM_SUFFIXES, KimiLinearForCausalLM
+from kdaserve.model.base import FP32_PARAM_SUFFIXES, HybridForCausalLM
+from kdaserve.model.registry import build_model, load_config
+
+log = logging.getLogger("kdaserve")
 
 
 class CheckpointError(ValueError):
@@ -22,20 +27,37 @@ class CheckpointError(ValueError):
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# transformers' save_pretrained names the dense layer's MLP like the MoE block.
-_DENSE_ALIAS = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate_proj|up_proj|down_proj)\.")
+# Other spellings of a model tensor's name found in checkpoints: transformers' save_pretrained
+# names the dense layer's MLP like the MoE block; attention-residual weights also appear as
+# `{point}.norm_weight` / `{point}.proj_weight`; the correction bias also sits on the MoE block.
+_ALIASES = (
+    (re.compile(r"^((?:language_model\.)?model\.layers\.\d+\.)block_sparse_moe\."
+                r"(gate_proj|up_proj|down_proj)\."), r"\1mlp.\2."),
+    (re.compile(r"(self_attention_res|mlp_res|output_attn_res)\.(norm|proj)_weight$"),
+     r"\1_\2.weight"),
+    (re.compile(r"\.block_sparse_moe\.e_score_correction_bias$"),
+     ".block_sparse_moe.gate.e_score_correction_bias"),
+)
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
-# Routed experts are stored stacked in the model; the checkpoint names them one by one.
-_EXPERT = re.compile(r"^(.*\.block_sparse_moe)\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+# Parts of a multimodal or MTP checkpoint this text model does not build (logged, not loaded).
+_SKIPPED = re.compile(r"^(vision_tower|vision_model|mm_projector|multi_modal_projector)\.|"
+                      r"^(language_model\.)?model\.mtp")
+# Routed experts are stored stacked in the model; the checkpoint names them one by one, as
+# plain weights or as MXFP4 (`weight_packed` + `weight_scale`).
+_EXPERT = re.compile(r"^(.*\.block_sparse_moe)\.experts\.(\d+)\.(w1|w2|w3)\."
+                     r"(weight|weight_packed|weight_scale)$")
+_STACK_SUFFIX = {"weight": "", "weight_packed": "_packed", "weight_scale": "_scale"}
+# tensors whose checkpoint shape differs from the module's only by singleton dims
+_RESHAPEABLE = ("A_log", "dt_bias")
 
 
 def _expert_target(name: str) -> tuple[str, int, str] | None:
-    """`...experts.{e}.w1.weight` -> (stacked parameter name, e, part)."""
+    """`...experts.{e}.w1.weight[_packed|_scale]` -> (stacked tensor name, e, part)."""
     m = _EXPERT.match(name)
     if m is None:
         return None
-    stacked = f"{m.group(1)}.experts_w2" if m.group(3) == "w2" else f"{m.group(1)}.experts_w13"
-    return stacked, int(m.group(2)), m.group(3)
+    base = "experts_w2" if m.group(3) == "w2" else "experts_w13"
+    return f"{m.group(1)}.{base}{_STACK_SUFFIX[m.group(4)]}", int(m.group(2)), m.group(3)
 
 
 def _expert_slice(t: torch.Tensor, e: int, part: str) -> torch.Tensor:
@@ -79,19 +101,22 @@ def checkpoint_files(path: Path) -> list[Path]:
 def _canonical(name: str, params: dict[str, torch.Tensor]) -> str:
     if name in params:
         return name
-    alias = _DENSE_ALIAS.sub(r"\1mlp.\2.", name)
-    return alias
+    for pattern, repl in _ALIASES:
+        alias = pattern.sub(repl, name)
+        if alias in params:
+            return alias
+    return name
 
 
 def load_model(
     path: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str = "cpu",
     chunk_size: int = 16, progress: bool = True,
-) -> KimiLinearForCausalLM:
+) -> HybridForCausalLM:
     """Build the model from `path/config.json` and fill it from the safetensors files there."""
     path = Path(path)
-    cfg = ModelConfig.from_pretrained(path)
+    cfg = load_config(path)
     with torch.device("meta"):
-        model = KimiLinearForCausalLM(cfg, chunk_size=chunk_size)
+        model = build_model(cfg, chunk_size=chunk_size)
     target = parse_dtype(dtype)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
@@ -103,8 +128,12 @@ def load_model(
         names.extend((h, n) for n in h.keys())
     bar = tqdm(names, desc="Loading weights", unit="tensor", disable=not progress)
     filled: dict[str, set[tuple[int, str]]] = {}
+    skipped = 0
     for h, name in bar:
         if _IGNORED.search(name):
+            continue
+        if _SKIPPED.search(name):
+            skipped += 1
             continue
         expert = _expert_target(name)
         key = expert[0] if expert else _canonical(name, params)
@@ -112,7 +141,11 @@ def load_model(
             raise CheckpointError(f"unexpected tensor '{name}' in checkpoint {path}")
         t = h.get_tensor(name)
         keep32 = key.endswith(FP32_PARAM_SUFFIXES)
-        dtype = torch.float32 if keep32 else target
+        dtype = params[key].dtype if not params[key].is_floating_point() else (
+            torch.float32 if keep32 else target)
+        if t.is_floating_point() != params[key].is_floating_point():
+            raise CheckpointError(f"tensor '{name}' is {t.dtype}, expected "
+                                  f"{params[key].dtype} (is the quantization_config right?)")
         if expert is not None:
             _, e, part = expert
             if e >= params[key].shape[0]:
@@ -128,18 +161,27 @@ def load_model(
             filled.setdefault(key, set()).add((e, part))
             continue
         want = tuple(params[key].shape)
+        if key.endswith(_RESHAPEABLE) and t.numel() == params[key].numel():
+            t = t.reshape(want)
         if tuple(t.shape) != want:
             raise CheckpointError(
                 f"tensor '{name}' has shape {tuple(t.shape)}, expected {want} from config.json"
             )
         loaded[key] = t.to(device=device, dtype=dtype)
     for key, parts in filled.items():
+        stack = key.rsplit(".", 1)[1]
         want = {(e, p) for e in range(params[key].shape[0])
-                for p in (("w2",) if key.endswith("experts_w2") else ("w1", "w3"))}
+                for p in (("w2",) if stack.startswith("experts_w2") else ("w1", "w3"))}
         if parts != want:
             e, part = min(want - parts)
             prefix = key.rsplit(".", 1)[0]
-            raise CheckpointError(f"checkpoint {path} lacks tensor '{prefix}.experts.{e}.{part}.weight'")
+            kind = ("weight_packed" if stack.endswith("_packed") else
+                    "weight_scale" if stack.endswith("_scale") else "weight")
+            raise CheckpointError(
+                f"checkpoint {path} lacks tensor '{prefix}.experts.{e}.{part}.{kind}'")
+    if skipped:
+        log.info("kdaserve: %d vision/MTP tensors in %s are not part of the text model; "
+                 "not loaded", skipped, path)
     if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
         loaded["lm_head.weight"] = loaded.get("model.embed_tokens.weight")
     missing = sorted(k for k in params if k not in loaded or loaded[k] is None)
@@ -152,7 +194,7 @@ def load_model(
     return model.eval()
 
 
-def save_model(model: KimiLinearForCausalLM, out: str | os.PathLike,
+def save_model(model: HybridForCausalLM, out: str | os.PathLike,
                dtype: torch.dtype | None = None) -> None:
     """Write config.json + model.safetensors with the released checkpoint's names."""
     out = Path(out)
@@ -179,9 +221,11 @@ def save_model(model: KimiLinearForCausalLM, out: str | os.PathLike,
 
 def _checkpoint_pieces(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """A model tensor under the released checkpoint's names (stacked experts split apart)."""
-    for suffix, parts in ((".experts_w13", ("w1", "w3")), (".experts_w2", ("w2",))):
-        if name.endswith(suffix):
-            prefix = name[: -len(suffix)]
-            return [(f"{prefix}.experts.{e}.{p}.weight", _expert_slice(t, e, p))
-                    for e in range(t.shape[0]) for p in parts]
+    for base, parts in ((".experts_w13", ("w1", "w3")), (".experts_w2", ("w2",))):
+        for kind, stack_suffix in _STACK_SUFFIX.items():
+            suffix = base + stack_suffix
+            if name.endswith(suffix):
+                prefix = name[: -len(suffix)]
+                return [(f"{prefix}.experts.{e}.{p}.{kind}", _expert_slice(t, e, p))
+                        for e in range(t.shape[0]) for p in parts]
     return [(name, t)]

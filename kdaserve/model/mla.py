@@ -13,7 +13,11 @@ from kdaserve.ops.rope import apply_rope
 
 
 class MultiHeadLatentAttention(nn.Module):
-    """Legend: T tokens, H heads, N nope dim, R rope dim, Dc kv_lora_rank, Vd value dim."""
+    """Legend: T tokens, H heads, N nope dim, R rope dim, Dc kv_lora_rank, Vd value dim.
+
+    K3's gated MLA (`mla_use_output_gate`): o_proj(attn(x) · sigmoid(g_proj(x))), the gate
+    [H·Vd] read from the layer's (normed) input x.
+    """
 
     def __init__(self, cfg: ModelConfig, mla_index: int) -> None:
         super().__init__()
@@ -36,6 +40,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_dim, hidden, bias=False)
+        if getattr(cfg, "mla_use_output_gate", False):
+            self.g_proj = nn.Linear(hidden, h * self.v_dim, bias=False)
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(
@@ -96,4 +102,7 @@ class MultiHeadLatentAttention(nn.Module):
             o = mla_prefill_attention(qp, k, v, lay.prefill_mask, self.scale)  # [Bp,Qp,H,Vd]
             outs.append(o.reshape(Bp * Qp, self.num_heads, self.v_dim)[lay.prefill_unpad_idx])
         o = torch.cat(outs, 0) if len(outs) > 1 else outs[0]
-        return self.o_proj(o.reshape(T, self.num_heads * self.v_dim))
+        o = o.reshape(T, self.num_heads * self.v_dim)
+        if hasattr(self, "g_proj"):
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)

@@ -1,4 +1,5 @@
-"""Sparse MoE feed-forward: sigmoid router with a selection-only bias, shared experts."""
+"""Sparse MoE feed-forward: sigmoid router with a selection-only bias, shared experts; the
+Kimi K3 variants: latent experts, SiTU, MXFP4-packed expert weights."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdaserve.config import ModelConfig
-from kdaserve.model.layers import MLP
-from kdaserve.ops.cpu_kernels import moe_experts_kernel
+from kdaserve.model.layers import MLP, RMSNorm
+from kdaserve.ops import cpu_kernels
+from kdaserve.ops.mxfp4 import GROUP, dequantize_mxfp4
 
 
 class Router(nn.Module):
@@ -47,14 +49,24 @@ class Router(nn.Module):
 
 class SparseMoE(nn.Module):
     """Routed experts stored stacked (`experts_w13` = w1 | w3 per expert, `experts_w2`); the
-    loader maps the checkpoint's per-expert names onto them.
+    loader maps the checkpoint's per-expert names onto them. With MXFP4 experts (K3) the stacks
+    hold the checkpoint's packed bytes instead (`experts_w13_packed` uint8 [E, 2I, W/2] and
+    `experts_w13_scale` [E, 2I, W/32], likewise w2): they are never expanded as a whole; the
+    compiled CPU kernel reads them directly, the torch path dequantizes one expert at a time
+    into a reused buffer.
+
+    Latent MoE (K3, `routed_expert_hidden_size` W): the router and the shared experts read the
+    full hidden x; the routed experts run on z = routed_expert_down_proj(x) [T, W], their
+    weighted sum goes through `routed_expert_norm` (when `latent_moe_use_norm`) and
+    `routed_expert_up_proj` back to the hidden width:
+        out = up(norm(sum_k w_k · expert_k(z))) + shared(x).
 
     Slots (token, expert) are grouped by expert, then every active expert's group runs through
     its fused w13 and w2: on CPU through the compiled ragged-group kernel; elsewhere one matmul
     per expert when groups are large or few (prefill, single-token decode), or one padded
     batched matmul when groups are small (over all experts when most are active, so no weights
     are copied), where padding and gathers cost less than many small calls.
-    Legend: T tokens, k experts per token, E experts, I width, H hidden.
+    Legend: T tokens, k experts per token, E experts, I width, H hidden, W expert input width.
     """
 
     # groups at least this large on average, or at most this many experts: per-expert matmuls
@@ -63,22 +75,51 @@ class SparseMoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.num_experts, self.intermediate = e, i
+        e, i, w = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_width
+        self.num_experts, self.intermediate, self.width = e, i, w
+        self.act = cfg.activation
         self.gate = Router(cfg)
-        self.experts_w13 = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.experts_w2 = nn.Parameter(torch.empty(e, h, i))
+        self.quantized = cfg.experts_quantization == "mxfp4"
+        if self.quantized:
+            for name, shape in (("experts_w13", (e, 2 * i, w)), ("experts_w2", (e, w, i))):
+                packed = torch.zeros(*shape[:2], shape[2] // 2, dtype=torch.uint8)
+                scale = torch.zeros(*shape[:2], shape[2] // GROUP, dtype=torch.uint8)
+                self.register_buffer(f"{name}_packed", packed)
+                self.register_buffer(f"{name}_scale", scale)
+            self._dequant: tuple[torch.Tensor, torch.Tensor] | None = None
+        else:
+            self.experts_w13 = nn.Parameter(torch.empty(e, 2 * i, w))
+            self.experts_w2 = nn.Parameter(torch.empty(e, w, i))
+        if cfg.routed_expert_hidden_size is not None:
+            self.routed_expert_down_proj = nn.Linear(cfg.hidden_size, w, bias=False)
+            self.routed_expert_up_proj = nn.Linear(w, cfg.hidden_size, bias=False)
+            self.routed_expert_norm = (RMSNorm(w, cfg.rms_norm_eps) if cfg.latent_moe_use_norm
+                                       else None)
         self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts)
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts, self.act)
             if cfg.num_shared_experts else None
         )
         self.load_counts: torch.Tensor | None = None  # set by trainers that balance the router
+
+    @property
+    def is_latent(self) -> bool:
+        return hasattr(self, "routed_expert_down_proj")
+
+    def weight_bytes(self) -> tuple[int, int]:
+        """(bytes, logical weights) of the routed experts as stored."""
+        names = (("experts_w13_packed", "experts_w13_scale", "experts_w2_packed",
+                  "experts_w2_scale") if self.quantized else ("experts_w13", "experts_w2"))
+        ts = [getattr(self, n) for n in names]
+        count = self.num_experts * 3 * self.intermediate * self.width
+        return sum(t.numel() * t.element_size() for t in ts), count
 
     def transpose_expert_storage(self) -> None:
         """Inference on CPU: keep each expert's weights transposed in memory (w13 as [H, 2I],
         w2 as [I, H]), the layout the compiled ragged-group kernel reads. The parameters stay
         [E, 2I, H] / [E, H, I] views with the checkpoint's names; matmuls read either layout
         at the same speed, and nothing is stored twice."""
+        if self.quantized:
+            return
         for name in ("experts_w13", "experts_w2"):
             p = getattr(self, name)
             t = p.detach().transpose(1, 2).contiguous()
@@ -86,25 +127,56 @@ class SparseMoE(nn.Module):
 
     def _ragged_kernel(self, x: torch.Tensor):
         """The compiled kernel when it applies: CPU, fp32, no autograd, transposed storage."""
-        if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() and (
-                x.requires_grad or self.experts_w13.requires_grad
-                or self.experts_w2.requires_grad):
+        if x.device.type != "cpu" or x.dtype != torch.float32:
+            return None
+        if self.quantized:
+            return cpu_kernels.moe_experts_mxfp4_kernel()
+        if torch.is_grad_enabled() and (x.requires_grad or self.experts_w13.requires_grad
+                                        or self.experts_w2.requires_grad):
             return None
         w13t, w2t = self.experts_w13.transpose(1, 2), self.experts_w2.transpose(1, 2)
         if not (w13t.is_contiguous() and w2t.is_contiguous()
                 and w13t.dtype == w2t.dtype == torch.float32):
             return None
-        return moe_experts_kernel()
+        return cpu_kernels.moe_experts_kernel()
+
+    def _expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (w13 [2I, W], w2 [W, I]); MXFP4 experts are dequantized into buffers
+        reused from expert to expert (never the whole stack at once)."""
+        if not self.quantized:
+            return self.experts_w13[e], self.experts_w2[e]
+        i, w = self.intermediate, self.width
+        dev = self.experts_w13_packed.device
+        if self._dequant is None or self._dequant[0].dtype != dtype \
+                or self._dequant[0].device != dev:
+            self._dequant = (torch.empty(2 * i, w, dtype=dtype, device=dev),
+                             torch.empty(w, i, dtype=dtype, device=dev))
+        b13, b2 = self._dequant
+        dequantize_mxfp4(self.experts_w13_packed[e], self.experts_w13_scale[e], out=b13)
+        dequantize_mxfp4(self.experts_w2_packed[e], self.experts_w2_scale[e], out=b2)
+        return b13, b2
 
     def _expert_mlp(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """One expert ([n,H], weights 2-D) or a padded group of experts ([Ea,cap,H], 3-D)."""
         batched = w13.dim() == 3
         h = torch.bmm(x, w13.transpose(1, 2)) if batched else F.linear(x, w13)
-        h = F.silu(h[..., : self.intermediate]) * h[..., self.intermediate:]
+        h = self.act(h[..., : self.intermediate], h[..., self.intermediate:])
         return torch.bmm(h, w2.transpose(1, 2)) if batched else F.linear(h, w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)                                    # [T,k]
+        z = self.routed_expert_down_proj(x) if self.is_latent else x   # [T,W]
+        out = self._routed(z, weights, ids)
+        if self.is_latent:
+            if self.routed_expert_norm is not None:
+                out = self.routed_expert_norm(out)
+            out = self.routed_expert_up_proj(out)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[t,k] · expert_{ids[t,k]}(x[t]) for every token: [T,W]."""
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)                              # slots grouped by expert
@@ -122,14 +194,20 @@ class SparseMoE(nn.Module):
             # than per-expert matmuls at every batch size measured (docs/benchmarks.md)
             offsets = torch.zeros(self.num_experts + 1, dtype=torch.long)
             torch.cumsum(counts, 0, out=offsets[1:])
-            kernel(x, token, offsets, slot_w.view(-1), self.experts_w13.transpose(1, 2),
-                   self.experts_w2.transpose(1, 2), out)
-        elif len(active) <= self.FEW_EXPERTS or flat.numel() >= self.LARGE_GROUP * len(active):
+            if self.quantized:
+                kernel(x, token, offsets, slot_w.view(-1), self.experts_w13_packed,
+                       self.experts_w13_scale, self.experts_w2_packed, self.experts_w2_scale,
+                       out, act=self.act)
+            else:
+                kernel(x, token, offsets, slot_w.view(-1), self.experts_w13.transpose(1, 2),
+                       self.experts_w2.transpose(1, 2), out, act=self.act)
+        elif (self.quantized or len(active) <= self.FEW_EXPERTS
+              or flat.numel() >= self.LARGE_GROUP * len(active)):
             start = 0
             for e in active:
                 n = count_list[e]
                 rows = token[start:start + n]
-                y = self._expert_mlp(x[rows], self.experts_w13[e], self.experts_w2[e])
+                y = self._expert_mlp(x[rows], *self._expert(e, x.dtype))
                 out.index_add_(0, rows, y * slot_w[start:start + n])
                 start += n
         else:
@@ -151,6 +229,4 @@ class SparseMoE(nn.Module):
             buf[rows, rank] = x[token]                                 # [G,cap,H]
             y = self._expert_mlp(buf, w13, w2)[rows, rank]             # [T*k,H]
             out.index_add_(0, token, y * slot_w)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
         return out

@@ -14,11 +14,11 @@ from kdaserve.config import EngineConfig, SpeculativeConfig
 from kdaserve.engine.spec.proposer import Proposal, ProposalInput
 from kdaserve.engine.spec.rejection import _draw, target_probs
 from kdaserve.model.dspark import DSparkDraft
-from kdaserve.model.kimi_linear import KimiLinearForCausalLM
+from kdaserve.model.base import HybridForCausalLM
 
 
 class DSparkProposer:
-    def __init__(self, draft: DSparkDraft, target: KimiLinearForCausalLM, num_tokens: int,
+    def __init__(self, draft: DSparkDraft, target: HybridForCausalLM, num_tokens: int,
                  num_blocks: int, block_size: int, device: torch.device) -> None:
         cfg = draft.config
         self.draft, self.target = draft, target
@@ -32,7 +32,7 @@ class DSparkProposer:
 
     @classmethod
     def from_config(cls, spec: SpeculativeConfig, config: EngineConfig,
-                    target: KimiLinearForCausalLM, device: torch.device,
+                    target: HybridForCausalLM, device: torch.device,
                     num_blocks: int, block_size: int) -> DSparkProposer:
         path = Path(spec.draft_model) if spec.draft_model else Path(config.model) / "draft"
         draft = DSparkDraft.from_pretrained(path, dtype=target.dtype, device=device)

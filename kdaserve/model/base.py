@@ -1,0 +1,135 @@
+"""What every hybrid causal LM of the family shares: the packed-batch forward, dtype and chunk
+settings, inference layouts. A family's class builds its modules under the checkpoint's names
+(`model`, `lm_head`) and may override `run_layers` (K3's attention-residuals do)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kdaserve.config import ModelConfig
+from kdaserve.model.batch import ForwardBatch, build_forward_batch
+from kdaserve.model.kda import KimiDeltaAttention
+from kdaserve.model.layers import MLP, RMSNorm
+from kdaserve.model.mla import MultiHeadLatentAttention
+from kdaserve.model.moe import SparseMoE
+from kdaserve.ops.cpu_kernels import moe_experts_kernel
+
+# Parameters kept in fp32 whatever the model dtype (as transformers does).
+FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "gate.weight", "e_score_correction_bias")
+
+
+class DecoderLayer(nn.Module):
+    """Token mixer (KDA or MLA by layer index) + feed-forward (dense or MoE), pre-norm."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, kda_index: int, mla_index: int,
+                 chunk_size: int) -> None:
+        super().__init__()
+        self.self_attn: nn.Module = (
+            KimiDeltaAttention(cfg, kda_index, chunk_size) if cfg.layer_kind(layer) == "kda"
+            else MultiHeadLatentAttention(cfg, mla_index)
+        )
+        if cfg.is_moe(layer):
+            self.block_sparse_moe = SparseMoE(cfg)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), fb)
+        return x + self.ffn(self.post_attention_layernorm(x))
+
+
+def build_layers(cfg: ModelConfig, chunk_size: int, layer_cls: type = DecoderLayer) -> nn.ModuleList:
+    kda_idx = {layer: i for i, layer in enumerate(cfg.kda_layers)}
+    mla_idx = {layer: i for i, layer in enumerate(cfg.mla_layers)}
+    return nn.ModuleList(
+        layer_cls(cfg, i, kda_idx.get(i, -1), mla_idx.get(i, -1), chunk_size)
+        for i in range(cfg.num_hidden_layers))
+
+
+class HybridForCausalLM(nn.Module):
+    """Legend: T tokens (packed), S rows that need logits. Subclasses set `config`,
+    `chunk_size` and provide `model` (embed_tokens, layers, norm) and `lm_head`."""
+
+    config: ModelConfig
+    chunk_size: int
+
+    def set_chunk_size(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        for layer in self.model.layers:
+            if isinstance(layer.self_attn, KimiDeltaAttention):
+                layer.self_attn.chunk_size = chunk_size
+
+    def fuse_for_inference(self) -> HybridForCausalLM:
+        """Inference layouts: fuse projections that read the same input (see
+        KimiDeltaAttention); on CPU, experts stored transposed for the compiled kernel (see
+        SparseMoE)."""
+        for layer in self.model.layers:
+            if isinstance(layer.self_attn, KimiDeltaAttention):
+                layer.self_attn.fuse_input_projections()
+            moe = getattr(layer, "block_sparse_moe", None)
+            if (moe is not None and not moe.quantized
+                    and moe.experts_w13.device.type == "cpu"
+                    and moe.experts_w13.dtype == torch.float32
+                    and moe_experts_kernel() is not None):
+                moe.transpose_expert_storage()
+        return self
+
+    def to_dtype(self, dtype: torch.dtype) -> HybridForCausalLM:
+        for name, p in list(self.named_parameters()) + list(self.named_buffers()):
+            if p.is_floating_point():
+                p.data = p.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def weight_report(self) -> dict[str, float]:
+        """Bytes and weights as loaded: the whole model and the routed experts apart."""
+        total = sum(t.numel() * t.element_size() for t in self.state_dict().values())
+        expert_bytes = expert_weights = 0
+        for layer in self.model.layers:
+            moe = getattr(layer, "block_sparse_moe", None)
+            if moe is not None:
+                b, n = moe.weight_bytes()
+                expert_bytes, expert_weights = expert_bytes + b, expert_weights + n
+        return {"bytes": total, "expert_bytes": expert_bytes, "expert_weights": expert_weights,
+                "expert_bytes_per_weight": expert_bytes / expert_weights if expert_weights
+                else 0.0}
+
+    def run_layers(self, x: torch.Tensor, fb: ForwardBatch, capture_layers: tuple[int, ...]
+                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The decoder stack over embeddings x [T, H]: the final hidden (before model.norm)
+        and the stream after each layer in capture_layers."""
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, fb)
+            if i in capture_layers:
+                captured.append(x)
+        return x, captured
+
+    def forward(
+        self, input_ids: torch.Tensor, fb: ForwardBatch,
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids [T] packed as described by `fb`. Returns logits [S, vocab] (S = rows in
+        fb.logits_indices, or all T) and the hidden states after each layer in capture_layers."""
+        x, captured = self.run_layers(self.model.embed_tokens(input_ids), fb, capture_layers)
+        if fb.logits_indices is not None:
+            x = x[fb.logits_indices]
+        return self.lm_head(self.model.norm(x)), captured
+
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Plain full-sequence forward of a [B, L] batch (no cache): logits [B, L, vocab]."""
+        b, l_ = input_ids.shape
+        fb = build_forward_batch([l_] * b, conv_kernel=self.config.conv_kernel_size,
+                                 chunk_size=self.chunk_size, device=input_ids.device)
+        logits, _ = self.forward(input_ids.reshape(-1), fb)
+        return logits.view(b, l_, -1)

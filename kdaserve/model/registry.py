@@ -1,0 +1,86 @@
+"""config.json -> model class. The one place that names concrete model classes: the engine,
+loader, CLI, trainers and benches ask here (by `model_type`, or by `architectures` when a
+config lacks it), and an unsupported type is an error that lists the supported ones."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kdaserve.config import ConfigError, ModelConfig
+from kdaserve.model.base import HybridForCausalLM
+from kdaserve.model.dspark import DSparkDraft
+from kdaserve.model.kimi_k3 import KimiK3ForConditionalGeneration
+from kdaserve.model.kimi_linear import KimiLinearForCausalLM
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    model_type: str
+    architectures: tuple[str, ...]
+    cls: type
+    kind: str                                  # "target" | "draft"
+
+
+_ENTRIES = (
+    ModelEntry("kimi_linear", ("KimiLinearForCausalLM",), KimiLinearForCausalLM, "target"),
+    ModelEntry("kimi_k3", ("KimiK3ForConditionalGeneration", "KimiK3ForCausalLM"),
+               KimiK3ForConditionalGeneration, "target"),
+    ModelEntry("dspark_draft", ("DSparkDraft",), DSparkDraft, "draft"),
+    ModelEntry("k3_dspark", ("K3DSparkModel", "KimiK3DSparkForCausalLM"), DSparkDraft, "draft"),
+)
+
+
+def supported(kind: str | None = None) -> list[str]:
+    return [e.model_type for e in _ENTRIES if kind is None or e.kind == kind]
+
+
+def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
+    """The raw config.json of a checkpoint directory (or the file itself)."""
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    if not file.is_file():
+        raise FileNotFoundError(f"no config.json at {file}")
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: a config must be a JSON object")
+    return raw
+
+
+def entry_for(raw: dict[str, Any], kind: str | None = None) -> ModelEntry:
+    mt = raw.get("model_type")
+    archs = raw.get("architectures") or []
+    for e in _ENTRIES:
+        if (mt == e.model_type or (mt is None and set(archs) & set(e.architectures))) and (
+                kind is None or e.kind == kind):
+            return e
+    what = f"model_type {mt!r}" if mt is not None else f"architectures {archs!r}"
+    raise ConfigError(f"config.json: {what} is not supported; supported "
+                      f"{'model types' if kind is None else kind + ' types'}: "
+                      f"{', '.join(supported(kind))}")
+
+
+def load_config(source: str | os.PathLike | dict[str, Any]) -> ModelConfig:
+    """The target model's ModelConfig from a directory, a config.json path or a parsed dict."""
+    raw = source if isinstance(source, dict) else read_config_json(source)
+    entry = entry_for(raw, "target")
+    return ModelConfig.from_dict({**raw, "model_type": entry.model_type})
+
+
+def build_model(cfg: ModelConfig, chunk_size: int = 16) -> HybridForCausalLM:
+    """An (uninitialised) model of cfg's family; build under `torch.device("meta")` to get
+    shapes without memory."""
+    return entry_for({"model_type": cfg.architecture}, "target").cls(cfg, chunk_size=chunk_size)
+
+
+def is_draft_config(raw: dict[str, Any]) -> bool:
+    try:
+        return entry_for(raw).kind == "draft"
+    except ConfigError:
+        return False

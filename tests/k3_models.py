@@ -1,0 +1,120 @@
+"""Tiny random Kimi K3 checkpoints in the released layout, and mlx-lm's kimi_k3 as the oracle."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import torch
+
+from kdaserve.config import ModelConfig
+from kdaserve.model.loader import save_model
+from kdaserve.model.moe import SparseMoE
+from kdaserve.model.registry import build_model
+from kdaserve.ops.mxfp4 import quantize_mxfp4
+
+K3_TINY = {
+    "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+    "text_config": {
+        "model_type": "kimi_linear", "vocab_size": 96, "hidden_size": 64,
+        "num_hidden_layers": 5, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "intermediate_size": 96, "rms_norm_eps": 1e-6,
+        "linear_attn_config": {"kda_layers": [1, 2, 3, 5], "full_attn_layers": [4],
+                               "num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4,
+                               "use_full_rank_gate": True, "gate_lower_bound": -5.0},
+        "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+        "attn_res_block_size": 2, "q_lora_rank": 32, "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "mla_use_nope": True,
+        "mla_use_output_gate": True, "num_experts": 8, "num_experts_per_token": 2,
+        "num_shared_experts": 1, "moe_intermediate_size": 32, "routed_expert_hidden_size": 32,
+        "latent_moe_use_norm": True, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "moe_router_activation_func": "sigmoid", "use_grouped_topk": True,
+        "num_expert_group": 1, "topk_group": 1, "moe_renormalize": True,
+        "routed_scaling_factor": 1.5, "tie_word_embeddings": False, "eos_token_id": 1,
+    },
+    "vision_config": {"model_type": "kimi_k3_vision"}, "media_placeholder_token_id": 95,
+}
+
+
+def k3_raw(mxfp4: bool = False, **text_over) -> dict:
+    raw = copy.deepcopy(K3_TINY)
+    for k, v in text_over.items():
+        if v is None:
+            raw["text_config"].pop(k, None)
+        else:
+            raw["text_config"][k] = v
+    if mxfp4:
+        raw["quantization_config"] = {"quant_method": "compressed-tensors",
+                                      "format": "mxfp4-pack-quantized"}
+    return raw
+
+
+def random_k3(cfg: ModelConfig, seed: int = 0, chunk: int = 8):
+    """Random weights scaled so activations stay O(1) through the depth; MXFP4 experts are
+    quantized from random fp32 weights."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    m = build_model(cfg, chunk_size=chunk)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(1.0, 16.0, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.normal_(0, 0.5, generator=g)
+            elif p.dim() >= 2:
+                p.normal_(0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
+                if name.endswith("embed_tokens.weight"):
+                    p.mul_(math.sqrt(p.shape[-1]))
+            else:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+        for name, b in m.named_buffers():
+            if b.is_floating_point():
+                b.normal_(0, 0.1, generator=g)
+        for moe in m.modules():
+            if isinstance(moe, SparseMoE) and moe.quantized:
+                for stack, shape in (("experts_w13", moe.experts_w13_packed.shape),
+                                     ("experts_w2", moe.experts_w2_packed.shape)):
+                    w = torch.randn(*shape[:2], shape[2] * 2, generator=g) / math.sqrt(
+                        shape[2] * 2)
+                    packed, scale = quantize_mxfp4(w)
+                    getattr(moe, f"{stack}_packed").copy_(packed)
+                    getattr(moe, f"{stack}_scale").copy_(scale)
+    return m.eval()
+
+
+def write_k3_checkpoint(out: Path, raw: dict, seed: int = 0):
+    cfg = ModelConfig.from_dict(raw)
+    model = random_k3(cfg, seed)
+    save_model(model, out)
+    return model
+
+
+def mlx_logits(path: Path, prompts: list[list[int]]) -> list:
+    """Last-position logits (numpy fp32) of each prompt through mlx-lm's kimi_k3."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(path))
+    out = []
+    for p in prompts:
+        logits = model(mx.array([p]))[0, -1].astype(mx.float32)
+        out.append(np.array(logits))
+    return out
+
+
+def mlx_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens from mlx-lm with its own incremental cache."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(path))
+    cache = model.make_cache()
+    logits = model(mx.array([prompt]), cache=cache)
+    toks = []
+    for _ in range(n):
+        t = int(mx.argmax(logits[0, -1]).item())
+        toks.append(t)
+        logits = model(mx.array([[t]]), cache=cache)
+    return toks
