@@ -1,4 +1,4 @@
-"""`kdaserve serve | generate | bench | train` (plus `extract-hidden`, `train-draft` as they land)."""
+"""`kdaserve serve | generate | inspect | bench | train | extract-hidden | train-draft`."""
 
 from __future__ import annotations
 
@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (default: bundled demo on 127.0.0.1:8000)"))
     _generate_args(sub.add_parser("generate", help="one-shot generation from a prompt"))
+    from kdaserve.model.inspect import add_arguments as add_inspect_arguments
+
+    add_inspect_arguments(sub.add_parser(
+        "inspect", help="parameter counts and cache sizes of a config, without weights"))
 
     bench = sub.add_parser("bench", help="benchmarks (JSON output)")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -88,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_serve(args)
     if args.command == "generate":
         return _run_generate(args)
+    if args.command == "inspect":
+        from kdaserve.model.inspect import run as run_inspect
+
+        return run_inspect(args)
     if args.command == "bench":
         if args.bench == "offline":
             from kdaserve.bench.offline import run

@@ -68,6 +68,13 @@ class EngineCore:
         else:
             model.set_chunk_size(chunk)
         self.model = model.fuse_for_inference()
+        rep = model.weight_report()
+        logger.info("kdaserve weights: %.1f MiB as loaded (%s)%s", rep["bytes"] / 2**20,
+                    model.config.architecture,
+                    f"; routed experts {rep['expert_bytes'] / 2**20:.1f} MiB, "
+                    f"{rep['expert_bytes_per_weight']:.4g} bytes per weight"
+                    f" ({model.config.experts_quantization or config.dtype})"
+                    if rep["expert_weights"] else "")
         if tokenizer is None and config.model and _has_tokenizer(Path(config.model)):
             tokenizer = Tokenizer.from_pretrained(config.model)
         self.tokenizer = tokenizer

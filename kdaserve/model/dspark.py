@@ -7,6 +7,11 @@ positions per request: the last accepted token followed by k-1 mask embeddings, 
 context and, non-causally, to each other. Tokens are then picked left to right with a low-rank
 Markov bias from the previous token. Only the target's embedding and LM head are shared.
 
+Two checkpoint layouts, one module: `dspark_draft` (this project's; own mask embedding) and
+`k3_dspark` (the released Kimi-K3-DSpark: the mask is the target's embedding of `mask_token_id`,
+MLA with q-LoRA and interleaved YaRN RoPE, `final_norm`, `markov_head.markov_w1/markov_w2`;
+its `embed_tokens` copy and `confidence_head` are not used for serving and not loaded).
+
 Legend: B requests, Q query positions, L context positions, H hidden, D latent width, V vocab.
 """
 
@@ -23,9 +28,23 @@ from torch import nn
 from kdaserve.model.layers import MLP, RMSNorm
 from kdaserve.model.mla import MultiHeadLatentAttention
 from kdaserve.ops.mla import mla_absorbed
-from kdaserve.ops.rope import apply_rope
 
 MODEL_TYPE = "dspark_draft"
+K3_MODEL_TYPE = "k3_dspark"
+# the released K3 DSpark's names for modules this class names otherwise
+_K3_NAMES = (("final_norm.", "norm."), ("markov_head.markov_w1.", "markov_in."),
+             ("markov_head.markov_w2.", "markov_out."))
+_K3_UNUSED = ("embed_tokens.", "confidence_head.")
+# config.json fields of k3_dspark that change nothing here
+_K3_IGNORED = frozenset({
+    "architectures", "model_type", "draft_vocab_size", "num_target_layers", "target_hidden_size",
+    "target_num_hidden_layers", "markov_head_type", "enable_confidence_head",
+    "confidence_head_with_markov", "max_position_embeddings", "hidden_act", "num_key_value_heads",
+    "mla_use_output_gate", "rope_parameters", "rope_scaling", "dflash_config", "torch_dtype",
+    "dtype", "transformers_version", "aux_hidden_stream", "fc_norm", "tie_word_embeddings",
+    "bos_token_id", "eos_token_id", "pad_token_id", "attention_bias", "attention_dropout",
+    "initializer_range", "use_cache",
+})
 
 
 @dataclass(frozen=True)
@@ -49,6 +68,10 @@ class DraftConfig:
     q_lora_rank: int | None = None
     mla_use_nope: bool = False
     extra: dict = field(default_factory=dict)
+    layout: str = MODEL_TYPE                    # dspark_draft | k3_dspark
+    mask_token_id: int | None = None            # k3_dspark: mask = target embedding of this id
+    rope_interleaved: bool = False
+    rope_scaling: dict | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -61,14 +84,51 @@ class DraftConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["target_layer_ids"] = list(self.target_layer_ids)
+        if self.layout == K3_MODEL_TYPE:
+            for k in ("layout", "extra", "rope_interleaved", "rope_scaling"):
+                d.pop(k)
+            rope = dict(self.rope_scaling or {"rope_type": "default"})
+            rope["rope_theta"] = self.rope_theta
+            return {"model_type": K3_MODEL_TYPE, "architectures": ["K3DSparkModel"], **d,
+                    "num_key_value_heads": self.num_attention_heads,
+                    "mla_use_output_gate": False, "rope_parameters": rope,
+                    "markov_head_type": "vanilla", "enable_confidence_head": False}
         return {"model_type": MODEL_TYPE, **d}
 
     @classmethod
     def from_dict(cls, raw: dict) -> DraftConfig:
-        if raw.get("model_type") != MODEL_TYPE:
-            raise ValueError(f"not a DSpark draft config (model_type {raw.get('model_type')!r})")
+        mt = raw.get("model_type")
+        if mt == K3_MODEL_TYPE:
+            return cls._from_k3(raw)
+        if mt != MODEL_TYPE:
+            raise ValueError(f"not a DSpark draft config (model_type {mt!r}; supported "
+                             f"{MODEL_TYPE}, {K3_MODEL_TYPE})")
         known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
         known["target_layer_ids"] = tuple(known["target_layer_ids"])
+        return cls(**known)
+
+    @classmethod
+    def _from_k3(cls, raw: dict) -> DraftConfig:
+        """The released k3_dspark config.json (no block size there: the released draft was
+        trained with blocks of 7; `block_size` or `dflash_config.block_size` override it)."""
+        unknown = sorted(set(raw) - _K3_IGNORED - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"k3_dspark config: unknown field(s) {unknown}")
+        if raw.get("mla_use_output_gate"):
+            raise ValueError("k3_dspark config: an output-gated draft MLA is not supported")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" \
+            else {k: v for k, v in rope.items() if k != "rope_theta"}
+        known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
+        known.update(
+            target_layer_ids=tuple(raw["target_layer_ids"]), layout=K3_MODEL_TYPE,
+            block_size=int(raw.get("block_size") or (raw.get("dflash_config") or {}).get(
+                "block_size") or 7),
+            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_interleaved=True, rope_scaling=scaling,
+            mla_use_nope=bool(raw.get("mla_use_nope", False)))
+        if known.get("mask_token_id") is None:
+            raise ValueError("k3_dspark config: 'mask_token_id' is required")
         return cls(**known)
 
 
@@ -91,7 +151,7 @@ class DraftLayer(nn.Module):
         q = attn.queries(h)                                                   # [BQ,heads,N+R]
         q_pe = q[..., attn.nope:]
         if attn.use_rope and attn.rope:
-            q_pe = apply_rope(q_pe, flat_pos, attn.rope_theta)
+            q_pe = attn.rotate(q_pe, flat_pos)
         own = attn.latents(h, flat_pos).view(b, q_len, -1)                     # [B,Q,D]
         keys = torch.cat([ctx.to(own.dtype), own], 1)                          # [B,L+Q,D]
         w_uk, w_uv = attn.absorbed_weights()
@@ -109,7 +169,11 @@ class DSparkDraft(nn.Module):
         hid = cfg.hidden_size
         self.context_proj = nn.Linear(hid * len(cfg.target_layer_ids), hid, bias=False)
         self.context_norm = RMSNorm(hid, cfg.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(hid))
+        if cfg.mask_token_id is None:
+            self.mask_embedding = nn.Parameter(torch.zeros(hid))
+        else:   # the target's embedding of the mask token: set by bind_target
+            self.register_buffer("mask_embedding", torch.full((hid,), float("nan")),
+                                 persistent=False)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(hid, cfg.rms_norm_eps)
         self.markov_in = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
@@ -137,28 +201,49 @@ class DSparkDraft(nn.Module):
         """[...] previous tokens -> [..., V] additive logits."""
         return self.markov_out(self.markov_in(prev))
 
+    def bind_target(self, embed_weight: torch.Tensor) -> None:
+        """Share what the target owns: for the K3 layout, the mask token's embedding."""
+        if self.config.mask_token_id is not None:
+            self.mask_embedding.copy_(embed_weight[self.config.mask_token_id].detach())
+
     # ---- files ------------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        if self.config.layout == K3_MODEL_TYPE:
+            state = {_rename(k, [(b, a) for a, b in _K3_NAMES]): v for k, v in state.items()}
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> DSparkDraft:
+        from kdaserve.model.loader import checkpoint_files
+
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"no draft model at {path} (config.json missing)")
         cfg = DraftConfig.from_dict(json.loads((path / "config.json").read_text()))
         model = cls(cfg)
-        state = load_file(str(path / "model.safetensors"))
+        state = {}
+        for f in checkpoint_files(path):
+            state.update(load_file(str(f)))
+        if cfg.layout == K3_MODEL_TYPE:
+            state = {_rename(k.removeprefix("model."), _K3_NAMES): v for k, v in state.items()
+                     if not k.removeprefix("model.").startswith(_K3_UNUSED)}
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"draft checkpoint {path}: missing {sorted(missing)}, "
                              f"unexpected {sorted(unexpected)}")
         return model.to(device=device, dtype=dtype).eval()
+
+
+def _rename(name: str, pairs) -> str:
+    for old, new in pairs:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 def training_mask(ctx_len: int, anchors: torch.Tensor, block: int) -> torch.Tensor:

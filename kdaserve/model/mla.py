@@ -9,7 +9,7 @@ from kdaserve.config import ModelConfig
 from kdaserve.model.batch import ForwardBatch
 from kdaserve.model.layers import RMSNorm
 from kdaserve.ops.mla import mla_decode_absorbed, mla_prefill_attention
-from kdaserve.ops.rope import apply_rope
+from kdaserve.ops.rope import apply_rope, softmax_scale
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -28,7 +28,10 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_lora_rank = cfg.kv_lora_rank
         self.use_rope = not cfg.mla_use_nope
         self.rope_theta = cfg.rope_theta
-        self.scale = cfg.qk_head_dim ** -0.5
+        # drafts: DeepSeek-style interleaved pairs and YaRN (K3's DSpark); targets are NoPE
+        self.rope_interleaved = bool(getattr(cfg, "rope_interleaved", False))
+        self.rope_scaling = getattr(cfg, "rope_scaling", None)
+        self.scale = softmax_scale(cfg.qk_head_dim, self.rope_scaling)
         qk = cfg.qk_head_dim
         if cfg.q_lora_rank is None:
             self.q_proj = nn.Linear(hidden, h * qk, bias=False)
@@ -43,6 +46,10 @@ class MultiHeadLatentAttention(nn.Module):
         if getattr(cfg, "mla_use_output_gate", False):
             self.g_proj = nn.Linear(hidden, h * self.v_dim, bias=False)
 
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The rope part [T, ..., R] rotated to its positions [T]."""
+        return apply_rope(x, positions, self.rope_theta, self.rope_interleaved, self.rope_scaling)
+
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(
             self.q_a_layernorm(self.q_a_proj(x)))
@@ -54,7 +61,7 @@ class MultiHeadLatentAttention(nn.Module):
         c = self.kv_a_layernorm(ckv[:, : self.kv_lora_rank])
         k_pe = ckv[:, self.kv_lora_rank:]
         if self.use_rope and self.rope:
-            k_pe = apply_rope(k_pe, positions, self.rope_theta)
+            k_pe = self.rotate(k_pe, positions)
         return torch.cat([c, k_pe], -1)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +81,7 @@ class MultiHeadLatentAttention(nn.Module):
         T, Td = x.shape[0], fb.num_decode_tokens
         q = self.queries(x)                                                     # [T,H,N+R]
         if self.use_rope and self.rope:
-            q = torch.cat([q[..., : self.nope], apply_rope(q[..., self.nope:], fb.positions,
-                                                         self.rope_theta)], -1)
+            q = torch.cat([q[..., : self.nope], self.rotate(q[..., self.nope:], fb.positions)], -1)
         lat = self.latents(x, fb.positions)                                     # [T,Dc+R]
         lay = fb.mla
         pages = flat = None

@@ -84,3 +84,11 @@ def is_draft_config(raw: dict[str, Any]) -> bool:
         return entry_for(raw).kind == "draft"
     except ConfigError:
         return False
+
+
+def load_draft(path: str | os.PathLike, dtype=None, device="cpu"):
+    """A speculative draft model (any registered draft type) from its directory."""
+    import torch
+
+    entry = entry_for(read_config_json(path), "draft")
+    return entry.cls.from_pretrained(path, dtype=dtype or torch.float32, device=device)

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from kdaserve.config import ModelConfig
-from kdaserve.model.kimi_linear import KimiLinearForCausalLM
+from kdaserve.model.base import HybridForCausalLM
+from kdaserve.model.registry import build_model
 from kdaserve.model.loader import save_model
 from kdaserve.model.moe import SparseMoE
 
@@ -60,7 +61,7 @@ def demo_model_config(vocab_size: int, eos_id: int, pad_id: int) -> ModelConfig:
     })
 
 
-def init_weights(model: KimiLinearForCausalLM, seed: int) -> None:
+def init_weights(model: HybridForCausalLM, seed: int) -> None:
     """Normal(0, 0.02) projections; A_log and dt_bias as fla initialises them."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -93,12 +94,12 @@ class TokenStream:
         return torch.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
 
 
-def _moe_layers(model: KimiLinearForCausalLM) -> list[SparseMoE]:
+def _moe_layers(model: HybridForCausalLM) -> list[SparseMoE]:
     return [m for m in model.modules() if isinstance(m, SparseMoE)]
 
 
 @torch.no_grad()
-def evaluate(model: KimiLinearForCausalLM, tokens: torch.Tensor, seq_len: int,
+def evaluate(model: HybridForCausalLM, tokens: torch.Tensor, seq_len: int,
              max_batches: int, batch_size: int) -> float:
     """Mean next-token loss over consecutive held-out windows (deterministic)."""
     model.eval()
@@ -127,7 +128,7 @@ def train(model_cfg: ModelConfig, train_tokens: torch.Tensor, eval_tokens: torch
         if model.config != model_cfg:
             raise ValueError(f"{init_from} has another model config than the one to train")
     else:
-        model = KimiLinearForCausalLM(model_cfg, chunk_size=cfg.chunk_size)
+        model = build_model(model_cfg, chunk_size=cfg.chunk_size)
         init_weights(model, cfg.seed)
     model.train()
     moes = _moe_layers(model)
@@ -208,7 +209,7 @@ def _balance(moes: list[SparseMoE], rate: float) -> None:
 
 
 @torch.no_grad()
-def expert_load(model: KimiLinearForCausalLM, tokens: torch.Tensor, seq_len: int,
+def expert_load(model: HybridForCausalLM, tokens: torch.Tensor, seq_len: int,
                 batch_size: int) -> list[dict]:
     """Per MoE layer: share of routed slots of the busiest expert and number of idle experts."""
     moes = _moe_layers(model)

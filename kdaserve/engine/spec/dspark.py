@@ -14,6 +14,7 @@ from kdaserve.config import EngineConfig, SpeculativeConfig
 from kdaserve.engine.spec.proposer import Proposal, ProposalInput
 from kdaserve.engine.spec.rejection import _draw, target_probs
 from kdaserve.model.dspark import DSparkDraft
+from kdaserve.model.registry import load_draft
 from kdaserve.model.base import HybridForCausalLM
 
 
@@ -35,7 +36,8 @@ class DSparkProposer:
                     target: HybridForCausalLM, device: torch.device,
                     num_blocks: int, block_size: int) -> DSparkProposer:
         path = Path(spec.draft_model) if spec.draft_model else Path(config.model) / "draft"
-        draft = DSparkDraft.from_pretrained(path, dtype=target.dtype, device=device)
+        draft = load_draft(path, dtype=target.dtype, device=device)
+        draft.bind_target(target.model.embed_tokens.weight)
         if draft.config.hidden_size != target.config.hidden_size or \
                 draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"draft {path} does not fit the target (hidden/vocab size differ)")

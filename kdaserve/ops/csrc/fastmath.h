@@ -53,4 +53,21 @@ static inline float log_approx(float x) {   /* x > 0, normal */
 static inline float silu(float x) { return x / (1.0f + exp_approx(-x)); }
 static inline float sigmoid(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
 
+/* tanh, branch-free (both forms computed, one selected): Cephes' tanhf polynomial for
+ * |x| < 0.625 (no cancellation near 0), else 1 - 2 / (exp(2|x|) + 1) with the sign put back;
+ * exp_approx clamps its argument, so large |x| gives exactly +-1 and nothing overflows. */
+static inline float tanh_approx(float x) {
+    const float ax = x < 0.0f ? -x : x;
+    const float z = x * x;
+    float p = -5.70498872745e-3f;
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    const float small = p * z * x + x;
+    const float big = 1.0f - 2.0f / (exp_approx(ax + ax) + 1.0f);
+    const float large = x < 0.0f ? -big : big;
+    return ax < 0.625f ? small : large;
+}
+
 #endif

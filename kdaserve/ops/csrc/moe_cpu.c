@@ -14,9 +14,19 @@
  * group; offsets [E + 1] the groups' bounds in token; slot_w [S] routing weights; out [T, H]
  * accumulated expert by expert. A call handles the tokens in [t_begin, t_end): threads split
  * the tokens, so each token's sum runs in the same order on one thread whatever the split.
+ *
+ * The gated activation is selected at run time (`act`): 0 SiLU, silu(gate) * up; 1 SiTU,
+ * beta*tanh(gate/beta)*sigmoid(gate) * (linear_beta*tanh(up/linear_beta), or up when
+ * linear_beta <= 0), as kdaserve/ops/activation.py computes it.
+ *
+ * moe_experts_mxfp4 (below) runs the same MLPs on MXFP4 weights in the checkpoint's layout.
  */
 #include <stdint.h>
 #include <string.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #include "fastmath.h"
 
@@ -61,11 +71,35 @@ static inline __attribute__((always_inline)) void rows_times_matrix(
         }
 }
 
-/* R rows of one expert: x rows -> w13 -> silu(gate) * up -> w2 -> out += slot weight * y. */
+/* act[r][0:I) = glu(h[r][0:I), h[r][I:2I)) for R rows (h rows 2I long, act rows I). */
+static inline __attribute__((always_inline)) void gated_activation(
+        const int R, float *const *h, int64_t I, float *act, int64_t kind, float beta,
+        float linear_beta) {
+    if (kind == 1 && linear_beta > 0.0f) {
+        for (int r = 0; r < R; ++r)
+            for (int64_t j = 0; j < I; ++j) {
+                const float g = h[r][j], u = h[r][I + j];
+                const float a = beta * tanh_approx(g / beta) * sigmoid(g);
+                act[r * I + j] = a * (linear_beta * tanh_approx(u / linear_beta));
+            }
+    } else if (kind == 1) {
+        for (int r = 0; r < R; ++r)
+            for (int64_t j = 0; j < I; ++j) {
+                const float g = h[r][j];
+                act[r * I + j] = beta * tanh_approx(g / beta) * sigmoid(g) * h[r][I + j];
+            }
+    } else {
+        for (int r = 0; r < R; ++r)
+            for (int64_t j = 0; j < I; ++j) act[r * I + j] = silu(h[r][j]) * h[r][I + j];
+    }
+}
+
+/* R rows of one expert: x rows -> w13 -> glu(gate, up) -> w2 -> out += slot weight * y. */
 static inline __attribute__((always_inline)) void expert_rows(
         const int R, const float *x, const int64_t *token, const float *slot_w,
         const float *w13, const float *w2, int64_t H, int64_t I, float *out, float *acc,
-        float *act, float *y, const float *next13, const float *next2) {
+        float *act, float *y, const float *next13, const float *next2, int64_t kind,
+        float beta, float linear_beta) {
     const float *xr[MAX_ROWS], *actp[MAX_ROWS];
     float *accp[MAX_ROWS], *yp[MAX_ROWS];
     for (int r = 0; r < R; ++r) {
@@ -75,8 +109,7 @@ static inline __attribute__((always_inline)) void expert_rows(
         yp[r] = y + r * H;
     }
     rows_times_matrix(R, xr, H, w13, 2 * I, accp, next13);
-    for (int r = 0; r < R; ++r)
-        for (int64_t j = 0; j < I; ++j) act[r * I + j] = silu(accp[r][j]) * accp[r][I + j];
+    gated_activation(R, accp, I, act, kind, beta, linear_beta);
     rows_times_matrix(R, actp, I, w2, H, yp, next2);
     for (int r = 0; r < R; ++r) {
         float *o = out + token[r] * H;
@@ -95,9 +128,10 @@ static int64_t first_at_or_after(const int64_t *token, int64_t lo, int64_t hi, i
     return lo;
 }
 
-void moe_experts(int64_t t_begin, int64_t t_end, int64_t E, int64_t H, int64_t I,
-                 const float *x, const int64_t *token, const int64_t *offsets,
-                 const float *slot_w, const float *w13t, const float *w2t, float *out) {
+void moe_experts_act(int64_t t_begin, int64_t t_end, int64_t E, int64_t H, int64_t I,
+                     const float *x, const int64_t *token, const int64_t *offsets,
+                     const float *slot_w, const float *w13t, const float *w2t, float *out,
+                     int64_t act_kind, float beta, float linear_beta) {
     float acc[MAX_ROWS * 2 * I], act[MAX_ROWS * I], y[MAX_ROWS * H];
     for (int64_t e = 0; e < E; ++e) {
         const float *w13 = w13t + e * H * 2 * I, *w2 = w2t + e * I * H;
@@ -111,13 +145,155 @@ void moe_experts(int64_t t_begin, int64_t t_end, int64_t E, int64_t H, int64_t I
             const float *n13 = after < E && s == begin ? w13t + after * H * 2 * I : 0;
             const float *n2 = after < E && s == begin ? w2t + after * I * H : 0;
 #define ROWS_CASE(R) \
-    case R: expert_rows(R, x, token + s, slot_w + s, w13, w2, H, I, out, acc, act, y, n13, n2); \
+    case R: expert_rows(R, x, token + s, slot_w + s, w13, w2, H, I, out, acc, act, y, n13, n2, \
+                        act_kind, beta, linear_beta); \
         break;
             switch (n) {
                 ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
                 ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
             }
 #undef ROWS_CASE
+        }
+    }
+}
+
+/* The SiLU entry point of before the activation selector (same arguments, same results). */
+void moe_experts(int64_t t_begin, int64_t t_end, int64_t E, int64_t H, int64_t I,
+                 const float *x, const int64_t *token, const int64_t *offsets,
+                 const float *slot_w, const float *w13t, const float *w2t, float *out) {
+    moe_experts_act(t_begin, t_end, E, H, I, x, token, offsets, slot_w, w13t, w2t, out, 0,
+                    1.0f, 0.0f);
+}
+
+/* ---- MXFP4 experts ------------------------------------------------------------------------
+ * The same MLPs on MXFP4 weights as the checkpoint stores them, read in place (no fp32 copy):
+ * w13_packed [E, 2I, H/2] (rows 0..I-1 w1 = gate, I..2I-1 w3 = up; a row is one output
+ * neuron, packed along the input dim, two E2M1 codes a byte, the even element in the low
+ * nibble), w13_scale [E, 2I, H/32] E8M0 (2^(s-127); s = 0 the subnormal 2^-127),
+ * w2_packed [E, H, I/2], w2_scale [E, H, I/32]. H and I are multiples of 32.
+ *
+ * Each pass over an expert's weights serves up to MAX_ROWS rows: MX_NB neurons' weight rows
+ * are decoded once (the group's 8 magnitudes times its scale, exact as the scale is a power of
+ * two, picked by code, sign flipped by bit 3) into a small buffer and every row takes its
+ * dot products with them. A dot product always runs the same way (two 8-lane accumulators,
+ * alternate 8-element chunks, a fixed reduction tree), so a token's result does not depend on
+ * its group mates or on how many rows a pass holds. */
+
+#define MX_NB 4
+
+typedef float v8f __attribute__((vector_size(8 * sizeof(float))));
+
+static inline v8f v8load(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v8f v8fma(v8f a, v8f b, v8f c) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+static inline float v8sum(v8f v) {
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static inline float e8m0(uint8_t s) {
+    const uint32_t bits = s ? (uint32_t)s << 23 : 0x400000u;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* w[0:K) = the decoded weight row (packed K/2 bytes, K/32 scales). */
+static inline void mx_decode_row(const uint8_t *q, const uint8_t *sc, int64_t K, float *w) {
+#ifdef __AVX2__
+    const __m256 mags = _mm256_loadu_ps(E2M1);
+    const __m256i right = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i sign = _mm256_set1_epi32((int32_t)0x80000000u);
+    for (int64_t g = 0; g < K / 32; ++g) {
+        const __m256 lut = _mm256_mul_ps(mags, _mm256_set1_ps(e8m0(sc[g])));
+        for (int c = 0; c < 4; ++c) {
+            int32_t word;   /* 8 codes; code i in bits 4i..4i+3 */
+            memcpy(&word, q + g * 16 + c * 4, sizeof word);
+            const __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32(word), right);
+            const __m256 mag = _mm256_permutevar8x32_ps(lut, codes);   /* low 3 bits */
+            const __m256i neg = _mm256_and_si256(_mm256_slli_epi32(codes, 28), sign);
+            _mm256_storeu_ps(w + g * 32 + c * 8, _mm256_xor_ps(mag, _mm256_castsi256_ps(neg)));
+        }
+    }
+#else
+    for (int64_t g = 0; g < K / 32; ++g) {
+        const float s = e8m0(sc[g]);
+        for (int i = 0; i < 16; ++i) {
+            const uint8_t b = q[g * 16 + i];
+            w[g * 32 + 2 * i] = E2M1[b & 15] * s;
+            w[g * 32 + 2 * i + 1] = E2M1[b >> 4] * s;
+        }
+    }
+#endif
+}
+
+/* y[r][0:N) = W a[r] for R rows, W [N, K] MXFP4 (N % MX_NB == 0, K % 32 == 0); wb holds
+ * MX_NB * K floats. */
+static void mx_rows_times_matrix(int R, const float *const *a, int64_t K, const uint8_t *wq,
+                                 const uint8_t *ws, int64_t N, float *const *y, float *wb) {
+    for (int64_t n0 = 0; n0 < N; n0 += MX_NB) {
+        for (int b = 0; b < MX_NB; ++b)
+            mx_decode_row(wq + (n0 + b) * (K / 2), ws + (n0 + b) * (K / 32), K, wb + b * K);
+        for (int r = 0; r < R; ++r) {
+            const float *ar = a[r];
+            v8f acc[MX_NB][2];
+            for (int b = 0; b < MX_NB; ++b) acc[b][0] = acc[b][1] = (v8f){0};
+            for (int64_t k = 0; k < K; k += 16) {
+                const v8f a0 = v8load(ar + k), a1 = v8load(ar + k + 8);
+                for (int b = 0; b < MX_NB; ++b) {
+                    acc[b][0] = v8fma(a0, v8load(wb + b * K + k), acc[b][0]);
+                    acc[b][1] = v8fma(a1, v8load(wb + b * K + k + 8), acc[b][1]);
+                }
+            }
+            for (int b = 0; b < MX_NB; ++b) y[r][n0 + b] = v8sum(acc[b][0] + acc[b][1]);
+        }
+    }
+}
+
+void moe_experts_mxfp4(int64_t t_begin, int64_t t_end, int64_t E, int64_t H, int64_t I,
+                       const float *x, const int64_t *token, const int64_t *offsets,
+                       const float *slot_w, const uint8_t *w13_packed, const uint8_t *w13_scale,
+                       const uint8_t *w2_packed, const uint8_t *w2_scale, float *out,
+                       int64_t act_kind, float beta, float linear_beta) {
+    const int64_t K = H > I ? H : I;
+    float h13[MAX_ROWS * 2 * I], act[MAX_ROWS * I], y[MAX_ROWS * H], wb[MX_NB * K];
+    for (int64_t e = 0; e < E; ++e) {
+        const uint8_t *q13 = w13_packed + e * 2 * I * (H / 2);
+        const uint8_t *s13 = w13_scale + e * 2 * I * (H / 32);
+        const uint8_t *q2 = w2_packed + e * H * (I / 2), *s2 = w2_scale + e * H * (I / 32);
+        const int64_t begin = first_at_or_after(token, offsets[e], offsets[e + 1], t_begin);
+        const int64_t end = first_at_or_after(token, begin, offsets[e + 1], t_end);
+        for (int64_t s = begin; s < end; s += MAX_ROWS) {
+            const int R = (int)(end - s < MAX_ROWS ? end - s : MAX_ROWS);
+            const float *xr[MAX_ROWS], *actp[MAX_ROWS];
+            float *hp[MAX_ROWS], *yp[MAX_ROWS];
+            for (int r = 0; r < R; ++r) {
+                xr[r] = x + token[s + r] * H;
+                hp[r] = h13 + r * 2 * I;
+                actp[r] = act + r * I;
+                yp[r] = y + r * H;
+            }
+            mx_rows_times_matrix(R, xr, H, q13, s13, 2 * I, hp, wb);
+            gated_activation(R, hp, I, act, act_kind, beta, linear_beta);
+            mx_rows_times_matrix(R, actp, I, q2, s2, H, yp, wb);
+            for (int r = 0; r < R; ++r) {
+                float *o = out + token[s + r] * H;
+                const float sw = slot_w[s + r];
+                for (int64_t h = 0; h < H; ++h) o[h] += sw * y[r * H + h];
+            }
         }
     }
 }
