@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_arguments(bsub.add_parser("spec", help="speculative decoding vs plain decode"))
     kda.add_arguments(bsub.add_parser("kda", help="KDA recurrence: torch vs compiled CPU kernel"))
     reference.add_arguments(bsub.add_parser(
-        "reference", help="model vs transformers / fla-core (needs the test extras)"))
+        "reference", help="model vs transformers, fla-core (kimi_linear) or mlx-lm (kimi_k3)"))
     try:
         from kdaserve.bench.serve import add_bench_serve_arguments
     except ImportError:  # pragma: no cover - lands with the server

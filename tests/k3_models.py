@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import copy
-import math
 from pathlib import Path
 
 import torch
 
 from kdaserve.config import ModelConfig
 from kdaserve.model.loader import save_model
-from kdaserve.model.moe import SparseMoE
+from kdaserve.model.random_init import init_random
 from kdaserve.model.registry import build_model
-from kdaserve.ops.mxfp4 import quantize_mxfp4
 
 K3_TINY = {
     "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
@@ -51,36 +49,8 @@ def k3_raw(mxfp4: bool = False, **text_over) -> dict:
 
 
 def random_k3(cfg: ModelConfig, seed: int = 0, chunk: int = 8):
-    """Random weights scaled so activations stay O(1) through the depth; MXFP4 experts are
-    quantized from random fp32 weights."""
-    g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    m = build_model(cfg, chunk_size=chunk)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(1.0, 16.0, generator=g).log())
-            elif name.endswith("dt_bias"):
-                p.normal_(0, 0.5, generator=g)
-            elif p.dim() >= 2:
-                p.normal_(0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
-                if name.endswith("embed_tokens.weight"):
-                    p.mul_(math.sqrt(p.shape[-1]))
-            else:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-        for name, b in m.named_buffers():
-            if b.is_floating_point():
-                b.normal_(0, 0.1, generator=g)
-        for moe in m.modules():
-            if isinstance(moe, SparseMoE) and moe.quantized:
-                for stack, shape in (("experts_w13", moe.experts_w13_packed.shape),
-                                     ("experts_w2", moe.experts_w2_packed.shape)):
-                    w = torch.randn(*shape[:2], shape[2] * 2, generator=g) / math.sqrt(
-                        shape[2] * 2)
-                    packed, scale = quantize_mxfp4(w)
-                    getattr(moe, f"{stack}_packed").copy_(packed)
-                    getattr(moe, f"{stack}_scale").copy_(scale)
-    return m.eval()
+    return init_random(build_model(cfg, chunk_size=chunk), seed).eval()
 
 
 def write_k3_checkpoint(out: Path, raw: dict, seed: int = 0):

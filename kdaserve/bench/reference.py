@@ -1,8 +1,9 @@
 """`kdaserve bench reference`: kdaserve's model vs independent implementations, in one run.
 
-Needs the test extras (transformers, fla-core). Reports the max abs logit difference against
+Needs the test extras. `--arch kimi_linear` (default; transformers, fla-core) reports the max abs logit difference against
 transformers' KimiLinearForCausalLM on the same random checkpoint, the KDA op's max error against
-fla-core's naive recurrence, and the time of one full-sequence forward, both sides."""
+fla-core's naive recurrence, and the time of one full-sequence forward, both sides.
+`--arch kimi_k3` compares with mlx-lm's kimi_k3 (see bench/reference_k3.py)."""
 
 from __future__ import annotations
 
@@ -77,9 +78,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--arch", choices=["kimi_linear", "kimi_k3"], default="kimi_linear",
+                   help="kimi_linear: vs transformers + fla-core; kimi_k3: vs mlx-lm")
+    p.add_argument("--greedy-tokens", type=int, default=32,
+                   help="kimi_k3: greedy tokens compared per prompt")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.arch == "kimi_k3":
+        from kdaserve.bench.reference_k3 import run as run_k3
+
+        with tempfile.TemporaryDirectory() as d:
+            result = run_k3(args, Path(d))
+        print(json.dumps(result, indent=None if args.json else 2))
+        return 0
     with tempfile.TemporaryDirectory() as d:
         hf = _hf_model(Path(d), args.seed)
         ours = load_model(d, progress=False)

@@ -232,7 +232,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(level)       # also when the caller configured logging first
     try:
         model_dir = Path(args.model) if args.model else default_model_path()
-        load_config(model_dir)        # fail fast on a bad path or config
+        ModelConfig.from_pretrained(model_dir)        # fail fast on a bad path or config
         tokenizer = Tokenizer.from_pretrained(model_dir)
         defaults = load_generation_defaults(model_dir)
         config = _engine_config(args, model_dir)
