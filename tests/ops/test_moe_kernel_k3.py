@@ -150,9 +150,13 @@ def test_mxfp4_kernel_matches_fp32_kernel_on_the_same_weights():
 
 
 def _raw(name: str):
-    """The bound C function (the kernel's factory sets its argument types)."""
+    """The C function with its argument types bound here (another test may have cleared the
+    library cache after the kernel factories bound theirs)."""
     assert (_fp32_kernel() if name == "moe_experts_act" else _mxfp4_kernel()) is not None
-    return getattr(cpu_kernels._library("moe_cpu.c"), name)
+    i64, ptr, f32 = cpu_kernels._I64, cpu_kernels._PTR, cpu_kernels._F32
+    n_ptrs = 7 if name == "moe_experts_act" else 9
+    return cpu_kernels._c_function("moe_cpu.c", name,
+                                   [i64] * 5 + [ptr] * n_ptrs + [i64, f32, f32])
 
 
 def _ptrs(*ts):
