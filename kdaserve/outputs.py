@@ -89,3 +89,4 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None        # the engine failed this request (finish_reason "error")

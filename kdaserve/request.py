@@ -11,6 +11,27 @@ class SamplingParamsError(ValueError):
     """An invalid sampling parameter; the message names it (the server maps it to HTTP 400)."""
 
 
+# The documented ranges (docs/reliability.md). Integers are bounded so that nothing downstream
+# (torch tensors, msgpack, generator seeds) can overflow on user input.
+MAX_N = 128                      # completions per prompt
+MAX_INT32 = 2**31 - 1            # max_tokens, min_tokens, top_k, stop_token_ids
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1   # what torch.Generator.manual_seed accepts
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096            # all stop strings together
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20
+SAMPLING_EPS = 1e-5              # temperatures below this sample greedily (as vLLM does)
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of completion `index` of a request seeded `seed` (wraps within uint64)."""
+    return (seed + index) % 2**64
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass
 class SamplingParams:
     """What to generate and how; field names and defaults follow vLLM's."""
@@ -41,24 +62,35 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._check()
+        if 0.0 < self.temperature < SAMPLING_EPS:
+            # logits / 1e-45 overflow to inf and softmax to NaN: such a temperature is greedy
+            self.temperature = 0.0
 
     def _check(self) -> None:
         def bad(name: str, why: str) -> SamplingParamsError:
             return SamplingParamsError(f"{name} {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
-                                            or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1")
-        if self.min_tokens < 0:
-            raise bad("min_tokens", "must be >= 0")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens)
+                                            or not 1 <= self.max_tokens <= MAX_INT32):
+            raise bad("max_tokens", f"must be an integer in [1, {MAX_INT32}]")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_INT32:
+            raise bad("min_tokens", f"must be an integer in [0, {MAX_INT32}]")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                raise bad(name, "must be a number")
         if not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", "must be in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "must be 0/-1 (off) or a positive integer")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_INT32:
+            raise bad("top_k", f"must be 0/-1 (off) or an integer in [1, {MAX_INT32}]")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -67,12 +99,23 @@ class SamplingParams:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise bad("repetition_penalty", "must be in (0, 2]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", "must be in [0, 20]")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(
+                f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        if sum(len(s) for s in self.stop) > MAX_STOP_CHARS:
+            raise SamplingParamsError(
+                f"stop strings total {sum(len(s) for s in self.stop)} characters; at most "
+                f"{MAX_STOP_CHARS} are allowed")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError(f"stop_token_ids has {len(self.stop_token_ids)} entries; "
+                                      f"at most {MAX_STOP_TOKEN_IDS} are allowed")
+        if any(not _is_int(t) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be integers in [0, {MAX_INT32}]")
 
     @property
     def greedy(self) -> bool:
@@ -106,6 +149,7 @@ class Request:
     max_model_len: int | None = None
     cache_salt: str | None = None
     extra_keys: tuple = ()
+    group: str = ""                 # fairness unit: all sequences of one client request
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -117,6 +161,10 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)   # drafts to verify next step
     num_draft_tokens: int = 0           # drafts verified so far (speculative decoding stats)
     num_accepted_tokens: int = 0        # of which accepted
+
+    def __post_init__(self) -> None:
+        if not self.group:
+            self.group = self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:

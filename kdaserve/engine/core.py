@@ -21,7 +21,7 @@ from kdaserve.model.base import HybridForCausalLM
 from kdaserve.model.loader import load_model
 from kdaserve.ops.host_memory import tune_host_allocator
 from kdaserve.outputs import RequestDelta
-from kdaserve.request import Request, RequestStatus, SamplingParams
+from kdaserve.request import Request, RequestStatus, SamplingParams, child_seed
 from kdaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kdaserve")
@@ -44,6 +44,7 @@ class _Tracked:
 @dataclass
 class EngineStats:
     steps: int = 0
+    failed: int = 0              # requests ended by an error in an engine step
     prompt_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
@@ -114,7 +115,8 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    extra_keys: tuple = ()) -> None:
+                    extra_keys: tuple = (), group: str | None = None) -> None:
+        """`group` is the fairness unit (default: this request with its n completions)."""
         if request_id in self._children:
             raise ValueError(f"duplicate request id {request_id!r}")
         if params.stop and self.tokenizer is None:
@@ -126,12 +128,13 @@ class EngineCore:
         for i in range(params.n):
             child_params = params
             if params.n > 1:
-                seed = None if params.seed is None else params.seed + i
+                seed = None if params.seed is None else child_seed(params.seed, i)
                 child_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(cid, list(prompt_token_ids), child_params, eos_token_ids=self.eos_ids,
                           priority=priority, arrival_time=arrival_time or time.monotonic(),
-                          cache_salt=cache_salt, extra_keys=tuple(extra_keys))
+                          cache_salt=cache_salt, extra_keys=tuple(extra_keys),
+                          group=group or request_id)
             self.scheduler.add_request(req)  # validates; the first failure raises before any
             children.append(cid)
             detok = None
@@ -160,7 +163,38 @@ class EngineCore:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        """One engine step. A failure inside it is isolated to its request: the step's requests
+        are reset (their caches freed, to be recomputed) and then run alone, one per step, so
+        the next failure names the one request that causes it; that request ends with an error
+        and the others go on. A failure the scheduler itself raises is an engine bug (fatal)."""
         out = self.scheduler.schedule()
+        try:
+            deltas = self._run(out)
+        except Exception as exc:
+            return self._on_step_failure(out, exc)
+        if len(out.sequences) == 1:
+            self.scheduler.cleared(out.sequences[0].request_id)
+        return deltas
+
+    def _on_step_failure(self, out, exc: Exception) -> list[RequestDelta]:
+        ids = [s.request_id for s in out.sequences if s.request_id in self.scheduler.requests]
+        if not ids:
+            raise exc
+        if len(ids) == 1:
+            rid = ids[0]
+            logger.error("request %s failed in an engine step; it ends with an error",
+                         self._tracked[rid].parent if rid in self._tracked else rid,
+                         exc_info=exc)
+            self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
+            self.stats.failed += 1
+            return [self._final_delta(rid, "error", error=f"{type(exc).__name__}: {exc}")]
+        logger.warning("an engine step failed (%s: %s); retrying its %d requests one at a "
+                       "time", type(exc).__name__, exc, len(ids))
+        for rid in ids:
+            self.scheduler.reset_for_retry(rid)
+        return []
+
+    def _run(self, out) -> list[RequestDelta]:
         requests = self.scheduler.requests
         result = self.runner.execute(out, requests)
         self.stats.steps += 1
@@ -171,7 +205,19 @@ class EngineCore:
                 self.stats.prompt_tokens += min(len(seq.token_ids),
                                                 req.num_prompt_tokens - seq.context_len)
         touched = self.scheduler.update(out, result)
-        deltas = [self._delta(req) for req in touched]
+        deltas = []
+        for req in touched:
+            try:
+                deltas.append(self._delta(req))
+            except Exception as exc:    # e.g. detokenizing: this request's alone
+                logger.error("request %s failed while producing its output", req.request_id,
+                             exc_info=exc)
+                if req.request_id in self.scheduler.requests:
+                    self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ABORTED)
+                self.stats.failed += 1
+                if req.request_id in self._tracked:
+                    deltas.append(self._final_delta(req.request_id, "error",
+                                                    error=f"{type(exc).__name__}: {exc}"))
         # requests the scheduler ended on its own (too large for the cache) owe a final delta
         deltas += [self._final_delta(rid, "length") for rid in self.scheduler.pop_ended()
                    if rid in self._tracked]
@@ -202,11 +248,13 @@ class EngineCore:
                             req.num_prompt_tokens, len(req.output_token_ids),
                             req.num_cached_tokens)
 
-    def _final_delta(self, rid: str, reason: str) -> RequestDelta:
+    def _final_delta(self, rid: str, reason: str, error: str | None = None) -> RequestDelta:
         tr = self._tracked[rid]
-        text = tr.detok.flush() if tr.detok is not None else ""
+        text = ""
+        if tr.detok is not None and error is None:
+            text = tr.detok.flush()
         self._forget(rid)
-        return RequestDelta(tr.parent, tr.index, [], text, True, reason)
+        return RequestDelta(tr.parent, tr.index, [], text, True, reason, error=error)
 
     def _forget(self, rid: str) -> None:
         tr = self._tracked.pop(rid, None)

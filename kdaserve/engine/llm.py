@@ -96,6 +96,8 @@ class LLM:
                     out.num_cached_tokens = d.num_cached_tokens
                     if d.finished:
                         comp.finish_reason, comp.stop_reason = d.finish_reason, d.stop_reason
+                        if d.error is not None:       # the engine failed this request only
+                            comp.stop_reason = d.error
                         pending[d.request_id] -= 1
                         if not pending[d.request_id]:
                             del pending[d.request_id]

@@ -5,11 +5,20 @@ requests are admitted in FCFS (or priority) order while the token budget, `max_n
 cache allow. A prompt that does not fit the remaining budget is chunked. When the cache cannot
 hold a running request's next tokens, the most recently admitted request is preempted: its cache
 is freed and it is recomputed later from its prompt and the tokens it already produced.
+
+Fairness: requests belong to groups (an HTTP request's prompts and n completions share one).
+Waiting requests are admitted from the group with the fewest running sequences first, and when
+every sequence slot is taken while a group waits with none running, the newest sequence of the
+group holding the most slots is preempted (one per step), so one request with n=128 cannot
+hold every slot while a short request waits.
+
+Failure isolation: requests reset after a failed step are "suspects"; while any is left, a step
+runs one suspect alone, so the next failure names its request (see EngineCore.step).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from kdaserve.cache.manager import CacheManager
 from kdaserve.config import SchedulerConfig
@@ -31,6 +40,9 @@ class Scheduler:
         self.num_verify_rows = 0        # speculative verifications (one request, one step)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_fair_preemptions = 0
+        self._fair_preempted = 0
+        self._suspects: set[str] = set()
 
     # ---- intake ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -80,10 +92,14 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.cache.begin_step()
+        if self._suspects:
+            alone = self._schedule_suspect()
+            if alone is not None:
+                return alone
         budget = self.config.max_num_batched_tokens
         chunk_cap = self.config.long_prefill_token_threshold or budget
         scheduled: list[tuple[Request, int]] = []
-        preempted: list[str] = []
+        preempted: list[str] = self._fair_share()
         i = 0
         drafts: dict[str, int] = {}
         while i < len(self.running) and budget > 0:
@@ -109,7 +125,7 @@ class Scheduler:
                 i += 1
                 continue
             break  # req itself was preempted: it was the last running one
-        if not preempted:
+        if len(preempted) == self._fair_preempted:
             self._admit(scheduled, budget, chunk_cap)
         snaps: list[tuple[str, int, int]] = []
         seqs = [self._to_sequence(req, n, snaps, drafts.get(req.request_id, 0))
@@ -119,9 +135,29 @@ class Scheduler:
         return SchedulerOutput(sequences=seqs, preempted=preempted, finished=finished,
                                snapshot_requests=snaps)
 
+    def _fair_share(self) -> list[str]:
+        """Preempt the newest sequence of the group holding the most slots when every slot is
+        taken and some waiting group has none (see the module doc)."""
+        self._fair_preempted = 0
+        if len(self.running) < self.config.max_num_seqs or not self.waiting:
+            return []
+        counts = Counter(r.group for r in self.running)
+        if all(counts[r.group] for r in self.waiting):
+            return []
+        group, held = counts.most_common(1)[0]
+        if held < 2:
+            return []
+        victim = next(r for r in reversed(self.running) if r.group == group)
+        self.running.remove(victim)
+        self._preempt(victim)
+        self.num_fair_preemptions += 1
+        self._fair_preempted = 1
+        return [victim.request_id]
+
     def _admit(self, scheduled: list[tuple[Request, int]], budget: int, chunk_cap: int) -> None:
+        counts = Counter(r.group for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self._next_waiting()
+            req = self._next_waiting(counts)
             hit = None
             if req.num_computed_tokens == 0:
                 hit = self.cache.find_hit(req.all_token_ids, req.extra_keys, req.cache_salt)
@@ -141,6 +177,7 @@ class Scheduler:
                 if hit.snapshot is not None:
                     self._restore[req.request_id] = hit.snapshot.snapshot_id
             self.running.append(req)
+            counts[req.group] += 1
             scheduled.append((req, n))
             budget -= n
 
@@ -156,10 +193,53 @@ class Scheduler:
         ended, self._ended = self._ended, []
         return ended
 
-    def _next_waiting(self) -> Request:
+    def _next_waiting(self, counts: Counter) -> Request:
+        """FCFS (or priority) order, but a group with fewer running sequences goes first."""
         if self.config.policy == "priority":
-            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
-        return self.waiting[0]
+            return min(self.waiting, key=lambda r: (counts[r.group], r.priority,
+                                                    r.arrival_time))
+        head = self.waiting[0]
+        if not counts[head.group]:
+            return head
+        return min(self.waiting, key=lambda r: counts[r.group])   # stable: FCFS among equals
+
+    # ---- failure isolation ---------------------------------------------------------------------
+    def reset_for_retry(self, request_id: str) -> None:
+        """After a failed step: free the request's cache and requeue it as a suspect."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if req in self.running:
+            self.running.remove(req)
+            self._preempt(req)
+        self._suspects.add(request_id)
+
+    def cleared(self, request_id: str) -> None:
+        """A step that ran this request alone succeeded."""
+        self._suspects.discard(request_id)
+
+    def _schedule_suspect(self) -> SchedulerOutput | None:
+        self._suspects &= set(self.requests)
+        req = next((r for r in self.waiting if r.request_id in self._suspects), None)
+        if req is None:
+            req = next((r for r in self.running if r.request_id in self._suspects), None)
+        if req is None:
+            return None
+        budget = self.config.max_num_batched_tokens
+        n = min(req.num_tokens - req.num_computed_tokens, budget,
+                self.config.long_prefill_token_threshold or budget)
+        if n <= 0 or not self.cache.allocate(req.request_id, req.num_computed_tokens + n):
+            self._suspects.discard(req.request_id)   # cannot run alone: back to normal order
+            return None
+        if req in self.waiting:
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        snaps: list[tuple[str, int, int]] = []
+        seq = self._to_sequence(req, n, snaps)
+        finished, self._finished_since_step = self._finished_since_step, []
+        return SchedulerOutput(sequences=[seq], preempted=[], finished=finished,
+                               snapshot_requests=snaps)
 
     def _preempt(self, req: Request) -> None:
         self.cache.free(req.request_id)
