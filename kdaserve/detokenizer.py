@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kdaserve.stop_matcher import StopMatcher
 from kdaserve.tokenizer import Tokenizer
 
 __all__ = ["DetokenizerDelta", "IncrementalDetokenizer"]
@@ -51,7 +52,7 @@ class IncrementalDetokenizer:
             raise ValueError("stop strings must be non-empty")
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._stop = tuple(stop)
+        self._stops = StopMatcher(stop) if stop else None
         self._include_stop = include_stop_str_in_output
         prompt = [i for i in prompt_token_ids if self._keeps(i)]
         self._ids = prompt[max(len(prompt) - PROMPT_CONTEXT_TOKENS, 0) :]
@@ -127,36 +128,17 @@ class IncrementalDetokenizer:
         self._prefix, self._read = 0, read - self._read
 
     def _emit(self, text: str, final: bool) -> DetokenizerDelta:
+        """Held text was already fed to the matcher: only the new text is scanned, so a token
+        costs the same whatever the number of stop strings."""
         buffer = self._held + text
-        match = self._find_stop(buffer)
+        match = self._stops.feed(text) if self._stops is not None else None
         if match is not None:
-            start, stop = match
-            out = buffer[: start + len(stop)] if self._include_stop else buffer[:start]
+            end, stop = match
+            end += len(self._held)
+            out = buffer[:end] if self._include_stop else buffer[: end - len(stop)]
             self._held, self.stop_string = "", stop
         else:
-            keep = 0 if final else self._stop_prefix_len(buffer)
+            keep = 0 if final or self._stops is None else self._stops.pending
             out, self._held = buffer[: len(buffer) - keep], buffer[len(buffer) - keep :]
         self.output_text += out
         return DetokenizerDelta(out, self.stop_string)
-
-    def _find_stop(self, text: str) -> tuple[int, str] | None:
-        """(start, stop string) of the match that ends first; the longest on a tie."""
-        best: tuple[int, int, str] | None = None
-        for stop in self._stop:
-            start = text.find(stop)
-            if start < 0:
-                continue
-            key = (start + len(stop), -len(stop), stop)
-            if best is None or key < best:
-                best = key
-        return None if best is None else (best[0] + best[1], best[2])
-
-    def _stop_prefix_len(self, text: str) -> int:
-        """Length of the longest suffix of text that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
