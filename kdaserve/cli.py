@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     kda.add_arguments(bsub.add_parser("kda", help="KDA recurrence: torch vs compiled CPU kernel"))
     reference.add_arguments(bsub.add_parser(
         "reference", help="model vs transformers, fla-core (kimi_linear) or mlx-lm (kimi_k3)"))
+    from kdaserve.bench import long as bench_long
+    bench_long.add_arguments(bsub.add_parser("long", help="cost against context length, to 1M"))
     try:
         from kdaserve.bench.serve import add_bench_serve_arguments
     except ImportError:  # pragma: no cover - lands with the server
@@ -113,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             from kdaserve.bench.kda import run as run_kda
 
             return run_kda(args)
+        if args.bench == "long":
+            from kdaserve.bench.long import run as run_long
+
+            return run_long(args)
         if args.bench == "spec":
             from kdaserve.bench.spec import run as run_spec
 

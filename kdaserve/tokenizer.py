@@ -93,7 +93,15 @@ class _HFBackend:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
+        # encode_batch releases the GIL (encode does not), so a long text tokenized in a worker
+        # thread leaves the server's event loop running
+        if len(text) > 4096:
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def max_token_bytes(self) -> int:
+        return max((len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True)),
+                   default=1)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
@@ -188,6 +196,9 @@ class _TiktokenBackend:
             pos = match.end()
         ids += self._encode_ordinary(text[pos:])
         return ids
+
+    def max_token_bytes(self) -> int:
+        return max([len(t) for t in self._ranks] + [len(s.encode()) for s in self._specials])
 
     def _encode_ordinary(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -392,6 +403,12 @@ class Tokenizer:
 
     def _lookup(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
+
+    def max_token_bytes(self) -> int:
+        """Bytes of the longest token: a text longer than N times this has more than N
+        tokens."""
+        fn = getattr(self._backend, "max_token_bytes", None)
+        return int(fn()) if fn is not None else 64
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         ids = self._backend.encode(text)

@@ -1,4 +1,10 @@
-"""Turn a memory budget into MLA pages and KDA state slots."""
+"""Turn a memory budget into MLA pages and KDA state slots, and say what that buys: how many
+tokens fit and how many requests of the longest allowed length run at once.
+
+A request's cache is its MLA latents (linear in its length, only on MLA layers) plus one KDA
+state slot (constant), so at long context the budget is almost all pages: on the 48B model a
+1M-token request needs about 1M × 7 layers × 576 values of latents and one ~41 MiB slot.
+"""
 
 from __future__ import annotations
 
@@ -15,22 +21,58 @@ class CachePlan:
     num_snapshots: int
     block_bytes: int
     slot_bytes: int
+    max_model_len: int | None = None    # the longest request allowed, to report what fits
 
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def total_bytes(self) -> int:
+        return (self.num_blocks * self.block_bytes
+                + (self.num_state_slots + self.num_snapshots) * self.slot_bytes)
+
+    def request_bytes(self, num_tokens: int) -> int:
+        """Cache one request of num_tokens tokens holds: its blocks and its state slot."""
+        return -(-num_tokens // self.block_size) * self.block_bytes + self.slot_bytes
+
+    def requests_at(self, num_tokens: int) -> int:
+        """How many requests of num_tokens tokens fit in the cache at once."""
+        blocks = max(1, -(-num_tokens // self.block_size))
+        return min(self.num_blocks // blocks, self.num_state_slots)
+
     def describe(self) -> str:
-        mib = (self.num_blocks * self.block_bytes
-               + (self.num_state_slots + self.num_snapshots) * self.slot_bytes) / 2**20
-        return (f"{self.num_tokens} tokens of MLA cache ({self.num_blocks} blocks of "
+        text = (f"{self.num_tokens} tokens of MLA cache ({self.num_blocks} blocks of "
                 f"{self.block_size}), {self.num_state_slots} state slots, "
-                f"{self.num_snapshots} state snapshots ({mib:.1f} MiB)")
+                f"{self.num_snapshots} state snapshots ({self.total_bytes / 2**20:.1f} MiB)")
+        if self.max_model_len:
+            n = self.requests_at(self.max_model_len)
+            if n:
+                text += (f"; {n} request{'s' if n > 1 else ''} of max_model_len "
+                         f"{self.max_model_len} tokens fit at once")
+            else:
+                short = self.request_bytes(self.max_model_len) - self.num_blocks * self.block_bytes
+                text += (f"; a request of max_model_len {self.max_model_len} tokens does not fit "
+                         f"(needs {short / 2**20:.1f} MiB more cache memory)")
+        return text
+
+
+def fraction_budget(total_bytes: int, fraction: float, reserved_bytes: int) -> int:
+    """Cache budget on an accelerator: `fraction` of its memory, less what is already taken
+    (weights, activations, the runtime), e.g. 0.9 of an 80 GiB GPU minus 20 GiB of weights."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"memory fraction must be in (0, 1], got {fraction}")
+    budget = int(total_bytes * fraction) - reserved_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"{fraction:.0%} of {total_bytes / 2**30:.1f} GiB leaves nothing for the cache after "
+            f"{reserved_bytes / 2**30:.1f} GiB in use; raise the fraction")
+    return budget
 
 
 def plan_cache(latent: LatentKVSpec, state: KDAStateSpec, memory_bytes: int, max_num_seqs: int,
                *, num_blocks: int | None = None, num_state_slots: int | None = None,
-               snapshot_bytes: int = 0) -> CachePlan:
+               snapshot_bytes: int = 0, max_model_len: int | None = None) -> CachePlan:
     """Slots first (one per running sequence: a request cannot run without one), snapshots
     from their own budget, the rest of the budget to MLA pages."""
     slots = num_state_slots if num_state_slots is not None else max_num_seqs
@@ -53,4 +95,4 @@ def plan_cache(latent: LatentKVSpec, state: KDAStateSpec, memory_bytes: int, max
             "or lower --max-num-seqs"
         )
     return CachePlan(num_blocks, latent.block_size, slots, snapshots, latent.bytes_per_block,
-                     state.bytes_per_slot)
+                     state.bytes_per_slot, max_model_len)

@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -32,8 +33,10 @@ from kdaserve.request import SamplingParams
 
 logger = logging.getLogger("kdaserve")
 
-DEFAULT_MAX_WAITING = 256
-_IDLE_POLL_MS = 1000          # how often an idle child checks that its parent is still there
+DEFAULT_MAX_WAITING = 1024     # sequences accepted but without a first token yet
+DEFAULT_MAX_QUEUED_TOKENS = 1 << 20    # their prompt tokens
+_IDLE_POLL_MS = 250           # how often an idle child checks that its parent is still there
+HEARTBEAT_S = 0.5             # the child reports at least this often while it is healthy
 _STATS_TIMEOUT_S = 30.0
 
 
@@ -50,7 +53,12 @@ class EngineDeadError(EngineError):
 
 
 class QueueFullError(EngineError):
-    """Too many requests are waiting for their first token; try again later."""
+    """Too many sequences (or prompt tokens) are waiting for their first token; try again
+    later."""
+
+
+class RequestTimeoutError(EngineError):
+    """The request ran past its server-side deadline and was aborted."""
 
 
 # ---- wire messages: server -> engine ---------------------------------------------------------
@@ -59,6 +67,7 @@ class AddCmd(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: msgspec.Raw            # an encoded SamplingParams, decoded (validated) by the child
     priority: int = 0
+    group: str | None = None       # fairness unit (one HTTP request's prompts share it)
 
 
 class AbortCmd(msgspec.Struct, tag="abort"):
@@ -134,7 +143,11 @@ class Fatal(msgspec.Struct, tag="fatal"):
     message: str
 
 
-Reply = Union[EngineInfo, StartupFailed, DeltaBatch, AddFailed, StatsReply, Fatal]
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    """The loop is alive and stepping (sent between steps and while idle)."""
+
+
+Reply = Union[EngineInfo, StartupFailed, DeltaBatch, AddFailed, StatsReply, Fatal, Heartbeat]
 
 
 def _describe(exc: BaseException) -> str:
@@ -193,12 +206,15 @@ class _EngineLoop:
         self.encoder = encoder
         self.decoder = msgspec.msgpack.Decoder(Command)
         self.parent = os.getppid()
+        self._last_sent = 0.0
 
     def run(self) -> None:
         while True:
             if os.getppid() != self.parent:
                 logger.warning("the server process is gone; the engine exits")
                 return
+            if time.monotonic() - self._last_sent >= HEARTBEAT_S:
+                self._send(Heartbeat())
             if not self.core.has_unfinished() and not self.cmds.poll(_IDLE_POLL_MS):
                 continue
             if not self._drain():
@@ -210,6 +226,7 @@ class _EngineLoop:
 
     def _send(self, msg: Reply) -> None:
         self.out.send(self.encoder.encode(msg))
+        self._last_sent = time.monotonic()
 
     def _drain(self) -> bool:
         """Handle every queued command; False once told to shut down."""
@@ -240,7 +257,7 @@ class _EngineLoop:
         try:
             params = msgspec.msgpack.decode(cmd.params, type=SamplingParams)
             self.core.add_request(cmd.request_id, cmd.prompt_token_ids, params,
-                                  priority=cmd.priority)
+                                  priority=cmd.priority, group=cmd.group)
         except ValueError as exc:   # SamplingParamsError and msgspec.ValidationError included
             self._send(AddFailed(cmd.request_id, str(exc), invalid_input=True))
         except Exception as exc:
@@ -275,21 +292,30 @@ class _Stream:
 class AsyncEngine:
     """Client of an `EngineCore` running in a child process.
 
-    `max_waiting` bounds the requests that were accepted but have produced no token yet; a
-    request beyond it is refused with `QueueFullError` instead of queueing without limit.
+    `max_waiting` bounds the sequences (n per prompt) that were accepted but have produced no
+    token yet, `max_queued_tokens` their prompt tokens; a request beyond either is refused with
+    `QueueFullError` instead of queueing without limit. `on_dead` is called (in the event loop)
+    if the engine process dies while serving. `last_heartbeat` is when the engine last said
+    anything (it reports at least every HEARTBEAT_S while its loop runs).
     """
 
     def __init__(self, config: EngineConfig, *, max_waiting: int = DEFAULT_MAX_WAITING,
-                 startup_timeout_s: float = 1800.0, log_level: int | None = None) -> None:
+                 max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS,
+                 startup_timeout_s: float = 1800.0, log_level: int | None = None,
+                 on_dead: Any = None) -> None:
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.config = config
         self.max_waiting = max_waiting
+        self.max_queued_tokens = max_queued_tokens
+        self.on_dead = on_dead
+        self.last_heartbeat = time.monotonic()
+        self._queued_tokens = 0
         self.startup_timeout_s = startup_timeout_s
         self.log_level = log_level if log_level is not None else logger.getEffectiveLevel()
         self.info: EngineInfo | None = None
         self._streams: dict[str, _Stream] = {}
-        self._waiting: set[str] = set()
+        self._waiting: dict[str, tuple[int, int]] = {}   # request -> (sequences, tokens)
         self._stats_waiters: dict[int, asyncio.Future[EngineStatsSnapshot]] = {}
         self._tokens = itertools.count()
         self._decoder = msgspec.msgpack.Decoder(Reply)
@@ -426,6 +452,13 @@ class AsyncEngine:
         for fut in self._stats_waiters.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(why))
+        if not self._closing and self.info is not None and self.on_dead is not None:
+            self.on_dead(why)
+
+    @property
+    def died(self) -> bool:
+        """The engine process ended without being asked to."""
+        return self._dead is not None and self._dead != "the engine was shut down"
 
     @property
     def is_alive(self) -> bool:
@@ -439,7 +472,16 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Sequences accepted and still without a first token."""
+        return sum(n for n, _ in self._waiting.values())
+
+    def seconds_since_heartbeat(self) -> float:
+        return time.monotonic() - self.last_heartbeat
+
+    def _unqueue(self, request_id: str) -> None:
+        entry = self._waiting.pop(request_id, None)
+        if entry is not None:
+            self._queued_tokens -= entry[1]
 
     # ---- messages ------------------------------------------------------------------------------
     def _check_alive(self) -> None:
@@ -467,6 +509,7 @@ class AsyncEngine:
             except msgspec.DecodeError as exc:
                 logger.error("dropping an undecodable engine message: %s", exc)
                 continue
+            self.last_heartbeat = time.monotonic()
             self._dispatch(msg)
 
     def _dispatch(self, msg: Reply) -> None:
@@ -477,7 +520,7 @@ class AsyncEngine:
                     continue
                 if not stream.started:
                     stream.started = True
-                    self._waiting.discard(delta.request_id)
+                    self._unqueue(delta.request_id)
                 stream.queue.put_nowait(delta)
         elif isinstance(msg, AddFailed):
             stream = self._streams.get(msg.request_id)
@@ -490,30 +533,39 @@ class AsyncEngine:
                 fut.set_result(msg.stats)
         elif isinstance(msg, Fatal):
             self._fatal = msg.message
+        elif isinstance(msg, Heartbeat):
+            pass
         else:
             logger.error("unexpected engine message %r", msg)
 
     # ---- requests --------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestDelta]:
+                       params: SamplingParams, priority: int = 0,
+                       group: str | None = None) -> AsyncIterator[RequestDelta]:
         """Submit a request and yield its deltas until all `params.n` completions finished.
 
         Input errors surface as ValueError on the first iteration; leaving the loop early (or
-        being cancelled) aborts the request in the engine.
+        being cancelled) aborts the request in the engine. A completion the engine failed
+        raises EngineError with its reason.
         """
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        if len(self._waiting) >= self.max_waiting:
+        queued = self.num_waiting
+        tokens = len(prompt_token_ids) * params.n
+        if queued and (queued + params.n > self.max_waiting
+                       or self._queued_tokens + tokens > self.max_queued_tokens):
             raise QueueFullError(
-                f"{len(self._waiting)} requests are waiting (max_waiting={self.max_waiting}); "
-                "retry later")
+                f"{queued} sequences ({self._queued_tokens} prompt tokens) are waiting for "
+                f"their first token (limits: {self.max_waiting} sequences, "
+                f"{self.max_queued_tokens} tokens); retry later")
         stream = self._streams[request_id] = _Stream()
-        self._waiting.add(request_id)
+        self._waiting[request_id] = (params.n, tokens)
+        self._queued_tokens += tokens
         remaining = params.n
         try:
             self._send(AddCmd(request_id, list(prompt_token_ids),
-                              msgspec.Raw(self._encoder.encode(params)), priority))
+                              msgspec.Raw(self._encoder.encode(params)), priority, group))
             while remaining:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -521,18 +573,21 @@ class AsyncEngine:
                     raise item
                 if item.finished:
                     remaining -= 1
+                if item.error is not None:
+                    raise EngineError(f"the engine failed this request: {item.error}")
                 yield item
         finally:
             del self._streams[request_id]
-            self._waiting.discard(request_id)
+            self._unqueue(request_id)
             if remaining and self._dead is None:
                 self._send(AbortCmd([request_id]))
 
-    async def abort(self, request_id: str) -> None:
-        """Stop a request; its `generate` iterator ends with an EngineError if still read."""
+    async def abort(self, request_id: str, error: EngineError | None = None) -> None:
+        """Stop a request; its `generate` iterator ends with `error` (default: an
+        EngineError saying it was aborted) if still read."""
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.queue.put_nowait(EngineError(f"request {request_id!r} was aborted"))
+            stream.queue.put_nowait(error or EngineError(f"request {request_id!r} was aborted"))
         if self._dead is None and self.info is not None:
             self._send(AbortCmd([request_id]))
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kdaserve.ops import mla as mla_ops
+
 
 @dataclass
 class HybridCache:
@@ -122,14 +124,21 @@ class SnapshotPlan:
 
 @dataclass
 class MLALayout:
+    """Past the dense size limits of kdaserve.ops.mla the dense masks are not built (they grow
+    with the context) and layers attend in blocks from the lengths instead."""
+
     slot_mapping: torch.Tensor | None      # [T] flat cache row for each new token
     decode_ctx_blocks: torch.Tensor | None  # [Td, Wd] cache blocks (one query per token)
-    decode_ctx_mask: torch.Tensor | None    # [Td, Wd*block_size] bool
+    decode_ctx_mask: torch.Tensor | None    # [Td, Wd*block_size] bool (None: blockwise)
     prefill_q_idx: torch.Tensor            # [Bp, Qp] rows of prefill tokens (Tp = zero row)
     prefill_unpad_idx: torch.Tensor        # [Tp] flat rows of [Bp*Qp]
     prefill_ctx_blocks: torch.Tensor | None  # [Bp, Wp] cache blocks (None: no cache)
     prefill_mask: torch.Tensor | None      # [Bp, 1, Qp, Lp] bool (Lp = Wp*block_size with a
-                                           # cache), None when plainly causal
+                                           # cache), None when plainly causal or blockwise
+    decode_kv_lens: torch.Tensor | None = None    # [Td] keys each decode query sees
+    prefill_ctx_lens: torch.Tensor | None = None  # [Bp] cached tokens before each chunk
+    decode_blockwise: bool = False         # split-K over the page table (no decode_ctx_mask)
+    prefill_blockwise: bool = False        # context tiles + online softmax (no prefill_mask)
 
 
 @dataclass
@@ -270,6 +279,8 @@ def build_forward_batch(
     prefill_unpad_idx = p_seq * q_len + p_local
 
     slot_mapping = decode_ctx_blocks = decode_ctx_mask = prefill_ctx_blocks = prefill_mask = None
+    decode_kv_lens = prefill_ctx_lens = None
+    decode_blockwise = prefill_blockwise = False
     if cache is not None:
         bs = cache.block_size
         if block_tables is None:
@@ -281,19 +292,26 @@ def build_forward_batch(
         slot_mapping = bt[seq_of, blk] * bs + positions % bs
         # context is read whole blocks at a time: a gather of block_size rows per index
         if num_decode:
-            d_total = positions[:Td] + 1
-            wd = int((d_total.max() + bs - 1) // bs)
+            decode_kv_lens = positions[:Td] + 1
+            wd = int((decode_kv_lens.max() + bs - 1) // bs)
             decode_ctx_blocks = bt[seq_of[:Td], :wd]
-            decode_ctx_mask = _arange(wd * bs, device)[None] < d_total[:, None]
+            decode_blockwise = Td * wd * bs > mla_ops.DENSE_MAX_DECODE_KEYS
+            if not decode_blockwise:
+                decode_ctx_mask = _arange(wd * bs, device)[None] < decode_kv_lens[:, None]
         if Bp:
             total = p_ctx + p_lens
             wp = int((total.max() + bs - 1) // bs)
-            jk = _arange(wp * bs, device)
             prefill_ctx_blocks = bt[num_decode:, :wp]
-            qpos = p_ctx[:, None] + qi[None]                              # [Bp, Qp]
-            mask = jk[None, None, :] <= qpos[:, :, None]                  # [Bp, Qp, Lp]
-            mask = mask & q_valid[:, :, None] | (~q_valid[:, :, None] & (jk == 0)[None, None])
-            prefill_mask = mask[:, None]
+            prefill_ctx_lens = p_ctx
+            prefill_blockwise = Bp * q_len * wp * bs > mla_ops.DENSE_MAX_SCORES
+            if not prefill_blockwise:
+                jk = _arange(wp * bs, device)
+                qpos = p_ctx[:, None] + qi[None]                          # [Bp, Qp]
+                mask = jk[None, None, :] <= qpos[:, :, None]              # [Bp, Qp, Lp]
+                mask = mask & q_valid[:, :, None] | (~q_valid[:, :, None] & (jk == 0)[None, None])
+                prefill_mask = mask[:, None]
+    elif Bp and Bp * q_len * q_len > mla_ops.DENSE_MAX_SCORES:
+        prefill_blockwise = True
     elif Bp and bool((p_lens != p_lens[0]).any()):
         mask = qi[None, None, :] <= qi[None, :, None]                     # causal [1, Qp, Qp]
         kv_valid = q_valid[:, None, :]
@@ -301,7 +319,8 @@ def build_forward_batch(
                 | (~q_valid[:, :, None] & (qi == 0)[None, None]))
         prefill_mask = mask[:, None]
     mla = MLALayout(slot_mapping, decode_ctx_blocks, decode_ctx_mask, prefill_q_idx,
-                    prefill_unpad_idx, prefill_ctx_blocks, prefill_mask)
+                    prefill_unpad_idx, prefill_ctx_blocks, prefill_mask, decode_kv_lens,
+                    prefill_ctx_lens, decode_blockwise, prefill_blockwise)
 
     li = None
     if logits_indices is not None:

@@ -8,7 +8,12 @@ from torch import nn
 from kdaserve.config import ModelConfig
 from kdaserve.model.batch import ForwardBatch
 from kdaserve.model.layers import RMSNorm
-from kdaserve.ops.mla import mla_decode_absorbed, mla_prefill_attention
+from kdaserve.ops.mla import (
+    mla_decode_absorbed,
+    mla_decode_split_k,
+    mla_prefill_attention,
+    mla_prefill_blockwise,
+)
 from kdaserve.ops.rope import apply_rope, softmax_scale
 
 
@@ -92,20 +97,31 @@ class MultiHeadLatentAttention(nn.Module):
         outs = []
         if Td:
             w_uk, w_uv = self.absorbed_weights()
-            ctx = pages.index_select(0, lay.decode_ctx_blocks.reshape(-1)).view(
-                Td, -1, pages.shape[-1]).to(x.dtype)                           # [Td,Lk,Dc+R]
-            outs.append(mla_decode_absorbed(q[:Td, :, : self.nope], q[:Td, :, self.nope:], ctx,
-                                            lay.decode_ctx_mask, w_uk, w_uv, self.scale))
+            q_nope, q_pe = q[:Td, :, : self.nope], q[:Td, :, self.nope:]
+            if lay.decode_blockwise:
+                outs.append(mla_decode_split_k(q_nope, q_pe, pages, lay.decode_ctx_blocks,
+                                               lay.decode_kv_lens, w_uk, w_uv, self.scale))
+            else:
+                ctx = pages.index_select(0, lay.decode_ctx_blocks.reshape(-1)).view(
+                    Td, -1, pages.shape[-1]).to(x.dtype)                       # [Td,Lk,Dc+R]
+                outs.append(mla_decode_absorbed(q_nope, q_pe, ctx, lay.decode_ctx_mask, w_uk,
+                                                w_uv, self.scale))
         if T > Td:
             Bp, Qp = lay.prefill_q_idx.shape
             qp = torch.cat([q[Td:], q.new_zeros(1, *q.shape[1:])], 0)[lay.prefill_q_idx]
-            if pages is None:
-                ctx = torch.cat([lat[Td:], lat.new_zeros(1, lat.shape[1])], 0)[lay.prefill_q_idx]
+            if pages is None or lay.prefill_blockwise:
+                own = torch.cat([lat[Td:], lat.new_zeros(1, lat.shape[1])], 0)[
+                    lay.prefill_q_idx]                                         # [Bp,Qp,Dc+R]
+            if lay.prefill_blockwise:
+                o = mla_prefill_blockwise(qp, own, self.expand, self.scale, pages=pages,
+                                          ctx_blocks=lay.prefill_ctx_blocks,
+                                          ctx_lens=lay.prefill_ctx_lens)       # [Bp,Qp,H,Vd]
             else:
-                ctx = pages.index_select(0, lay.prefill_ctx_blocks.reshape(-1)).view(
+                ctx = own if pages is None else pages.index_select(
+                    0, lay.prefill_ctx_blocks.reshape(-1)).view(
                     Bp, -1, pages.shape[-1]).to(x.dtype)                       # [Bp,Lp,Dc+R]
-            k, v = self.expand(ctx)
-            o = mla_prefill_attention(qp, k, v, lay.prefill_mask, self.scale)  # [Bp,Qp,H,Vd]
+                k, v = self.expand(ctx)
+                o = mla_prefill_attention(qp, k, v, lay.prefill_mask, self.scale)  # [Bp,Qp,H,Vd]
             outs.append(o.reshape(Bp * Qp, self.num_heads, self.v_dim)[lay.prefill_unpad_idx])
         o = torch.cat(outs, 0) if len(outs) > 1 else outs[0]
         o = o.reshape(T, self.num_heads * self.v_dim)

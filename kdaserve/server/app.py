@@ -9,10 +9,12 @@ returns its pages and slot to the pool.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from typing import Any
 
@@ -21,7 +23,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kdaserve.engine.async_engine import AsyncEngine, EngineError
 from kdaserve.request import SamplingParams
-from kdaserve.server.errors import APIError, engine_error, install_error_handlers
+from kdaserve.server.errors import (
+    APIError,
+    ServerDrainingError,
+    engine_error,
+    install_error_handlers,
+)
+from kdaserve.server.guards import ServerLimits, check_sequences, check_text, check_token_ids
 from kdaserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from kdaserve.server.middleware import DEFAULT_MAX_BODY_BYTES, AuthMiddleware, BodyLimitMiddleware
 from kdaserve.server.protocol import (
@@ -69,14 +77,40 @@ logger = logging.getLogger("kdaserve")
 # ---- the endpoints' logic ----------------------------------------------------------------------
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
-                 max_model_len: int, defaults: Mapping[str, Any], metrics: ServerMetrics) -> None:
+                 max_model_len: int, defaults: Mapping[str, Any], metrics: ServerMetrics,
+                 limits: ServerLimits | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.defaults = dict(defaults)
         self.metrics = metrics
+        self.limits = limits or ServerLimits()
+        self.draining = False
+        self.active: set[str] = set()          # engine request ids of runs in flight
         self._token_text: dict[int, str] = {}
+        # tokenizing and chat templating run here, off the event loop (HF tokenizers and
+        # tiktoken release the GIL while they work)
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kdaserve-tokenize")
+
+    async def _off_loop(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, functools.partial(fn, *args, **kwargs))
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        check_text(text, param, self.max_model_len, self.limits)
+        return await self._off_loop(self.tokenizer.encode, text,
+                                    add_special_tokens=add_special_tokens)
+
+    async def render_chat(self, messages: list[dict[str, Any]],
+                          add_generation_prompt: bool) -> str:
+        try:
+            text = await self._off_loop(self.tokenizer.apply_chat_template, messages,
+                                        add_generation_prompt=add_generation_prompt)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        check_text(text, "messages", self.max_model_len, self.limits)
+        return text
 
     # ---- shared ---------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -101,8 +135,14 @@ class OpenAIServing:
 
     async def _start(self, request: Request, request_id: str, prompts: list[Prompt],
                      params: SamplingParams) -> list[Run]:
-        runs = [Run(self.engine, f"{request_id}-{i}", p, params, self.metrics.timer())
-                for i, p in enumerate(prompts)]
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        check_sequences(len(prompts), params.n, self.limits)
+        timeout = self.limits.request_timeout_s
+        deadline = time.monotonic() + timeout if timeout else None
+        runs = [Run(self.engine, f"{request_id}-{i}", p, params, self.metrics.timer(),
+                    group=request_id, deadline=deadline) for i, p in enumerate(prompts)]
+        self.active.update(r.request_id for r in runs)
         try:
             await unless_disconnected(request, all_or_none(r.start() for r in runs))
         except BaseException as exc:
@@ -112,7 +152,13 @@ class OpenAIServing:
             raise
         return runs
 
+    async def end_all(self, why: str) -> None:
+        """End every run in flight with an error (their streams send an error event)."""
+        for rid in list(self.active):
+            await self.engine.abort(rid, ServerDrainingError(why))
+
     async def _close(self, runs: list[Run]) -> None:
+        self.active.difference_update(r.request_id for r in runs)
         for run in runs:
             with suppress(Exception):
                 await run.close()
@@ -147,18 +193,21 @@ class OpenAIServing:
         return text
 
     # ---- completions -----------------------------------------------------------------------------
-    def _completion_prompts(self, prompt: Any) -> list[Prompt]:
+    async def _completion_prompts(self, prompt: Any, n: int) -> list[Prompt]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             items = [prompt]
         else:
             items = list(prompt)
         if not items:
             raise APIError(400, "prompt must not be empty", param="prompt")
+        check_sequences(len(items), n, self.limits)      # before tokenizing any of them
         prompts = []
+        vocab = self.engine.info.vocab_size if self.engine.info else self.tokenizer.vocab_size
         for item in items:
             if isinstance(item, str):
-                p = Prompt(self.tokenizer.encode(item, add_special_tokens=True), item)
+                p = Prompt(await self.encode(item, "prompt", add_special_tokens=True), item)
             else:
+                check_token_ids(item, vocab, "prompt")
                 p = Prompt(list(item))
             if not p.token_ids:
                 raise APIError(400, "prompt must not be empty", param="prompt")
@@ -186,7 +235,7 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported", param="echo")
-        prompts = self._completion_prompts(req.prompt)
+        prompts = await self._completion_prompts(req.prompt, req.n)
         max_tokens = req.max_tokens if req.max_tokens is not None else self.defaults.get(
             "max_tokens", 16)
         params = self._params(req, max_tokens, req.logprobs)
@@ -274,20 +323,18 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
-        try:
-            text = self.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=req.add_generation_prompt)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from None
-        prompt = Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
+        check_sequences(1, req.n, self.limits)
+        text = await self.render_chat(req.messages, req.add_generation_prompt)
+        prompt = Prompt(await self.encode(text, "messages", add_special_tokens=False), text)
         if not prompt.token_ids:
             raise APIError(400, "the rendered messages have no tokens", param="messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
-        if requested is None:       # as much as fits, or the model's default if smaller
+        if requested is None:       # the default, or what fits if less
             self._check_fits(len(prompt.token_ids), 1, "messages")
             room = self.max_model_len - len(prompt.token_ids)
-            requested = min(self.defaults.get("max_tokens", room), room)
+            requested = min(self.defaults.get("max_tokens", self.limits.default_max_tokens),
+                            room)
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, requested, k)
         self._check_fits(len(prompt.token_ids), requested, "messages")
@@ -339,31 +386,27 @@ class OpenAIServing:
         except Exception as exc:
             yield self._error_event(exc)
         finally:
-            await run.close()
+            await self._close([run])
         yield DONE
 
     # ---- tokenizer endpoints ---------------------------------------------------------------------
-    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.check_model(req.model)
         if req.messages is not None:
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    req.messages, add_generation_prompt=req.add_generation_prompt)
-            except ValueError as exc:
-                raise APIError(400, str(exc), param="messages") from None
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            text = await self.render_chat(req.messages, req.add_generation_prompt)
+            ids = await self.encode(text, "messages", add_special_tokens=False)
         else:
-            ids = self.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            ids = await self.encode(req.prompt or "", "prompt", req.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_model_len)
 
-    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(req.model)
-        vocab = self.tokenizer.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token ids must be in [0, {vocab}), got {bad[0]}", param="tokens")
-        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens,
-                                                               skip_special_tokens=False))
+        check_token_ids(req.tokens, self.tokenizer.vocab_size, "tokens")
+        if len(req.tokens) > self.max_model_len * 4:
+            raise APIError(400, f"at most {self.max_model_len * 4} tokens can be detokenized",
+                           param="tokens")
+        text = await self._off_loop(self.tokenizer.decode, req.tokens, skip_special_tokens=False)
+        return DetokenizeResponse(prompt=text)
 
 
 # ---- the app -------------------------------------------------------------------------------------
@@ -371,18 +414,23 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_name: str,
               max_model_len: int, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               generation_defaults: Mapping[str, Any] | None = None,
-              metrics: ServerMetrics | None = None) -> FastAPI:
-    """`generation_defaults` (SamplingParams names) fill fields a request leaves out."""
+              metrics: ServerMetrics | None = None, limits: ServerLimits | None = None,
+              public_metrics: bool = False) -> FastAPI:
+    """`generation_defaults` (SamplingParams names) fill fields a request leaves out. With an
+    API key every endpoint but /health needs it; `public_metrics` exempts /metrics too."""
     metrics = metrics or ServerMetrics()
+    limits = limits or ServerLimits()
     serving = OpenAIServing(engine, tokenizer, served_model_name, max_model_len,
-                            generation_defaults or {}, metrics)
+                            generation_defaults or {}, metrics, limits)
     app = FastAPI(title="kdaserve", docs_url=None, redoc_url=None)
     app.state.serving = serving
     app.state.metrics = metrics
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
-        app.add_middleware(AuthMiddleware, api_key=api_key)   # outermost: runs first
+        open_paths = {"/health", "/metrics"} if public_metrics else {"/health"}
+        app.add_middleware(AuthMiddleware, api_key=api_key,   # outermost: runs first
+                           open_paths=frozenset(open_paths))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -397,26 +445,36 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_name: str,
         return json_response(ModelList(data=[ModelCard(id=served_model_name,
                                                max_model_len=max_model_len)]))
 
+    def engine_stalled() -> bool:
+        return engine.seconds_since_heartbeat() > limits.health_timeout_s
+
     @app.get("/health")
     async def health() -> Response:
+        """200 only while the engine process runs and its loop reports in (a stalled or
+        stopped engine turns this to 503 within --health-timeout) and no drain is under way."""
         if not engine.is_alive:
             raise APIError(503, "the engine is not running", code="engine_dead")
+        if engine_stalled():
+            raise APIError(503, f"the engine has not reported for "
+                           f"{engine.seconds_since_heartbeat():.1f} s", code="engine_stalled")
+        if serving.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         stats = None
-        if engine.is_alive:
+        if engine.is_alive and not engine_stalled():
             with suppress(EngineError, asyncio.TimeoutError):
-                stats = await engine.stats()
+                stats = await asyncio.wait_for(engine.stats(), limits.health_timeout_s)
         return Response(metrics.render(stats), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
-        return json_response(serving.tokenize(body))
+        return json_response(await serving.tokenize(body))
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
-        return json_response(serving.detokenize(body))
+        return json_response(await serving.detokenize(body))
 
     return app

@@ -20,10 +20,17 @@ import uvicorn
 from kdaserve.assets import DEMO_MODEL_DIR, default_model_path
 from kdaserve.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
                              SpeculativeConfig)
-from kdaserve.engine.async_engine import DEFAULT_MAX_WAITING, AsyncEngine, EngineStartupError
+from kdaserve.engine.async_engine import (
+    DEFAULT_MAX_QUEUED_TOKENS,
+    DEFAULT_MAX_WAITING,
+    AsyncEngine,
+    EngineStartupError,
+)
 from kdaserve.generation_defaults import generation_defaults
 from kdaserve.request import SamplingParams
 from kdaserve.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+from kdaserve.server.guards import ServerLimits
+from kdaserve.server.lifecycle import DrainingServer
 from kdaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kdaserve")
@@ -96,11 +103,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--kda-chunk-size", type=_positive_int, default=None,
                    help="KDA prefill chunk size (default: 64 on GPU, 16 on CPU)")
     p.add_argument("--max-waiting", type=_non_negative_int, default=DEFAULT_MAX_WAITING,
-                   help="most requests waiting for their first token; beyond it requests get "
-                        "HTTP 503 (default: %(default)s)")
+                   help="most sequences (n per prompt) waiting for their first token; beyond "
+                        "it requests get HTTP 503 with Retry-After (default: %(default)s)")
+    p.add_argument("--max-queued-tokens", type=_positive_int, default=DEFAULT_MAX_QUEUED_TOKENS,
+                   help="most prompt tokens waiting for their first token (default: "
+                        "%(default)s)")
+    p.add_argument("--max-seqs-per-request", type=_positive_int, default=128,
+                   help="most sequences (prompts x n) one request may ask for (default: "
+                        "%(default)s)")
+    p.add_argument("--default-max-tokens", type=_positive_int, default=1024,
+                   help="max_tokens of chat requests that give none (default: %(default)s; "
+                        "completions default to 16 as in OpenAI's API)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may run before it is aborted (HTTP 504 or an error "
+                        "event); 0: no limit (default: %(default)s)")
+    p.add_argument("--health-timeout", type=float, default=10.0,
+                   help="/health turns 503 when the engine has not reported for this many "
+                        "seconds (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds running streams get to finish before they are "
+                        "ended with an error event (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set; "
-                        "/health and /metrics stay open)")
+                        "/health stays open)")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="with --api-key, leave /metrics open too")
     p.add_argument("--max-body-size", type=parse_size, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body; bigger ones get HTTP 413 (default: 16MiB)")
     p.add_argument("--seed", type=int, default=0, help="engine random seed (default: %(default)s)")
@@ -193,8 +220,15 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Toke
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
     assert main is not None
+    server: DrainingServer | None = None
+
+    def on_dead(why: str) -> None:
+        if server is not None:
+            server.engine_died(why)
+
     engine = AsyncEngine(config, max_waiting=args.max_waiting,
-                         log_level=getattr(logging, args.log_level.upper()))
+                         max_queued_tokens=args.max_queued_tokens,
+                         log_level=getattr(logging, args.log_level.upper()), on_dead=on_dead)
     try:
         # While the model loads, SIGINT/SIGTERM cancel us (and so stop the engine).
         with _exit_signals(lambda *_: loop.call_soon_threadsafe(main.cancel)):
@@ -204,11 +238,19 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Toke
                 logger.error("the engine failed to start: %s", exc)
                 return 1
         logger.info("cache plan: %s", info.plan)
+        limits = ServerLimits(
+            max_seqs_per_request=args.max_seqs_per_request,
+            default_max_tokens=args.default_max_tokens,
+            request_timeout_s=args.request_timeout or None,
+            health_timeout_s=args.health_timeout, shutdown_timeout_s=args.shutdown_timeout,
+            max_token_bytes=tokenizer.max_token_bytes())
         app = build_app(engine, tokenizer, name, info.max_model_len, api_key=args.api_key,
-                        max_body_bytes=args.max_body_size, generation_defaults=defaults)
-        server = uvicorn.Server(uvicorn.Config(
+                        max_body_bytes=args.max_body_size, generation_defaults=defaults,
+                        limits=limits, public_metrics=args.public_metrics)
+        server = DrainingServer(uvicorn.Config(
             app, host=args.host, port=args.port, log_config=None, lifespan="off",
-            log_level=args.log_level, timeout_graceful_shutdown=5))
+            log_level=args.log_level, timeout_graceful_shutdown=5),
+            app.state.serving, args.shutdown_timeout)
         logger.info("serving %r on http://%s:%d/v1", name, args.host, args.port)
         # uvicorn handles the signals while serving and re-raises them once it has stopped; the
         # no-op handler lets the engine shut down cleanly after that.
@@ -217,7 +259,9 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Toke
                 await server.serve()
             except SystemExit as exc:        # uvicorn exits like this when it cannot bind
                 return exc.code if isinstance(exc.code, int) and exc.code else 1
-        return 0 if server.started else 1
+        if engine.died:
+            return 1
+        return server.exit_code if server.started else 1
     except asyncio.CancelledError:
         logger.info("interrupted")
         return 130

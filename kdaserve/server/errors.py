@@ -11,22 +11,36 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kdaserve.engine.async_engine import EngineDeadError, QueueFullError
+from kdaserve.engine.async_engine import (
+    EngineDeadError,
+    EngineError,
+    QueueFullError,
+    RequestTimeoutError,
+)
 from kdaserve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("kdaserve")
+RETRY_AFTER_S = 1
+
+
+class ServerDrainingError(EngineError):
+    """The server is shutting down: the request was refused or its stream was ended."""
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 405: "invalid_request_error",
-                413: "invalid_request_error", 500: "internal_error",
+                413: "invalid_request_error", 500: "internal_error", 504: "timeout_error",
                 503: "service_unavailable_error"}
 
 
 # ---- errors ------------------------------------------------------------------------------------
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, error_type: str | None = None) -> None:
+                 code: str | None = None, error_type: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
+        # a 503 says when to come back (1 s unless told otherwise)
+        self.retry_after = retry_after if retry_after is not None else (
+            RETRY_AFTER_S if status == 503 else None)
         self.status = status
         self.message = message
         self.param = param
@@ -38,6 +52,8 @@ class APIError(Exception):
                                              param=self.param, code=self.code))
 
     def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        if self.retry_after is not None:
+            headers = {**(headers or {}), "Retry-After": str(self.retry_after)}
         return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
 
 
@@ -48,6 +64,10 @@ def engine_error(exc: Exception) -> APIError:
         return APIError(503, str(exc), code="queue_full")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(504, str(exc), code="request_timeout")
+    if isinstance(exc, ServerDrainingError):
+        return APIError(503, str(exc), code="shutting_down")
     return APIError(500, str(exc), code="engine_error")
 
 

@@ -9,18 +9,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kdaserve.server.errors import APIError
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
-OPEN_PATHS = frozenset({"/health", "/metrics"})   # reachable without the API key
+OPEN_PATHS = frozenset({"/health"})   # reachable without the API key (and /metrics, if public)
 
 
 class AuthMiddleware:
-    """Bearer-token check for everything but OPEN_PATHS."""
+    """Bearer-token check for everything but the open paths."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS
+                 ) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._open = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self._open:
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(got, self._expected):
                 err = APIError(401, "missing or invalid API key", code="invalid_api_key")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from kdaserve.engine.async_engine import AsyncEngine
+from kdaserve.engine.async_engine import AsyncEngine, RequestTimeoutError
 from kdaserve.outputs import RequestDelta
 from kdaserve.request import SamplingParams
 from kdaserve.server.errors import ClientGone
@@ -117,21 +118,36 @@ class Choice:
 
 
 class Run:
-    """One engine request: a prompt and its n completions."""
+    """One engine request: a prompt and its n completions. `group` is the fairness unit
+    (the HTTP request); past `deadline` (time.monotonic()) the run is aborted and raises
+    RequestTimeoutError."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt: Prompt,
-                 params: SamplingParams, timer: RequestTimer) -> None:
+                 params: SamplingParams, timer: RequestTimer, group: str | None = None,
+                 deadline: float | None = None) -> None:
         self.prompt = prompt
         self.n = params.n
-        self._gen = engine.generate(request_id, prompt.token_ids, params)
+        self.request_id = request_id
+        self._gen = engine.generate(request_id, prompt.token_ids, params, group=group)
         self._first: RequestDelta | None = None
         self._timer = timer
         self._reasons: list[str] = []
         self._accepted = False
+        self._deadline = deadline
+
+    async def _anext(self) -> RequestDelta:
+        if self._deadline is None:
+            return await self._gen.__anext__()
+        left = self._deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(self._gen.__anext__(), max(left, 0.0))
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(
+                "the request ran past the server's request timeout and was aborted") from None
 
     async def start(self) -> None:
         """Submit, and wait for the first delta (input errors raise here)."""
-        self._first = await self._gen.__anext__()
+        self._first = await self._anext()
         self._accepted = True
 
     async def next(self) -> RequestDelta | None:
@@ -140,7 +156,7 @@ class Run:
             d, self._first = self._first, None
         else:
             try:
-                d = await self._gen.__anext__()
+                d = await self._anext()
             except StopAsyncIteration:
                 return None
         self._timer.on_tokens(d.index, len(d.new_token_ids))

@@ -160,7 +160,7 @@ def test_waiting_bound(engine, loop):
         firsts = [asyncio.ensure_future(g.__anext__()) for g in queued]
         await asyncio.sleep(0)                    # let each submit itself
         assert engine.num_waiting == 3
-        with pytest.raises(QueueFullError, match="max_waiting=3"):
+        with pytest.raises(QueueFullError, match="limits: 3 sequences"):
             await collect(engine, "one-too-many", [5], greedy(1))
         await running.aclose()
         for f in firsts:

@@ -38,7 +38,9 @@ def test_every_flag_has_help_and_defaults():
     assert all(a.help for a in flags)
     args = parser.parse_args([])
     assert (args.host, args.port, args.max_waiting, args.cache_memory) == (
-        "127.0.0.1", 8000, 256, 512 << 20)
+        "127.0.0.1", 8000, 1024, 512 << 20)
+    assert (args.request_timeout, args.shutdown_timeout, args.max_seqs_per_request) == (
+        600.0, 30.0, 128)
     assert args.model is None
 
 

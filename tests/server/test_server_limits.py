@@ -25,6 +25,7 @@ def guarded(tiny_model_dir, tmp_path_factory):
     """One sequence at a time, one waiting request at most, and an API key."""
     log = tmp_path_factory.mktemp("logs") / "guarded.log"
     srv = start_server(tiny_model_dir, log, "--max-num-seqs", "1", "--max-waiting", "1",
+                       "--public-metrics",
                        "--cache-memory", "32MiB", env={"KDASERVE_API_KEY": KEY})
     yield srv
     srv.stop()
@@ -84,7 +85,9 @@ def test_queue_over_bound_is_503(guarded):
     assert r.status_code == 200
 
 
-def test_engine_death_fails_requests_and_health(tiny_model_dir, tmp_path):
+def test_engine_death_fails_requests_and_exits_nonzero(tiny_model_dir, tmp_path):
+    """kill -9 of the engine core: the stream in flight ends with an engine_dead error event,
+    and the server exits with code 1 (for its supervisor to restart it) within seconds."""
     srv = start_server(tiny_model_dir, tmp_path / "doomed.log", "--cache-memory", "32MiB")
     try:
         with httpx.stream("POST", srv.base_url + "/completions", json=LONG, timeout=60) as r:
@@ -96,16 +99,10 @@ def test_engine_death_fails_requests_and_health(tiny_model_dir, tmp_path):
         errors = [json.loads(line[6:])["error"] for line in rest[:-1]
                   if "error" in json.loads(line[6:])]
         assert [e["code"] for e in errors] == ["engine_dead"]
-        assert_openai_error(httpx.get(srv.url + "/health"), 503, "engine_dead")
-        r = httpx.post(srv.base_url + "/completions", json=SHORT, timeout=60)
-        assert_openai_error(r, 503, "engine_dead")
-        r = httpx.post(srv.base_url + "/completions", json={**SHORT, "stream": True}, timeout=60)
-        assert_openai_error(r, 503, "engine_dead")
-        assert metrics(srv.url)["kdaserve:engine_up"] == 0
-        assert "kdaserve:num_requests_running" not in metrics(srv.url)
+        assert srv.proc.wait(timeout=20) == 1
+        assert "the engine died" in srv.log()
     finally:
-        rc = srv.stop()
-    assert rc == 0
+        srv.stop()
 
 
 def _running(pid: int) -> bool:

@@ -1,0 +1,203 @@
+"""`kdaserve bench long`: what one request costs as its context grows, hybrid vs all-MLA.
+
+For each context length one greedy request (random prompt tokens, chunked prefill under
+`--max-num-batched-tokens`) runs through the engine in a fresh child process, so each run's peak
+RSS is its own. Reported per run: prefill tok/s, decode TPOT (median step time after the first
+token), the cache the request holds per token (its MLA blocks and KDA slot), peak RSS. The same
+model made all-MLA (every layer MLA, random weights: only cost is compared) runs the shorter
+contexts for the comparison of cache bytes and TPOT.
+
+The default model is a tiny random hybrid configured for 1M positions (a quarter of its layers
+MLA, as in Kimi Linear), small enough that the quadratic attention of a 1M-token prefill ends in
+tens of minutes on a few CPU cores; `--model DIR` measures a checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+CONTEXTS = (1024, 16384, 131072, 1048576)
+MLA_CONTEXTS = (1024, 16384, 131072)
+
+
+def bench_config(max_len: int = 1 << 20) -> dict:
+    """The default bench model's config.json: 4 layers, KDA ×3 then MLA, one MLA head."""
+    return {
+        "model_type": "kimi_linear", "vocab_size": 1024, "hidden_size": 128,
+        "intermediate_size": 256, "num_hidden_layers": 4, "rms_norm_eps": 1e-5,
+        "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4],
+                               "num_heads": 2, "head_dim": 32, "short_conv_kernel_size": 4},
+        "num_attention_heads": 1, "num_key_value_heads": 1, "kv_lora_rank": 32,
+        "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+        "mla_use_nope": True, "num_experts": 8, "num_experts_per_token": 2,
+        "num_shared_experts": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1,
+        "routed_scaling_factor": 1.0, "model_max_length": max_len, "eos_token_id": 0,
+    }
+
+
+def make_model_dir(out: Path, base: str | None, all_mla: bool, seed: int = 0) -> Path:
+    """A checkpoint to measure: `base` as is, or (no base) the bench config with random
+    weights; all_mla: the same architecture with every layer MLA, random weights."""
+    if base is not None and not all_mla:
+        return Path(base)
+    from kdaserve.model.loader import save_model
+    from kdaserve.model.random_init import init_random
+    from kdaserve.model.registry import build_model, load_config
+
+    cfg = load_config(base if base is not None else bench_config())
+    if all_mla:
+        cfg = replace(cfg, kda_layers=(), mla_layers=tuple(range(cfg.num_hidden_layers)))
+    model = init_random(build_model(cfg), seed=seed).eval()
+    path = out / ("all_mla" if all_mla else "hybrid")
+    save_model(model, path)
+    return path
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def measure(model_dir: str, context: int, decode_tokens: int, chunk: int, cache_memory: int,
+            seed: int = 0) -> dict:
+    """One request of `context` prompt tokens then `decode_tokens` greedy tokens, timed per
+    engine step in this process."""
+    import torch
+
+    from kdaserve.engine.llm import LLM
+    from kdaserve.request import SamplingParams
+
+    logging.getLogger("kdaserve").setLevel(logging.WARNING)
+    total = context + decode_tokens
+    if not cache_memory:  # what this request needs (a bigger pool only adds page-table objects)
+        from kdaserve.cache.spec import specs_for
+        from kdaserve.model.registry import load_config
+
+        latent, state = specs_for(load_config(model_dir), 16, "float32")
+        cache_memory = (total + 16) * latent.bytes_per_token + state.bytes_per_slot + (1 << 20)
+    llm = LLM(model_dir, max_model_len=total + 1, cache_memory=cache_memory,
+              max_num_batched_tokens=chunk, max_num_seqs=1, enable_prefix_caching=False)
+    eng = llm.engine
+    vocab = eng.model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, vocab, (context,), generator=g).tolist()
+    rss_before = _rss_mb()
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+    eng.add_request("long", prompt, params)
+    start = time.perf_counter()
+    first = None
+    steps: list[float] = []
+    tokens = 0
+    while eng.has_unfinished():
+        t0 = time.perf_counter()
+        deltas = eng.step()
+        t1 = time.perf_counter()
+        new = sum(len(d.new_token_ids) for d in deltas)
+        if first is None and new:
+            first = t1 - start
+        elif new:
+            steps.append(t1 - t0)
+        tokens += new
+    plan = eng.plan
+    held = plan.request_bytes(total)
+    return {
+        "context": context, "layers_mla": len(eng.model.config.mla_layers),
+        "layers": eng.model.config.num_hidden_layers, "completed": tokens == decode_tokens,
+        "prefill_s": round(first or 0.0, 3),
+        "prefill_tok_s": round(context / first, 1) if first else None,
+        "tpot_ms": round(statistics.median(steps) * 1e3, 3) if steps else None,
+        "cache_bytes": held, "cache_bytes_per_token": round(held / total, 1),
+        "rss_before_mb": round(rss_before, 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _run_child(model_dir: Path, context: int, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, "-m", "kdaserve.bench.long", "--child", str(model_dir), str(context),
+           str(args.decode_tokens), str(args.max_num_batched_tokens), str(args.cache_memory)]
+    if not args.json:
+        print(f"... {model_dir.name} at {context} tokens", file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"context": context, "completed": False, "error": out.stderr.strip()[-2000:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def summarize(hybrid: list[dict], all_mla: list[dict]) -> dict:
+    """The issue's keys from the per-context runs."""
+    by = {r["context"]: r for r in hybrid}
+    mla_by = {r["context"]: r for r in all_mla}
+    both = sorted(set(by) & set(mla_by))
+    longest = both[-1] if both else None
+    one_m = by.get(1 << 20, {})
+    tpot = {c: r.get("tpot_ms") for c, r in by.items()}
+    return {
+        "tpot_ratio_128k_1k": _ratio(tpot.get(131072), tpot.get(1024)),
+        "cache_bytes_ratio_vs_mla": _ratio(by[longest]["cache_bytes"],
+                                           mla_by[longest]["cache_bytes"]) if longest else None,
+        "cache_bytes_ratio_context": longest,
+        "tpot_ratio_vs_mla": _ratio(tpot.get(longest), mla_by[longest].get("tpot_ms"))
+        if longest else None,
+        "completed_1m": bool(one_m.get("completed")),
+        "peak_rss_1m_mb": one_m.get("peak_rss_mb"),
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="model directory (default: a tiny random hybrid for 1M positions)")
+    p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
+                   help="prompt lengths of the hybrid model (default: %(default)s)")
+    p.add_argument("--mla-contexts", default=",".join(map(str, MLA_CONTEXTS)),
+                   help="prompt lengths of the all-MLA variant, '' for none "
+                        "(default: %(default)s)")
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="prefill chunk (engine step token budget)")
+    p.add_argument("--cache-memory", type=int, default=0,
+                   help="cache budget in bytes (default: what each request needs)")
+    p.add_argument("--json", action="store_true", help="print one JSON object only")
+
+
+def _lengths(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="kdaserve-bench-long-") as tmp:
+        hybrid_dir = make_model_dir(Path(tmp), args.model, all_mla=False)
+        hybrid = [_run_child(hybrid_dir, c, args) for c in _lengths(args.contexts)]
+        all_mla = []
+        if _lengths(args.mla_contexts):
+            mla_dir = make_model_dir(Path(tmp), args.model, all_mla=True)
+            all_mla = [_run_child(mla_dir, c, args) for c in _lengths(args.mla_contexts)]
+    result = {"model": args.model or "bench tiny hybrid (kdaserve.bench.long.bench_config)",
+              "max_num_batched_tokens": args.max_num_batched_tokens,
+              "decode_tokens": args.decode_tokens, **summarize(hybrid, all_mla),
+              "hybrid": hybrid, "all_mla": all_mla}
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 7 and sys.argv[1] == "--child":
+        model_dir, *nums = sys.argv[2:]
+        ctx, dec, chunk, mem = map(int, nums)
+        print(json.dumps(measure(model_dir, ctx, dec, chunk, mem)))
+        raise SystemExit(0)
+    raise SystemExit("run it as `kdaserve bench long`")
