@@ -78,6 +78,7 @@ def test_queue_over_bound_is_503(guarded):
 
     refused, queued = asyncio.run(scenario())
     assert_openai_error(refused, 503, "queue_full")
+    assert refused.headers["retry-after"] == "1"
     assert queued.status_code == 200
     assert queued.json()["usage"]["completion_tokens"] == 2
     wait_idle(guarded.url)

@@ -1,0 +1,134 @@
+"""Long context through the engine: a 64k-token prompt prefilled in chunks equals one unchunked
+forward, prefill memory grows only by the MLA latents, a long prompt does not starve short
+requests, and the planner says what a budget holds at max_model_len 1M."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_models import random_model, tiny_config
+
+from kdaserve import LLM, SamplingParams
+from kdaserve.cache.planner import fraction_budget, plan_cache
+from kdaserve.cache.spec import specs_for
+from kdaserve.config import ModelConfig
+from kdaserve.model.loader import save_model
+
+LONG, SHORT, CHUNK, NEW = 65536, 16384, 4096, 6
+MAX_MODEL_LEN = 1 << 20
+
+# Runs in a fresh process, so ru_maxrss is this prefill's peak alone.
+_CHILD = """
+import json, resource, sys, torch
+torch.set_num_threads(2)
+from kdaserve import LLM, SamplingParams
+path, n, chunk, new, max_len = sys.argv[1], *map(int, sys.argv[2:])
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+llm = LLM(path, max_model_len=max_len, max_num_batched_tokens=chunk, cache_memory=64 << 20)
+prompt = torch.randint(3, 64, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+before = rss()
+out = llm.generate([{"prompt_token_ids": prompt}],
+                   SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=20),
+                   use_tqdm=False)[0].outputs[0]
+print(json.dumps({"prompt": prompt, "tokens": out.token_ids,
+                  "logprobs": [{str(k): v for k, v in d.items()} for d in out.logprobs],
+                  "before": before, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "steps": llm.engine.stats.steps}))
+"""
+
+
+def tiny_long_config() -> ModelConfig:
+    """One MLA head: the quadratic attention of a 64k prefill stays a few seconds on CPU."""
+    return tiny_config(num_attention_heads=1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("long_ctx")
+    save_model(random_model(tiny_long_config(), seed=3), path)
+    return path
+
+
+def _run(path, n: int, new: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(n), str(CHUNK), str(new),
+                          str(MAX_MODEL_LEN)], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def long_run(model_dir):
+    return _run(model_dir, LONG, NEW)
+
+
+def test_64k_chunked_prefill_matches_one_unchunked_forward(long_run):
+    assert long_run["steps"] >= LONG // CHUNK, "the prompt was not prefilled in chunks"
+    ids = torch.tensor(long_run["prompt"] + long_run["tokens"])
+    with torch.no_grad():
+        logits = random_model(tiny_long_config(), seed=3).forward_dense(ids[None])[0]
+    want = logits[LONG - 1: LONG - 1 + NEW].log_softmax(-1)                  # [NEW, vocab]
+    # greedy continuation: each engine token is the reference's argmax after its prefix
+    assert want.argmax(-1).tolist() == long_run["tokens"]
+    # logits (as log-probs, top 20 of each step) within rounding of the blockwise softmax
+    for step, top in enumerate(long_run["logprobs"]):
+        for token, lp in top.items():
+            assert abs(want[step, int(token)].item() - lp) < 1e-3, (step, token)
+
+
+def test_prefill_peak_memory_grows_only_by_the_latents(model_dir, long_run):
+    short = _run(model_dir, SHORT, 1)
+    growth = {n: r["peak"] - r["before"] for n, r in ((SHORT, short), (LONG, long_run))}
+    latent, _ = specs_for(tiny_long_config(), 16, "float32")
+    latents = (LONG - SHORT) * latent.bytes_per_token
+    # a dense [chunk, context] mask alone would be CHUNK * LONG bytes (256 MiB) more
+    assert growth[LONG] - growth[SHORT] < latents + (24 << 20), growth
+
+
+def test_long_prompt_does_not_starve_short_requests(model_dir):
+    llm = LLM(str(model_dir), max_num_batched_tokens=256, long_prefill_token_threshold=192,
+              max_model_len=MAX_MODEL_LEN)
+    eng = llm.engine
+    per_step: list[dict[str, int]] = []
+    execute = eng.runner.execute
+
+    def spy(out, requests):
+        per_step.append({s.request_id: len(s.token_ids) for s in out.sequences})
+        return execute(out, requests)
+
+    eng.runner.execute = spy
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    eng.add_request("short-a", [5, 6, 7], greedy)        # decoding before the long one comes
+    eng.step()
+    eng.add_request("long", list(range(3, 63)) * 40, SamplingParams(max_tokens=1))
+    eng.add_request("short-b", [8, 9], greedy)           # arrives while the long one prefills
+    while eng.has_unfinished():
+        eng.step()
+    prefill = [s for s in per_step if s.get("long", 0) > 1]
+    assert len(prefill) >= 2400 // 192
+    # every step that carried a chunk of the long prompt also carried one decode token of each
+    # short request still running (short-b's first step is its own prompt)
+    assert all(s["short-a"] == 1 for s in prefill)
+    assert all(s["short-b"] == 1 for s in prefill[1:])
+
+
+def test_planner_says_what_fits_at_1m_context():
+    demo_like = tiny_config(num_hidden_layers=8, kv_lora_rank=64, qk_rope_head_dim=16,
+                            linear_attn_config={"kda_layers": [1, 2, 3, 5, 6, 7],
+                                                "full_attn_layers": [4, 8], "num_heads": 4,
+                                                "head_dim": 64, "short_conv_kernel_size": 4})
+    latent, state = specs_for(demo_like, 16, "float32")
+    plan = plan_cache(latent, state, 8 << 30, 64, snapshot_bytes=2 << 30,
+                      max_model_len=MAX_MODEL_LEN)
+    fits = plan.requests_at(MAX_MODEL_LEN)
+    assert fits >= 8 and plan.num_tokens >= fits * MAX_MODEL_LEN
+    assert f"{fits} requests of max_model_len {MAX_MODEL_LEN} tokens fit" in plan.describe()
+    small = plan_cache(latent, state, 256 << 20, 64, max_model_len=MAX_MODEL_LEN)
+    assert small.requests_at(MAX_MODEL_LEN) == 0 and "does not fit" in small.describe()
+    assert fraction_budget(80 << 30, 0.9, 20 << 30) == int((80 << 30) * 0.9) - (20 << 30)
+    with pytest.raises(ValueError):
+        fraction_budget(16 << 30, 0.5, 10 << 30)
