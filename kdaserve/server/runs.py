@@ -61,8 +61,14 @@ async def all_or_none(aws: Iterable[Awaitable[T]]) -> list[T]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+# Characters that SSE does not treat as line ends but many line splitters do (Python's
+# str.splitlines, httpx's iter_lines): escaped inside the JSON strings where they can occur.
+_LINE_BREAK_ESCAPES = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028",
+                                     "\u2029": "\\u2029"})
+
+
 def sse(chunk: BaseModel) -> str:
-    return f"data: {chunk.model_dump_json()}\n\n"
+    return f"data: {chunk.model_dump_json().translate(_LINE_BREAK_ESCAPES)}\n\n"
 
 
 def json_response(body: BaseModel, status: int = 200) -> Response:
