@@ -1,0 +1,49 @@
+"""`kdaserve bench long` prints one JSON object with the issue's keys, from runs that complete;
+its summary arithmetic holds on made-up runs (the real contexts are for docs, not CI)."""
+
+from __future__ import annotations
+
+import json
+
+from kdaserve.bench.long import bench_config, summarize
+from kdaserve.config import ModelConfig
+
+KEYS = ("tpot_ratio_128k_1k", "cache_bytes_ratio_vs_mla", "completed_1m", "peak_rss_1m_mb")
+
+
+def test_bench_long_runs_hybrid_and_all_mla(capsys):
+    from kdaserve.cli import main
+
+    assert main(["bench", "long", "--json", "--contexts", "300,1200", "--mla-contexts", "1200",
+                 "--decode-tokens", "3", "--max-num-batched-tokens", "512"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(KEYS) <= set(out)
+    assert [r["context"] for r in out["hybrid"]] == [300, 1200]
+    for run in out["hybrid"] + out["all_mla"]:
+        assert run["completed"], run
+        assert run["prefill_tok_s"] > 0 and run["tpot_ms"] > 0 and run["peak_rss_mb"] > 0
+    hybrid, mla = out["hybrid"][1], out["all_mla"][0]
+    assert (hybrid["layers_mla"], mla["layers_mla"]) == (1, 4)
+    # a quarter of the layers hold latents; the KDA slot is a constant on top
+    assert 0.25 < out["cache_bytes_ratio_vs_mla"] < 0.35
+    assert out["cache_bytes_ratio_context"] == 1200
+    assert out["completed_1m"] is False and out["peak_rss_1m_mb"] is None
+
+
+def test_summary_keys():
+    def run(ctx, tpot, cache, rss=100.0):
+        return {"context": ctx, "completed": True, "tpot_ms": tpot, "cache_bytes": cache,
+                "peak_rss_mb": rss}
+    hybrid = [run(1024, 10.0, 300), run(131072, 12.0, 2600), run(1 << 20, 20.0, 20000, 700.0)]
+    mla = [run(1024, 9.0, 1000), run(131072, 30.0, 10000)]
+    out = summarize(hybrid, mla)
+    assert out["tpot_ratio_128k_1k"] == 1.2
+    assert out["cache_bytes_ratio_vs_mla"] == 0.26 and out["cache_bytes_ratio_context"] == 131072
+    assert out["tpot_ratio_vs_mla"] == 0.4
+    assert out["completed_1m"] is True and out["peak_rss_1m_mb"] == 700.0
+
+
+def test_bench_model_is_configured_for_1m_positions():
+    cfg = ModelConfig.from_dict(bench_config())
+    assert cfg.max_position_embeddings >= 1 << 20
+    assert len(cfg.mla_layers) * 4 == cfg.num_hidden_layers
