@@ -188,7 +188,8 @@ class ModelConfig:
             if v is not None and v <= 0:
                 raise ConfigError(f"config.json: field '{name}' must be positive, got {v!r}")
         if self.experts_quantization not in (None, "mxfp4"):
-            raise ConfigError(f"unsupported routed-expert quantization {self.experts_quantization!r}")
+            raise ConfigError(
+                f"unsupported routed-expert quantization {self.experts_quantization!r}")
         if self.experts_quantization == "mxfp4" and self.moe_layers:
             width = self.routed_expert_hidden_size or self.hidden_size
             for name, v in (("expert input width", width),

@@ -45,7 +45,8 @@ class DecoderLayer(nn.Module):
         return x + self.ffn(self.post_attention_layernorm(x))
 
 
-def build_layers(cfg: ModelConfig, chunk_size: int, layer_cls: type = DecoderLayer) -> nn.ModuleList:
+def build_layers(cfg: ModelConfig, chunk_size: int,
+                 layer_cls: type = DecoderLayer) -> nn.ModuleList:
     kda_idx = {layer: i for i, layer in enumerate(cfg.kda_layers)}
     mla_idx = {layer: i for i, layer in enumerate(cfg.mla_layers)}
     return nn.ModuleList(

@@ -17,8 +17,8 @@ POISON_TOP_K = 4093        # the injected fault fires for requests with this top
 
 def _prompts(vocab: int, n: int = 4):
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, vocab, (int(l),), generator=g).tolist()
-            for l in torch.randint(3, 30, (n,), generator=g)]
+    return [torch.randint(3, vocab, (int(length),), generator=g).tolist()
+            for length in torch.randint(3, 30, (n,), generator=g)]
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """The load test (bounded, 60 s): 200 concurrent streaming clients with random lengths and
 random disconnects, and hostile requests (n=128, 10,000 stop strings, 10 MB prompts, out-of-
 range integers). Zero 5xx, zero leaked pages, and the normal requests' p99 time to first token
-under 20 s (2 cores, the tiny model, one torch thread; docs/reliability.md has the figures)."""
+under 30 s (2 cores, the tiny model, one torch thread; about 12 s measured on an idle
+machine, 20 s with other jobs running: docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from load_scenario import run_load
 from server_harness import start_server, wait_idle
 
-P99_TTFT_BOUND_S = 20.0
+P99_TTFT_BOUND_S = 30.0
 
 
 @pytest.mark.slow
