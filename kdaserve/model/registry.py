@@ -86,6 +86,11 @@ def is_draft_config(raw: dict[str, Any]) -> bool:
         return False
 
 
+def build_draft(cfg):
+    """A new (untrained) draft model of a DraftConfig's layout."""
+    return entry_for({"model_type": cfg.layout}, "draft").cls(cfg)
+
+
 def load_draft(path: str | os.PathLike, dtype=None, device="cpu"):
     """A speculative draft model (any registered draft type) from its directory."""
     import torch

@@ -23,11 +23,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch import nn
 from tqdm.auto import tqdm
 
 from kdaserve.model.batch import build_forward_batch
-from kdaserve.model.dspark import DraftConfig, DSparkDraft, training_mask
+from kdaserve.model.dspark import DraftConfig, training_mask
 from kdaserve.model.loader import load_model
+from kdaserve.model.registry import build_draft
 
 
 def default_layers(num_layers: int, n: int = 3) -> tuple[int, ...]:
@@ -96,7 +98,7 @@ def _load_shards(hidden_dir: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
     return torch.cat(ids), torch.cat(hid), meta
 
 
-def _block_loss(draft: DSparkDraft, embed, lm_head, ids: torch.Tensor, hidden: torch.Tensor,
+def _block_loss(draft: nn.Module, embed, lm_head, ids: torch.Tensor, hidden: torch.Tensor,
                 anchors: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of the k drafts after each anchor; also the logits' argmax hits [B,A,k]."""
     b, n = ids.shape
@@ -136,7 +138,7 @@ def train_draft(model: str, hidden: str, out: str, *, steps: int = 2000, batch: 
                       qk_nope_head_dim=tc.qk_nope_head_dim, qk_rope_head_dim=tc.qk_rope_head_dim,
                       v_head_dim=tc.v_head_dim, intermediate_size=2 * tc.hidden_size,
                       block_size=block, rope_theta=tc.rope_theta, rms_norm_eps=tc.rms_norm_eps)
-    draft = DSparkDraft(cfg).to(device)
+    draft = build_draft(cfg).to(device)
     n_eval = max(1, int(len(ids) * heldout))
     ev_ids, ev_hid, tr_ids, tr_hid = ids[:n_eval], hid[:n_eval], ids[n_eval:], hid[n_eval:]
     n = ids.shape[1]

@@ -9,17 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from kdaserve.config import EngineConfig, SpeculativeConfig
 from kdaserve.engine.spec.proposer import Proposal, ProposalInput
 from kdaserve.engine.spec.rejection import _draw, target_probs
-from kdaserve.model.dspark import DSparkDraft
-from kdaserve.model.registry import load_draft
 from kdaserve.model.base import HybridForCausalLM
+from kdaserve.model.registry import load_draft
 
 
 class DSparkProposer:
-    def __init__(self, draft: DSparkDraft, target: HybridForCausalLM, num_tokens: int,
+    def __init__(self, draft: nn.Module, target: HybridForCausalLM, num_tokens: int,
                  num_blocks: int, block_size: int, device: torch.device) -> None:
         cfg = draft.config
         self.draft, self.target = draft, target
