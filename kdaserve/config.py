@@ -603,6 +603,9 @@ class SpeculativeConfig:
     draft_model: str | None = None
     ngram_min: int = 2
     ngram_max: int = 4
+    # per request and step, verify only the drafts that pay for themselves (measured acceptance
+    # and step cost; engine/spec/adaptive.py); False: always num_speculative_tokens
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in ("dspark", "ngram"):

@@ -26,6 +26,8 @@ class SchedulerOutput:
     finished: list[str] = field(default_factory=list)   # freed since the last step
     snapshot_requests: list[tuple[str, int, int]] = field(default_factory=list)
     # (request_id, absolute position, snapshot id) to save KDA states at, during this step
+    draft_limits: dict[str, int] | None = None
+    # speculation: how many drafts to propose for each request's next step (absent: the most)
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,7 @@ from kdaserve.config import EngineConfig, SchedulerConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.runner import ModelRunner
 from kdaserve.engine.scheduler import Scheduler
+from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
 from kdaserve.engine.spec.proposer import NgramDrafts, Proposer
 from kdaserve.model.base import HybridForCausalLM
 from kdaserve.model.loader import load_model
@@ -103,6 +104,9 @@ class EngineCore:
             snapshot_bytes=state.bytes_per_slot, mla_bytes_per_token=latent.bytes_per_token,
             snapshot_interval=cc.state_snapshot_interval)
         self.scheduler = Scheduler(sched, self.cache)
+        spec = config.speculative
+        if spec is not None and spec.adaptive:
+            self.scheduler.spec_policy = AdaptiveSpeculation(spec.num_speculative_tokens)
         self.runner = ModelRunner(model, self.plan, device, seed=config.seed,
                                   proposer=build_proposer(config, model, device, self.plan))
         self.eos_ids = frozenset(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_id)
@@ -196,7 +200,11 @@ class EngineCore:
 
     def _run(self, out) -> list[RequestDelta]:
         requests = self.scheduler.requests
+        start = time.perf_counter()
         result = self.runner.execute(out, requests)
+        policy = self.scheduler.spec_policy
+        if policy is not None and not out.is_empty:   # what steps cost: the policy's data
+            policy.cost.observe(out.num_tokens, len(result.drafts), time.perf_counter() - start)
         self.stats.steps += 1
         self.stats.preemptions += len(out.preempted)
         for seq in out.sequences:

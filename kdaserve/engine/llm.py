@@ -28,7 +28,8 @@ class LLM:
                  state_snapshot_budget: int | None = None,
                  state_snapshot_interval: int = 512,
                  speculative_method: str | None = None, num_speculative_tokens: int = 7,
-                 speculative_model: str | None = None) -> None:
+                 speculative_model: str | None = None,
+                 speculative_adaptive: bool = True) -> None:
         path = str(model) if model is not None else str(default_model_path())
         self.config = EngineConfig(
             model=path, dtype=dtype, device=device, kda_chunk_size=kda_chunk_size, seed=seed,
@@ -42,7 +43,8 @@ class LLM:
                                       long_prefill_token_threshold=long_prefill_token_threshold),
             speculative=SpeculativeConfig(method=speculative_method,
                                           num_speculative_tokens=num_speculative_tokens,
-                                          draft_model=speculative_model)
+                                          draft_model=speculative_model,
+                                          adaptive=speculative_adaptive)
             if speculative_method else None,
         )
         self.engine = EngineCore(self.config, progress=True)

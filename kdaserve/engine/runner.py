@@ -110,7 +110,7 @@ class ModelRunner:
             rows = {rid: self._sampling_row(requests[rid]) for rid in sampled}
             props = self.proposer.propose(ProposalInput(
                 seqs, valid, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()},
-                requests, fb, hidden, rows))
+                requests, fb, hidden, rows, out.draft_limits))
             drafts = self._keep_proposals(props)
         return ModelRunnerOutput(sampled=sampled, drafts=drafts, dropped_snapshots=dropped)
 

@@ -22,6 +22,7 @@ from collections import Counter, deque
 
 from kdaserve.cache.manager import CacheManager
 from kdaserve.config import SchedulerConfig
+from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
 from kdaserve.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from kdaserve.request import Request, RequestStatus
 
@@ -41,6 +42,8 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_fair_preemptions = 0
+        self.spec_policy: AdaptiveSpeculation | None = None   # set by the engine
+        self._draft_plan: dict[str, int] = {}
         self._fair_preempted = 0
         self._suspects: set[str] = set()
 
@@ -80,6 +83,8 @@ class Scheduler:
         req.status = status
         self.cache.free(request_id)
         self._finished_since_step.append(request_id)
+        if self.spec_policy is not None:
+            self.spec_policy.forget(request_id)
         return req
 
     @property
@@ -100,6 +105,7 @@ class Scheduler:
         chunk_cap = self.config.long_prefill_token_threshold or budget
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = self._fair_share()
+        self._plan_drafts()
         i = 0
         drafts: dict[str, int] = {}
         while i < len(self.running) and budget > 0:
@@ -132,8 +138,13 @@ class Scheduler:
                 for req, n in scheduled]
         self._restore.clear()
         finished, self._finished_since_step = self._finished_since_step, []
+        limits = None
+        if self.spec_policy is not None:      # prefilling requests: draft in full at first
+            most = self.spec_policy.max_drafts
+            limits = {req.request_id: self._draft_plan.get(req.request_id, most)
+                      for req, _ in scheduled}
         return SchedulerOutput(sequences=seqs, preempted=preempted, finished=finished,
-                               snapshot_requests=snaps)
+                               snapshot_requests=snaps, draft_limits=limits)
 
     def _fair_share(self) -> list[str]:
         """Preempt the newest sequence of the group holding the most slots when every slot is
@@ -186,7 +197,18 @@ class Scheduler:
         (the step yields drafts + 1 tokens), nor the step's token budget."""
         room = min(req.max_tokens - len(req.output_token_ids),
                    self.config.max_model_len - req.num_tokens) - 1
-        return max(0, min(len(req.spec_token_ids), room, budget - 1))
+        planned = self._draft_plan.get(req.request_id, len(req.spec_token_ids))
+        return max(0, min(len(req.spec_token_ids), planned, room, budget - 1))
+
+    def _plan_drafts(self) -> None:
+        """Adaptive speculation: drafts per decoding request for this step (see
+        engine/spec/adaptive.py); the same numbers bound what is proposed for the next."""
+        if self.spec_policy is None:
+            self._draft_plan = {}
+            return
+        candidates = {r.request_id: self.spec_policy.max_drafts for r in self.running
+                      if r.num_computed_tokens == r.num_tokens - 1 or r.spec_token_ids}
+        self._draft_plan = self.spec_policy.plan(candidates, max(1, len(self.running)))
 
     def pop_ended(self) -> list[str]:
         """Requests the scheduler ended on its own since the last call (too large to fit)."""
@@ -294,6 +316,9 @@ class Scheduler:
                 self.num_verify_rows += 1
                 self.num_draft_tokens += seq.num_draft_tokens
                 self.num_accepted_tokens += len(tokens) - 1
+                if self.spec_policy is not None:
+                    self.spec_policy.record(req.request_id, seq.num_draft_tokens,
+                                            len(tokens) - 1)
             else:
                 req.num_computed_tokens += len(seq.token_ids)
             req.spec_token_ids = []

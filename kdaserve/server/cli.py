@@ -146,6 +146,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="drafts verified per step (default: %(default)s)")
     p.add_argument("--speculative-model", default=None,
                    help="DSpark draft directory (default: <model>/draft)")
+    p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="choose the drafts verified per request and step from measured "
+                        "acceptance and step cost, speculation off where it does not pay "
+                        "(default: on)")
     p.add_argument("--torch-threads", type=_positive_int, default=None,
                    help="torch intra-op threads of the engine process (default: torch's)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
@@ -197,7 +202,8 @@ def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
                                   max_model_len=args.max_model_len),
         speculative=SpeculativeConfig(method=args.speculative_method,
                                       num_speculative_tokens=args.speculative_tokens,
-                                      draft_model=args.speculative_model)
+                                      draft_model=args.speculative_model,
+                                      adaptive=getattr(args, "speculative_adaptive", True))
         if getattr(args, "speculative_method", None) else None,
     )
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kdaserve.config import EngineConfig, SpeculativeConfig
+from kdaserve.engine.sampler import SamplingRow, _penalise
 from kdaserve.engine.spec.proposer import Proposal, ProposalInput
 from kdaserve.engine.spec.rejection import _draw, target_probs
 from kdaserve.model.base import HybridForCausalLM
@@ -60,10 +61,12 @@ class DSparkProposer:
         for page, lat in zip(self.pages, lats):
             page.view(-1, page.shape[-1]).index_copy_(0, dest, lat.to(page.dtype))
         # 2. one block per request that sampled: its newest token, then mask positions
-        drafting = [(b, s) for b, s in enumerate(seqs) if s.request_id in inp.new_tokens]
+        drafting = [(b, s) for b, s in enumerate(seqs) if s.request_id in inp.new_tokens
+                    and inp.limit(s.request_id, self.num_tokens) > 0]
         if not drafting:
             return {}
-        k = self.num_tokens
+        limits = [inp.limit(s.request_id, self.num_tokens) for _, s in drafting]
+        k = max(limits)
         first_tok = torch.tensor([inp.new_tokens[s.request_id][-1] for _, s in drafting],
                                  device=self.device)
         ctx_len = torch.tensor([s.context_len + inp.num_valid[b] for b, s in drafting],
@@ -86,19 +89,35 @@ class DSparkProposer:
         first = self.target.model.embed_tokens(first_tok)[:, None]
         h = self.draft.block_hidden(first, positions, ctx, mask, self.block)[:, :k]
         logits = self.target.lm_head(h).float()                                      # [B,k,V]
-        return self._pick(logits, first_tok, [inp.sampling[s.request_id] for _, s in drafting],
-                          [s.request_id for _, s in drafting])
+        rows = [inp.sampling[s.request_id] for _, s in drafting]
+        # the history the verifier will penalise with: outputs, this step's tokens, drafts
+        hist = [SamplingRow(r.request_id, r.params, r.prompt_token_ids,
+                            r.output_token_ids + inp.new_tokens[r.request_id], r.generator)
+                for r in rows]
+        props = self._pick(logits, first_tok, hist, [s.request_id for _, s in drafting])
+        return {rid: Proposal(p.tokens[:n], None if p.probs is None else p.probs[:n])
+                for (rid, p), n in zip(props.items(), limits)}
 
-    def _pick(self, logits: torch.Tensor, prev: torch.Tensor, rows, rids) -> dict[str, Proposal]:
-        """Left to right: each draft adds the Markov bias of the one before it."""
+    def _pick(self, logits: torch.Tensor, prev: torch.Tensor, rows: list[SamplingRow],
+              rids: list[str]) -> dict[str, Proposal]:
+        """Left to right: each draft adds the Markov bias of the one before it. The draft's
+        distribution q gets the processing the target's p gets when verified (penalties over
+        the history and the drafts so far, temperature, top-k/top-p/min-p), so the rejection
+        sampler compares like with like."""
         B, k, _ = logits.shape
         random = [i for i, r in enumerate(rows) if r.params.temperature > 0]
         tokens = torch.empty(B, k, dtype=torch.long)
         probs = torch.empty(len(random), k, logits.shape[-1]) if random else None
         prev = prev.cpu()
         logits = logits.cpu()
+        penalised = any(r.params.presence_penalty or r.params.frequency_penalty
+                        or r.params.repetition_penalty != 1.0 for r in rows)
         for j in range(k):
             lj = logits[:, j] + self.draft.markov_bias(prev).float().cpu()
+            if penalised:
+                lj = _penalise(lj, [SamplingRow(r.request_id, r.params, r.prompt_token_ids,
+                                                r.output_token_ids + tokens[i, :j].tolist(),
+                                                r.generator) for i, r in enumerate(rows)])
             tok = lj.argmax(-1)
             if random:
                 q = target_probs(lj[random], [rows[i] for i in random])

@@ -23,6 +23,10 @@ class ProposalInput:
     fb: ForwardBatch
     hidden: torch.Tensor | None          # [T, n*H] the target's hidden states at the draft's layers
     sampling: dict[str, SamplingRow]     # per request that sampled (its generator, params)
+    limits: dict[str, int] | None = None  # most drafts to propose per request (None: all)
+
+    def limit(self, request_id: str, most: int) -> int:
+        return most if self.limits is None else min(most, self.limits.get(request_id, most))
 
 
 @dataclass
@@ -52,7 +56,10 @@ class NgramDrafts:
     def propose(self, inp: ProposalInput) -> dict[str, Proposal]:
         out = {}
         for rid, new in inp.new_tokens.items():
-            drafts = self.lookup.propose(inp.requests[rid].all_token_ids + new)
+            k = inp.limit(rid, self.num_tokens)
+            if not k:
+                continue
+            drafts = self.lookup.propose(inp.requests[rid].all_token_ids + new)[:k]
             if drafts:
                 out[rid] = Proposal(drafts)
         return out
