@@ -557,8 +557,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     state_snapshot_budget_bytes: int | None = None
     state_snapshot_interval: int = 512
+    # Offload tiers for evicted prefix-cache entries, fastest first: ("host",), ("disk",) or
+    # ("host", "disk"); one byte cap per tier (or one for all); the disk tier's directory.
+    offload_tiers: tuple[str, ...] = ()
+    offload_bytes: tuple[int, ...] = ()
+    offload_dir: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_offload()
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.cache_memory_bytes <= 0:
@@ -567,6 +573,28 @@ class CacheConfig:
             raise ConfigError("num_blocks must be >= 1")
         if self.num_state_slots is not None and self.num_state_slots < 1:
             raise ConfigError("num_state_slots must be >= 1")
+
+    def _check_offload(self) -> None:
+        tiers = tuple(self.offload_tiers)
+        if not tiers:
+            return
+        if tiers not in (("host",), ("disk",), ("host", "disk")):
+            raise ConfigError(f"offload tiers must be host, disk or host,disk, got {tiers}")
+        if not self.enable_prefix_caching:
+            raise ConfigError("offload keeps prefix-cache entries: it needs prefix caching on")
+        if "disk" in tiers and not self.offload_dir:
+            raise ConfigError("the disk offload tier needs a directory (offload_dir)")
+        if len(self.offload_bytes) not in (0, 1, len(tiers)):
+            raise ConfigError(f"give one offload size, or one per tier ({len(tiers)})")
+        if any(b <= 0 for b in self.offload_bytes):
+            raise ConfigError("offload sizes must be positive")
+
+    def offload_capacities(self) -> tuple[int, ...]:
+        """Bytes per offload tier (default: 4 GiB of host memory, 16 GiB of disk)."""
+        given = tuple(self.offload_bytes)
+        if len(given) == 1:
+            given *= len(self.offload_tiers)
+        return given or tuple(4 << 30 if t == "host" else 16 << 30 for t in self.offload_tiers)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kdaserve.cache.ops import CacheOp, OpFailure
+
 
 @dataclass(frozen=True)
 class ScheduledSequence:
@@ -26,6 +28,9 @@ class SchedulerOutput:
     finished: list[str] = field(default_factory=list)   # freed since the last step
     snapshot_requests: list[tuple[str, int, int]] = field(default_factory=list)
     # (request_id, absolute position, snapshot id) to save KDA states at, during this step
+    cache_ops: list[CacheOp] = field(default_factory=list)
+    # offload stores/loads/drops, run in order before the forward (kdaserve/cache/ops.py)
+
     draft_limits: dict[str, int] | None = None
     # speculation: how many drafts to propose for each request's next step (absent: the most)
 
@@ -49,11 +54,14 @@ class SampledToken:
 class ModelRunnerOutput:
     """sampled: the new tokens of each request that sampled (one, or with speculation the
     accepted drafts followed by the correction/bonus token). drafts: proposals to verify next
-    step. dropped_snapshots: planned snapshots whose position was rejected (never written)."""
+    step. dropped_snapshots: planned snapshots whose position was rejected (never written), or
+    whose request was left out of the step (a failed load)."""
 
     sampled: dict[str, list[SampledToken]]
     drafts: dict[str, list[int]] = field(default_factory=dict)
     dropped_snapshots: list[int] = field(default_factory=list)
+    cache_op_failures: list[OpFailure] = field(default_factory=list)
+    # entries that failed to store or load; a failed load's request was left out of the step
 
 
 @dataclass

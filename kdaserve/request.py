@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kdaserve.structured.spec import GuidedDecoding, GuidedDecodingError
+
 
 class SamplingParamsError(ValueError):
     """An invalid sampling parameter; the message names it (the server maps it to HTTP 400)."""
@@ -20,6 +22,8 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 4096            # all stop strings together
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024            # entries in logit_bias
+LOGIT_BIAS_RANGE = 100.0         # each bias in [-100, 100] (OpenAI's range)
 SAMPLING_EPS = 1e-5              # temperatures below this sample greedily (as vLLM does)
 
 
@@ -53,6 +57,9 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    guided: GuidedDecoding | None = None       # structured outputs (kdaserve/structured)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    prompt_logprobs: int | None = None          # logprobs of each prompt token (top-k extra)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -116,6 +123,34 @@ class SamplingParams:
                                       f"at most {MAX_STOP_TOKEN_IDS} are allowed")
         if any(not _is_int(t) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be integers in [0, {MAX_INT32}]")
+        self._check_extras()
+
+    def _check_extras(self) -> None:
+        if self.guided is not None:
+            if not isinstance(self.guided, GuidedDecoding):
+                raise SamplingParamsError("guided must be a GuidedDecoding")
+            try:
+                self.guided.check()
+            except GuidedDecodingError as exc:
+                raise SamplingParamsError(f"guided: {exc}") from None
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise SamplingParamsError(
+                    f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
+            for tid, bias in self.logit_bias.items():
+                if not _is_int(tid) or not 0 <= tid <= MAX_INT32:
+                    raise SamplingParamsError(f"logit_bias keys must be token ids in "
+                                              f"[0, {MAX_INT32}], got {tid!r}")
+                if (isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias != bias
+                        or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE):
+                    raise SamplingParamsError(f"logit_bias values must be numbers in "
+                                              f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
+                                              f"got {bias!r} for token {tid}")
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs)
+                or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise SamplingParamsError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                                      f"{self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -92,6 +92,10 @@ class _HFBackend:
         self._tok = tokenizers.Tokenizer.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def raw(self) -> tokenizers.Tokenizer:
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         # encode_batch releases the GIL (encode does not), so a long text tokenized in a worker
         # thread leaves the server's event loop running
@@ -184,6 +188,10 @@ class _TiktokenBackend:
             else None
         )
         self.vocab_size = self._enc.n_vocab
+
+    @property
+    def raw(self) -> tiktoken.Encoding:
+        return self._enc
 
     def encode(self, text: str) -> list[int]:
         if self._special_re is None:
@@ -424,6 +432,11 @@ class Tokenizer:
 
     def token_to_id(self, s: str) -> int | None:
         return self._backend.token_to_id(s)
+
+    def raw_backend(self) -> Any:
+        """The `tokenizers.Tokenizer` or `tiktoken.Encoding` underneath (for grammar engines
+        that read the vocabulary themselves)."""
+        return getattr(self._backend, "raw", None)
 
     def id_to_token(self, i: int) -> str | None:
         """Token string; tiktoken tokens use the GPT-2 byte-level alphabet (space -> "Ġ")."""

@@ -1,9 +1,11 @@
 """`kdaserve bench long`: what one request costs as its context grows, hybrid vs all-MLA.
 
-For each context length one greedy request (random prompt tokens, chunked prefill under
-`--max-num-batched-tokens`) runs through the engine in a fresh child process, so each run's peak
-RSS is its own. Reported per run: prefill tok/s, decode TPOT (median step time after the first
-token), the cache the request holds per token (its MLA blocks and KDA slot), peak RSS. The same
+For each context length C one greedy request (C - decode_tokens random prompt tokens, chunked
+prefill under `--max-num-batched-tokens`, then decode_tokens greedy tokens) runs through the
+engine in a fresh child process, so each run's peak RSS is its own. Reported per run: prefill
+tok/s, decode TPOT (median step time after the first token; also in process CPU time, which
+other work on a shared machine cannot stretch), the cache the request holds per token (its MLA
+blocks and KDA slot), RSS before the request (model and cache allocated) and at peak. The same
 model made all-MLA (every layer MLA, random weights: only cost is compared) runs the shorter
 contexts for the comparison of cache bytes and TPOT.
 
@@ -69,44 +71,53 @@ def _rss_mb() -> float:
 
 
 def measure(model_dir: str, context: int, decode_tokens: int, chunk: int, cache_memory: int,
-            seed: int = 0) -> dict:
-    """One request of `context` prompt tokens then `decode_tokens` greedy tokens, timed per
-    engine step in this process."""
+            threads: int = 0, seed: int = 0) -> dict:
+    """One request reaching `context` tokens: context - decode_tokens prompt tokens, then
+    decode_tokens greedy ones (so a 1M context fits a model of 1M positions), timed per engine
+    step in this process."""
     import torch
 
     from kdaserve.engine.llm import LLM
     from kdaserve.request import SamplingParams
 
+    if threads:
+        torch.set_num_threads(threads)
     logging.getLogger("kdaserve").setLevel(logging.WARNING)
-    total = context + decode_tokens
+    total = context
+    n_prompt = context - decode_tokens
     if not cache_memory:  # what this request needs (a bigger pool only adds page-table objects)
         from kdaserve.cache.spec import specs_for
         from kdaserve.model.registry import load_config
 
         latent, state = specs_for(load_config(model_dir), 16, "float32")
         cache_memory = (total + 16) * latent.bytes_per_token + state.bytes_per_slot + (1 << 20)
-    llm = LLM(model_dir, max_model_len=total + 1, cache_memory=cache_memory,
+    llm = LLM(model_dir, max_model_len=total, cache_memory=cache_memory,
               max_num_batched_tokens=chunk, max_num_seqs=1, enable_prefix_caching=False)
     eng = llm.engine
     vocab = eng.model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(3, vocab, (context,), generator=g).tolist()
+    prompt = torch.randint(3, vocab, (n_prompt,), generator=g).tolist()
+    # warm-up: one-time costs (kernel loading, first calls) are not the context's
+    llm.generate([{"prompt_token_ids": prompt[:256]}], SamplingParams(max_tokens=2),
+                 use_tqdm=False)
     rss_before = _rss_mb()
     params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
     eng.add_request("long", prompt, params)
     start = time.perf_counter()
     first = None
     steps: list[float] = []
+    cpu: list[float] = []     # process CPU time per step: what contention cannot stretch
     tokens = 0
     while eng.has_unfinished():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         deltas = eng.step()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         new = sum(len(d.new_token_ids) for d in deltas)
         if first is None and new:
             first = t1 - start
         elif new:
             steps.append(t1 - t0)
+            cpu.append(c1 - c0)
         tokens += new
     plan = eng.plan
     held = plan.request_bytes(total)
@@ -114,8 +125,10 @@ def measure(model_dir: str, context: int, decode_tokens: int, chunk: int, cache_
         "context": context, "layers_mla": len(eng.model.config.mla_layers),
         "layers": eng.model.config.num_hidden_layers, "completed": tokens == decode_tokens,
         "prefill_s": round(first or 0.0, 3),
-        "prefill_tok_s": round(context / first, 1) if first else None,
+        "prompt_tokens": n_prompt,
+        "prefill_tok_s": round(n_prompt / first, 1) if first else None,
         "tpot_ms": round(statistics.median(steps) * 1e3, 3) if steps else None,
+        "tpot_cpu_ms": round(statistics.median(cpu) * 1e3, 3) if cpu else None,
         "cache_bytes": held, "cache_bytes_per_token": round(held / total, 1),
         "rss_before_mb": round(rss_before, 1),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -125,7 +138,8 @@ def measure(model_dir: str, context: int, decode_tokens: int, chunk: int, cache_
 
 def _run_child(model_dir: Path, context: int, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "kdaserve.bench.long", "--child", str(model_dir), str(context),
-           str(args.decode_tokens), str(args.max_num_batched_tokens), str(args.cache_memory)]
+           str(args.decode_tokens), str(args.max_num_batched_tokens), str(args.cache_memory),
+           str(args.threads)]
     if not args.json:
         print(f"... {model_dir.name} at {context} tokens", file=sys.stderr, flush=True)
     out = subprocess.run(cmd, check=False, capture_output=True, text=True)
@@ -146,8 +160,10 @@ def summarize(hybrid: list[dict], all_mla: list[dict]) -> dict:
     longest = both[-1] if both else None
     one_m = by.get(1 << 20, {})
     tpot = {c: r.get("tpot_ms") for c, r in by.items()}
+    cpu = {c: r.get("tpot_cpu_ms") for c, r in by.items()}
     return {
         "tpot_ratio_128k_1k": _ratio(tpot.get(131072), tpot.get(1024)),
+        "tpot_cpu_ratio_128k_1k": _ratio(cpu.get(131072), cpu.get(1024)),
         "cache_bytes_ratio_vs_mla": _ratio(by[longest]["cache_bytes"],
                                            mla_by[longest]["cache_bytes"]) if longest else None,
         "cache_bytes_ratio_context": longest,
@@ -158,6 +174,38 @@ def summarize(hybrid: list[dict], all_mla: list[dict]) -> dict:
     }
 
 
+def plot(result: dict, path: str) -> None:
+    """TPOT and memory against context length, hybrid vs all-MLA, as a PNG (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for runs, name, color, marker in ((result["hybrid"], "hybrid", "C0", "o"),
+                                      (result["all_mla"], "all-MLA", "C1", "s")):
+        ok = [r for r in runs if r.get("completed")]
+        ctx = [r["context"] for r in ok]
+        ax_t.plot(ctx, [r["tpot_ms"] for r in ok], marker + "-", color=color, label=name)
+        if all(r.get("tpot_cpu_ms") for r in ok):
+            ax_t.plot(ctx, [r["tpot_cpu_ms"] for r in ok], marker + ":", color=color,
+                      label=f"{name} (CPU time)")
+        ax_m.plot(ctx, [r["cache_bytes"] / 2**20 for r in ok], marker + "-", color=color,
+                  label=f"{name} cache held")
+        ax_m.plot(ctx, [r["peak_rss_mb"] for r in ok], marker + ":", color=color,
+                  label=f"{name} peak RSS")
+    for ax, title in ((ax_t, "decode TPOT (ms)"), (ax_m, "memory (MiB, log)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_m.set_yscale("log")
+    fig.suptitle(f"kdaserve bench long: {result['model']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="model directory (default: a tiny random hybrid for 1M positions)")
@@ -166,11 +214,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mla-contexts", default=",".join(map(str, MLA_CONTEXTS)),
                    help="prompt lengths of the all-MLA variant, '' for none "
                         "(default: %(default)s)")
-    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--decode-tokens", type=int, default=64,
+                   help="greedy tokens after the prompt; TPOT is their median step time")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="prefill chunk (engine step token budget)")
     p.add_argument("--cache-memory", type=int, default=0,
                    help="cache budget in bytes (default: what each request needs)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads of each run (default: torch's); 1 keeps timings steady on "
+                        "a machine shared with other work")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also draw TPOT and memory against context length (needs matplotlib)")
+    p.add_argument("--from-json", default=None, metavar="FILE",
+                   help="no runs: plot (--plot) the result a previous --json run printed")
     p.add_argument("--json", action="store_true", help="print one JSON object only")
 
 
@@ -179,6 +235,12 @@ def _lengths(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_json:
+        with open(args.from_json, encoding="utf-8") as f:
+            result = json.loads(f.read().strip().splitlines()[-1])
+        if args.plot:
+            plot(result, args.plot)
+        return 0
     with tempfile.TemporaryDirectory(prefix="kdaserve-bench-long-") as tmp:
         hybrid_dir = make_model_dir(Path(tmp), args.model, all_mla=False)
         hybrid = [_run_child(hybrid_dir, c, args) for c in _lengths(args.contexts)]
@@ -187,17 +249,20 @@ def run(args: argparse.Namespace) -> int:
             mla_dir = make_model_dir(Path(tmp), args.model, all_mla=True)
             all_mla = [_run_child(mla_dir, c, args) for c in _lengths(args.mla_contexts)]
     result = {"model": args.model or "bench tiny hybrid (kdaserve.bench.long.bench_config)",
+              "threads": args.threads or None,
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "decode_tokens": args.decode_tokens, **summarize(hybrid, all_mla),
               "hybrid": hybrid, "all_mla": all_mla}
     print(json.dumps(result, indent=None if args.json else 2))
+    if args.plot:
+        plot(result, args.plot)
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--child":
+    if len(sys.argv) == 8 and sys.argv[1] == "--child":
         model_dir, *nums = sys.argv[2:]
-        ctx, dec, chunk, mem = map(int, nums)
-        print(json.dumps(measure(model_dir, ctx, dec, chunk, mem)))
+        ctx, dec, chunk, mem, threads = map(int, nums)
+        print(json.dumps(measure(model_dir, ctx, dec, chunk, mem, threads)))
         raise SystemExit(0)
     raise SystemExit("run it as `kdaserve bench long`")

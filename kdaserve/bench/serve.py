@@ -69,6 +69,9 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="bearer key (default: $KDASERVE_API_KEY)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="per-request timeout in seconds (default: %(default)s)")
+    p.add_argument("--structured", choices=("json_schema",), default=None,
+                   help="run the load twice, without and with a response_format JSON schema, "
+                        "and report both TPOTs and the grammar's share")
     p.add_argument("--json", action="store_true",
                    help="print only one JSON object with the results")
 
@@ -95,15 +98,22 @@ def random_prompt(num_words: int, rng: random.Random) -> str:
     return " ".join(rng.choice(vocab) for _ in range(num_words))
 
 
+# --structured json_schema: a schema that keeps the grammar active for the whole output
+BENCH_SCHEMA = {"type": "object", "properties": {
+    "lines": {"type": "array", "items": {"type": "string", "maxLength": 48}}},
+    "required": ["lines"]}
+
+
 async def _one(client: openai.AsyncOpenAI, model: str, prompt: str,
-               max_tokens: int) -> RequestResult:
+               max_tokens: int, extra: dict[str, Any] | None = None) -> RequestResult:
     start = time.perf_counter()
     last = start
     result = RequestResult(ok=False)
     try:
         stream = await client.completions.create(
             model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True,
+                                                                 **(extra or {})})
         got_first = False
         async for chunk in stream:
             now = time.perf_counter()
@@ -154,6 +164,18 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]
 
 
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
+    if args.structured is None:
+        return await _bench_once(args, None)
+    plain = await _bench_once(args, None)
+    fmt = {"type": "json_schema", "json_schema": {"name": "bench", "schema": BENCH_SCHEMA}}
+    guided = await _bench_once(args, {"response_format": fmt})
+    without, with_ = plain["mean_tpot_ms"], guided["mean_tpot_ms"]
+    return {**guided, "structured": args.structured, "errors": plain["errors"] + guided["errors"],
+            "mean_tpot_without_grammar_ms": without, "mean_tpot_with_grammar_ms": with_,
+            "grammar_tpot_overhead_pct": 100.0 * (with_ - without) / without if without else 0.0}
+
+
+async def _bench_once(args: argparse.Namespace, extra: dict[str, Any] | None) -> dict[str, Any]:
     rng = random.Random(args.seed)
     client = openai.AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1",
                                 api_key=args.api_key or "EMPTY", max_retries=0,
@@ -166,7 +188,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         tasks = []
         start = time.perf_counter()
         for prompt, max_tokens in zip(prompts, out_lens):
-            tasks.append(asyncio.create_task(_one(client, model, prompt, max_tokens)))
+            tasks.append(asyncio.create_task(_one(client, model, prompt, max_tokens, extra)))
             if math.isfinite(args.request_rate):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)

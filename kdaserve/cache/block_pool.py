@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -21,6 +22,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, Block] = {}
+        # told before a cached block's content is given up (reused or forgotten), while it is
+        # still intact: the offload tier stores it from there
+        self.on_evict: Callable[[Block], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -40,12 +44,15 @@ class BlockPool:
         for _ in range(n):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
-                self._uncache(block)
+                self.forget(block)
             block.ref_cnt = 1
             out.append(block)
         return out
 
-    def _uncache(self, block: Block) -> None:
+    def forget(self, block: Block) -> None:
+        """Drop a block's hash: its content is no longer findable (evicted)."""
+        if self.on_evict is not None:
+            self.on_evict(block)
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
         block.block_hash = None

@@ -1,6 +1,8 @@
 """The facade the scheduler calls: block tables (MLA pages) and state slots (KDA) per request.
 
-Plain Python over ids and counts; the runner owns the tensors these ids index.
+Plain Python over ids and counts; the runner owns the tensors these ids index. With offload
+tiers, evictions from the device pools become store operations and prefix hits that reach into
+a tier become load operations (see offload.py); `take_ops` hands them to the step.
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kdaserve.cache.block_pool import Block, BlockPool
+from kdaserve.cache.offload import Offload
+from kdaserve.cache.ops import BLOCK, SNAPSHOT, CacheOp, OpFailure
 from kdaserve.cache.prefix_cache import PrefixHit, Snapshot, SnapshotPool, block_hashes, placement
 from kdaserve.cache.state_pool import StatePool
 
@@ -36,7 +40,7 @@ class CacheManager:
     def __init__(self, num_blocks: int, block_size: int, num_slots: int, *,
                  enable_prefix_caching: bool = False, num_snapshots: int = 0,
                  snapshot_bytes: int = 0, mla_bytes_per_token: int = 0,
-                 snapshot_interval: int = 512) -> None:
+                 snapshot_interval: int = 512, offload: Offload | None = None) -> None:
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks)
         self.state_pool = StatePool(num_slots)
@@ -48,10 +52,64 @@ class CacheManager:
         self.stats = CacheStats()
         self.step = 0
         self._protect: set[int] = set()
+        self._promoted: dict[str, Snapshot] = {}     # this step: tier snapshots brought back
+        self.offload = offload if enable_prefix_caching else None
+        if self.offload is not None:
+            self._wire(self.offload)
+
+    def _wire(self, off: Offload) -> None:
+        cached = lambda h: self.block_pool.lookup(h) is not None  # noqa: E731
+        self.block_pool.on_evict = lambda b: off.store_block(b.block_id, b.block_hash)
+        self.snapshots.on_evict = lambda s: off.store_snapshot(
+            s.snapshot_id, s.prefix_hash, s.position, s.chain, s.hits, cached)
+        off.device_leads = self.snapshots.leads_to_snapshot
+        off.on_orphans = self._demote_device
 
     def begin_step(self) -> None:
         self.step += 1
         self._protect = set()
+        self._promoted = {}
+        if self.offload is not None:
+            self.offload.begin_step(self.step)
+
+    # ---- cache operations -----------------------------------------------------------------
+    def take_ops(self) -> list[CacheOp]:
+        """The operations decided since the last call, in the order they must run."""
+        return self.offload.take_ops() if self.offload is not None else []
+
+    def settle(self, failures: list[OpFailure]) -> set[str]:
+        """The runner could not carry out these operations: the entries leave their tiers.
+        Returns the requests whose loads failed (the scheduler recomputes them)."""
+        if self.offload is not None and failures:
+            self.offload.settle(failures)
+        failed = {f.request_id for f in failures if f.request_id is not None}
+        for rid in failed:      # its snapshot never reached the device: never let a hit see it
+            snap = self._promoted.pop(rid, None)
+            if snap is not None and self.snapshots.by_id.get(snap.snapshot_id) is snap:
+                self._demote(self.snapshots.drop(snap))
+        return failed
+
+    def flush(self, drop_device: bool = False) -> list[CacheOp]:
+        """Store every device entry worth keeping in the tiers (at shutdown, so the disk tier
+        holds what the device held). `drop_device` also forgets the device copies of entries no
+        request holds, so the next hit is served from a tier (benchmarks, tests)."""
+        off = self.offload
+        if off is None:
+            return []
+        cached = lambda h: self.block_pool.lookup(h) is not None  # noqa: E731
+        for snap in list(self.snapshots.by_hash.values()):
+            off.store_snapshot(snap.snapshot_id, snap.prefix_hash, snap.position, snap.chain,
+                               snap.hits, cached)
+        for h, block in list(self.block_pool.cached.items()):
+            off.store_block(block.block_id, h)
+        if drop_device:
+            for snap in list(self.snapshots.by_hash.values()):
+                if snap.snapshot_id not in self._protect:
+                    self._demote(self.snapshots.drop(snap))
+            for block in list(self.block_pool.cached.values()):
+                if block.ref_cnt == 0:
+                    self.block_pool.forget(block)
+        return off.take_ops()
 
     # ---- queries --------------------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
@@ -82,64 +140,144 @@ class CacheManager:
     # ---- changes --------------------------------------------------------------------------
     def allocate(self, request_id: str, num_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make the request hold room for `num_tokens` tokens in total and a state slot, reusing
-        the blocks of `hit` (a fresh request's prefix hit). All or nothing: on False nothing
-        changed."""
+        the blocks of `hit` (a fresh request's prefix hit; blocks and a snapshot found only in
+        an offload tier get fresh device blocks / the slot, and load operations). All or
+        nothing: on False nothing changed."""
         held = self._held.get(request_id)
         need_slot = held is None or held.slot is None
-        hit_blocks = [self.block_pool.lookup(h) for h in hit.block_hashes] if hit else []
-        if any(b is None for b in hit_blocks):
+        hit = hit if held is None else None
+        hit_blocks = self._hit_blocks(hit)
+        if hit_blocks is None:
             return False
-        have = len(held.blocks) if held is not None else len(hit_blocks)
+        device_hit = [b for b in hit_blocks if b is not None]
+        have = len(held.blocks) if held is not None else len(device_hit)
         need_blocks = max(0, -(-num_tokens // self.block_size) - have)
-        free_after_touch = self.block_pool.num_free - sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        free_after_touch = self.block_pool.num_free - sum(1 for b in device_hit if b.ref_cnt == 0)
         if need_blocks > free_after_touch or (need_slot and not self.state_pool.num_free):
             return False
         if held is None:
             held = self._held[request_id] = _Holding()
             if hit is not None:
-                self.stats.queries += 1
-                self.stats.query_tokens += hit.num_query_tokens
-                self.stats.hits += bool(hit.num_tokens)
-                self.stats.hit_tokens += hit.num_tokens
-            if hit_blocks:
-                self.block_pool.touch(hit_blocks)
-                held.blocks.extend(hit_blocks)
-                held.block_ids.extend(b.block_id for b in hit_blocks)
-                held.num_cached_blocks = len(hit_blocks)
-                held.hashes = list(hit.block_hashes)
-                if hit.snapshot is not None:
-                    hit.snapshot.hits += 1
-                    hit.snapshot.last_use = self.step
-                    self._protect.add(hit.snapshot.snapshot_id)
-            if hit is not None and hit.cached_mla_tokens > hit.num_tokens:
-                held.branch = hit.cached_mla_tokens
+                self._take_hit(held, hit, device_hit)
         if need_slot:
             held.slot = self.state_pool.allocate()
-        if need_blocks:
-            fresh = self.block_pool.allocate(need_blocks)
-            held.blocks.extend(fresh)
-            held.block_ids.extend(b.block_id for b in fresh)
+        fresh = self.block_pool.allocate(need_blocks) if need_blocks else []
+        if hit is not None and hit.block_hashes:
+            fresh = self._place_hit(request_id, held, hit, hit_blocks, fresh)
+        held.blocks.extend(fresh)
+        held.block_ids.extend(b.block_id for b in fresh)
         return True
+
+    def _hit_blocks(self, hit: PrefixHit | None) -> list[Block | None] | None:
+        """The hit's device blocks in order (None where only a tier holds it), or None when
+        some entry is gone."""
+        if hit is None:
+            return []
+        out: list[Block | None] = []
+        for i, h in enumerate(hit.block_hashes):
+            if i in hit.tier_blocks:
+                if self.offload is None or not self.offload.holds(BLOCK, h):
+                    return None
+                out.append(None)
+            else:
+                block = self.block_pool.lookup(h)
+                if block is None:
+                    return None
+                out.append(block)
+        if hit.tier_snapshot and (self.offload is None or not self.offload.holds(
+                SNAPSHOT, hit.block_hashes[-1])):
+            return None
+        return out
+
+    def _take_hit(self, held: _Holding, hit: PrefixHit, device_hit: list[Block]) -> None:
+        self.stats.queries += 1
+        self.stats.query_tokens += hit.num_query_tokens
+        self.stats.hits += bool(hit.num_tokens)
+        self.stats.hit_tokens += hit.num_tokens
+        if device_hit:
+            self.block_pool.touch(device_hit)
+        if hit.snapshot is not None:
+            hit.snapshot.hits += 1
+            hit.snapshot.last_use = self.step
+            self._protect.add(hit.snapshot.snapshot_id)
+        if hit.cached_mla_tokens > hit.num_tokens:
+            held.branch = hit.cached_mla_tokens
+        if self.offload is not None:
+            for c in self.offload.counters.values():
+                c.queries += 1
+            # entries about to be loaded must survive the tier evictions that this step's
+            # device evictions (stores) may cause
+            for i in hit.tier_blocks:
+                self.offload.protect(BLOCK, hit.block_hashes[i])
+            if hit.tier_snapshot:
+                self.offload.protect(SNAPSHOT, hit.block_hashes[-1])
+
+    def _place_hit(self, request_id: str, held: _Holding, hit: PrefixHit,
+                   hit_blocks: list[Block | None], fresh: list[Block]) -> list[Block]:
+        """The hit's blocks in order (tier ones in fresh blocks, with their loads), and a tier
+        snapshot loaded into the slot. Returns the fresh blocks left over."""
+        rest = iter(fresh)
+        used = set()
+        for h, block in zip(hit.block_hashes, hit_blocks):
+            if block is None:
+                assert self.offload is not None
+                block = next(rest)
+                used.add(self.offload.load_block(h, block.block_id, request_id))
+            held.blocks.append(block)
+            held.block_ids.append(block.block_id)
+        if hit.tier_snapshot:
+            assert self.offload is not None and held.slot is not None
+            used.add(self.offload.load_state(hit.block_hashes[-1], held.slot, request_id))
+            self._promote(request_id, held.slot, hit)
+        for name in used:
+            self.offload.counters[name].hits += 1
+            self.offload.counters[name].hit_tokens += hit.num_tokens
+        held.hashes = list(hit.block_hashes)
+        # loaded blocks become findable on the device only once their step ran (commit): a
+        # load that fails verification must never be found there
+        held.num_cached_blocks = min(hit.tier_blocks, default=len(hit_blocks))
+        return list(rest)
+
+    def _promote(self, request_id: str, slot: int, hit: PrefixHit) -> None:
+        """Bring a tier snapshot back into the device pool (copied from the slot it was just
+        loaded into), so the next hit on this prefix restores it from the device."""
+        snap, orphans = self.snapshots.reserve(hit.block_hashes[-1], hit.num_tokens,
+                                               hit.block_hashes, self.step, self._protect)
+        self._demote(orphans)
+        if snap is not None:
+            assert self.offload is not None
+            self._protect.add(snap.snapshot_id)
+            self._promoted[request_id] = snap
+            self.offload.keep_state(slot, snap.snapshot_id, request_id)
 
     # ---- prefix caching -------------------------------------------------------------------
     def find_hit(self, tokens: list[int], extra_keys: tuple = (),
                  cache_salt: str | None = None) -> PrefixHit | None:
         """Longest prefix that is MLA-cached and ends at a ready snapshot (at least one token is
-        left to compute, for the logits)."""
+        left to compute, for the logits), looking through the device pools and every offload
+        tier: the blocks and the snapshot may each sit anywhere."""
         if not self.prefix_caching:
             return None
         hashes = block_hashes(tokens, self.block_size, extra_keys, cache_salt)
+        off = self.offload
         best = cached = 0
         snap = None
+        tier_snap = False
+        tiered = []
         for i in range((len(tokens) - 1) // self.block_size):
-            if self.block_pool.lookup(hashes[i]) is None:
-                break
+            h = hashes[i]
+            if self.block_pool.lookup(h) is None:
+                if off is None or not off.holds(BLOCK, h):
+                    break
+                tiered.append(i)
             cached = i + 1
-            s = self.snapshots.lookup(hashes[i], self.step)
+            s = self.snapshots.lookup(h, self.step)
             if s is not None:
-                best, snap = i + 1, s
+                best, snap, tier_snap = i + 1, s, False
+            elif off is not None and off.holds(SNAPSHOT, h):
+                best, snap, tier_snap = i + 1, None, True
         return PrefixHit(best * self.block_size, hashes[:best], snap, cached * self.block_size,
-                         len(tokens))
+                         len(tokens), frozenset(i for i in tiered if i < best), tier_snap)
 
     def plan_snapshots(self, request_id: str, tokens: list[int], num_prompt: int, start: int,
                        end: int, extra_keys: tuple = (), cache_salt: str | None = None,
@@ -208,10 +346,22 @@ class CacheManager:
             self._demote(self.snapshots.drop(old))
         held.decode_snapshot = snap
 
+    def _leads(self, block_hash: bytes) -> bool:
+        """The block leads to a snapshot somewhere (device or tier): it can still give a hit."""
+        if self.offload is not None:
+            return self.offload.leads(block_hash)
+        return self.snapshots.leads_to_snapshot(block_hash)
+
     def _demote(self, orphan_hashes: list[bytes]) -> None:
+        """Device snapshots were dropped: blocks that lead to none any more go first."""
+        self._demote_device(orphan_hashes)
+        if self.offload is not None:
+            self.offload.demote(orphan_hashes)
+
+    def _demote_device(self, orphan_hashes: list[bytes]) -> None:
         for h in orphan_hashes:
             block = self.block_pool.lookup(h)
-            if block is not None:
+            if block is not None and not self._leads(h):
                 self.block_pool.demote(block)
 
     def free(self, request_id: str) -> None:
@@ -223,7 +373,7 @@ class CacheManager:
         tail_first = list(reversed(held.blocks))
         self.block_pool.free(tail_first)
         for b in tail_first:
-            if b.block_hash is None or not self.snapshots.leads_to_snapshot(b.block_hash):
+            if b.block_hash is None or not self._leads(b.block_hash):
                 self.block_pool.demote(b)
         if held.slot is not None:
             self.state_pool.free(held.slot)

@@ -22,6 +22,7 @@ broken by least recent use. A block chain past its last snapshot cannot produce 
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import xxhash
@@ -79,6 +80,8 @@ class SnapshotPool:
         self.by_id: dict[int, Snapshot] = {}
         self.downstream: dict[bytes, int] = {}   # block hash -> snapshots at/after it
         self.evictions = 0
+        # told before an evicted snapshot's id is reused (the offload tier stores it)
+        self.on_evict: Callable[[Snapshot], None] | None = None
 
     @property
     def num_used(self) -> int:
@@ -108,6 +111,8 @@ class SnapshotPool:
             if not victims:
                 return None, []
             victim = min(victims, key=lambda s: (self.value(s), s.last_use))
+            if self.on_evict is not None:
+                self.on_evict(victim)
             orphans = self.drop(victim)
         snap = Snapshot(self._free.pop(), prefix_hash, position, last_use=step,
                         ready_step=step + 1, chain=list(chain))
@@ -141,9 +146,13 @@ class SnapshotPool:
 class PrefixHit:
     num_tokens: int                 # tokens whose MLA blocks and KDA state are reused
     block_hashes: list[bytes]       # the hit blocks, in order
-    snapshot: Snapshot | None
+    snapshot: Snapshot | None       # a device snapshot (restored into the slot)
     cached_mla_tokens: int          # how far the MLA blocks alone are cached (branch signal)
     num_query_tokens: int = 0
+    # offload tiers: which hit blocks sit only in a tier (loaded into fresh device blocks),
+    # and whether the snapshot does (loaded straight into the slot; `snapshot` is then None)
+    tier_blocks: frozenset[int] = frozenset()
+    tier_snapshot: bool = False
 
 
 def placement(position_range: tuple[int, int], num_prompt: int, block_size: int,

@@ -132,6 +132,8 @@ class EngineStatsSnapshot(msgspec.Struct):
     spec_verifications: int = 0    # decode rows that verified drafts
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # offload tiers: tier name -> counters (see kdaserve.engine.cache_ops.offload_stats)
+    offload: dict[str, dict[str, float]] = {}
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply"):
@@ -265,6 +267,8 @@ class _EngineLoop:
             self._send(AddFailed(cmd.request_id, _describe(exc), invalid_input=False))
 
     def _stats(self) -> EngineStatsSnapshot:
+        from kdaserve.engine.cache_ops import offload_stats   # torch: in the engine process
+
         core, cache = self.core, self.core.cache
         cs = cache.stats
         return EngineStatsSnapshot(
@@ -279,7 +283,8 @@ class _EngineLoop:
             preemptions=core.stats.preemptions, steps=core.stats.steps,
             spec_verifications=core.scheduler.num_verify_rows,
             spec_draft_tokens=core.scheduler.num_draft_tokens,
-            spec_accepted_tokens=core.scheduler.num_accepted_tokens)
+            spec_accepted_tokens=core.scheduler.num_accepted_tokens,
+            offload=offload_stats(cache.offload, core.runner.cache_ops))
 
 
 # ---- the client, in the server's event loop ---------------------------------------------------

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import torch
 
+from kdaserve.cache.identity import cache_layout, offload_identity
 from kdaserve.cache.manager import CacheManager
 from kdaserve.cache.planner import CachePlan, plan_cache
 from kdaserve.cache.spec import specs_for
 from kdaserve.config import EngineConfig, SchedulerConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
+from kdaserve.engine.cache_ops import OffloadSetup, open_offload
 from kdaserve.engine.runner import ModelRunner
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
@@ -23,6 +25,7 @@ from kdaserve.model.loader import load_model
 from kdaserve.ops.host_memory import tune_host_allocator
 from kdaserve.outputs import RequestDelta
 from kdaserve.request import Request, RequestStatus, SamplingParams, child_seed
+from kdaserve.structured.manager import StructuredOutputs
 from kdaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kdaserve")
@@ -98,17 +101,21 @@ class EngineCore:
         if max_len != sched.max_model_len:
             sched = SchedulerConfig(**{**sched.__dict__, "max_model_len": max_len})
         self.max_model_len = sched.max_model_len
+        tiers = open_tiers(config, cfg, latent, state, chunk, device)
         self.cache = CacheManager(
             self.plan.num_blocks, self.plan.block_size, self.plan.num_state_slots,
             enable_prefix_caching=cc.enable_prefix_caching, num_snapshots=self.plan.num_snapshots,
             snapshot_bytes=state.bytes_per_slot, mla_bytes_per_token=latent.bytes_per_token,
-            snapshot_interval=cc.state_snapshot_interval)
+            snapshot_interval=cc.state_snapshot_interval,
+            offload=tiers.offload if tiers else None)
         self.scheduler = Scheduler(sched, self.cache)
         spec = config.speculative
         if spec is not None and spec.adaptive:
             self.scheduler.spec_policy = AdaptiveSpeculation(spec.num_speculative_tokens)
         self.runner = ModelRunner(model, self.plan, device, seed=config.seed,
-                                  proposer=build_proposer(config, model, device, self.plan))
+                                  proposer=build_proposer(config, model, device, self.plan),
+                                  stores=tiers.stores if tiers else None,
+                                  structured=StructuredOutputs(tokenizer, cfg.vocab_size))
         self.eos_ids = frozenset(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}
         self._children: dict[str, list[str]] = {}
@@ -128,6 +135,10 @@ class EngineCore:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        if params.guided is not None:    # compiled (and cached) now: a bad spec is a 400
+            self.runner.structured.validate(params.guided)
         children = []
         for i in range(params.n):
             child_params = params
@@ -165,6 +176,19 @@ class EngineCore:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    # ---- offload tiers -----------------------------------------------------------------------
+    def flush_cache(self, drop_device: bool = False) -> None:
+        """Copy the device prefix cache into the offload tiers now (see CacheManager.flush)."""
+        ops = self.cache.flush(drop_device)
+        if ops:
+            self.cache.settle(self.runner.cache_ops.run(ops))
+            self.runner.cache_ops.run(self.cache.take_ops())   # drops of failed entries
+
+    def close(self) -> None:
+        """Before the engine goes away: what the device cache holds goes to the offload tiers,
+        so a restarted engine finds it in the disk tier."""
+        self.flush_cache()
+
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         """One engine step. A failure inside it is isolated to its request: the step's requests
@@ -181,6 +205,9 @@ class EngineCore:
         return deltas
 
     def _on_step_failure(self, out, exc: Exception) -> list[RequestDelta]:
+        # snapshots planned for the failed step may never have been written: never let a hit
+        # (or an offload tier) take them
+        self.cache.drop_snapshots([sid for _, _, sid in out.snapshot_requests])
         ids = [s.request_id for s in out.sequences if s.request_id in self.scheduler.requests]
         if not ids:
             raise exc
@@ -271,6 +298,25 @@ class EngineCore:
         kids = self._children.get(tr.parent)
         if kids is not None and all(k not in self._tracked for k in kids):
             del self._children[tr.parent]
+
+
+def open_tiers(config: EngineConfig, cfg, latent, state, chunk: int,
+               device: torch.device) -> OffloadSetup | None:
+    cc = config.cache
+    if not cc.offload_tiers:
+        return None
+    identity = None
+    if "disk" in cc.offload_tiers:
+        if not config.model:
+            raise ValueError("the disk offload tier needs a model directory")
+        identity = offload_identity(config.model, cache_layout(
+            cfg, cc.block_size, config.dtype, chunk, device.type))
+    setup = open_offload(cc.offload_tiers, cc.offload_capacities(), cc.offload_dir, identity,
+                         latent.bytes_per_block, state.bytes_per_slot, latent.bytes_per_token,
+                         device)
+    logger.info("kdaserve offload: %s", ", ".join(
+        f"{t.name} {t.capacity / 2**30:.2f} GiB" for t in setup.offload.tiers))
+    return setup
 
 
 def build_proposer(config: EngineConfig, model: HybridForCausalLM,

@@ -28,15 +28,24 @@ class LLM:
                  state_snapshot_budget: int | None = None,
                  state_snapshot_interval: int = 512,
                  speculative_method: str | None = None, num_speculative_tokens: int = 7,
-                 speculative_model: str | None = None,
-                 speculative_adaptive: bool = True) -> None:
+                 speculative_model: str | None = None, speculative_adaptive: bool = True,
+                 offload: str | Sequence[str] | None = None,
+                 offload_bytes: int | Sequence[int] | None = None,
+                 offload_dir: str | None = None) -> None:
+        """`offload`: "host", "disk" or "host,disk" (evicted prefix-cache entries go there);
+        `offload_bytes`: one cap, or one per tier; `offload_dir`: the disk tier's directory."""
+        tiers = tuple(t.strip() for t in (offload.split(",") if isinstance(offload, str)
+                                          else offload or ()) if t.strip())
+        caps = (offload_bytes,) if isinstance(offload_bytes, int) else tuple(offload_bytes or ())
         path = str(model) if model is not None else str(default_model_path())
         self.config = EngineConfig(
             model=path, dtype=dtype, device=device, kda_chunk_size=kda_chunk_size, seed=seed,
             cache=CacheConfig(block_size=block_size, cache_memory_bytes=cache_memory,
                               num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                               state_snapshot_budget_bytes=state_snapshot_budget,
-                              state_snapshot_interval=state_snapshot_interval),
+                              state_snapshot_interval=state_snapshot_interval,
+                              offload_tiers=tiers, offload_bytes=caps,
+                              offload_dir=str(offload_dir) if offload_dir else None),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
@@ -50,6 +59,11 @@ class LLM:
         self.engine = EngineCore(self.config, progress=True)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Hand what the device cache holds to the offload tiers (the disk tier keeps it for
+        the next run). The engine stays usable."""
+        self.engine.close()
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

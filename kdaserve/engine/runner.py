@@ -9,10 +9,12 @@ rejected positions stay in the pages, past the request's computed length, and ar
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from kdaserve.cache.planner import CachePlan
+from kdaserve.engine.cache_ops import CacheOpRunner, Store
 from kdaserve.engine.sampler import SamplingRow, sample
 from kdaserve.engine.spec.proposer import Proposal, ProposalInput, Proposer
 from kdaserve.engine.spec.rejection import VerifyRow, verify
@@ -21,17 +23,24 @@ from kdaserve.model.base import HybridForCausalLM
 from kdaserve.outputs import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
 from kdaserve.request import Request
 
+if TYPE_CHECKING:
+    from kdaserve.structured.manager import StructuredOutputs
+
 
 class ModelRunner:
     def __init__(self, model: HybridForCausalLM, plan: CachePlan,
                  device: torch.device | str = "cpu", seed: int = 0,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None,
+                 stores: Mapping[str, Store] | None = None,
+                 structured: StructuredOutputs | None = None) -> None:
         self.model = model
+        self.structured = structured      # grammar masks (structured outputs)
         self.device = torch.device(device)
         self.cfg = model.config
         self.cache = HybridCache.allocate(self.cfg, plan.num_blocks, plan.block_size,
                                           plan.num_state_slots, model.dtype, self.device,
                                           num_snapshots=plan.num_snapshots)
+        self.cache_ops = CacheOpRunner(self.cache, stores or {})   # offload tiers
         self.seed = seed
         self.proposer = proposer
         self._generators: dict[str, torch.Generator] = {}
@@ -65,9 +74,18 @@ class ModelRunner:
         for rid in out.finished:
             self._generators.pop(rid, None)
             self._draft_probs.pop(rid, None)
-        if out.is_empty:
-            return ModelRunnerOutput(sampled={})
-        seqs, num_decode = self.order(out.sequences)
+            if self.structured is not None:
+                self.structured.forget(rid)
+        failures = self.cache_ops.run(out.cache_ops) if out.cache_ops else []
+        # a request whose tier entry failed verification sits this step out (recomputed later)
+        lost = {f.request_id for f in failures if f.request_id is not None}
+        lost_snaps = [sid for rid, _, sid in out.snapshot_requests if rid in lost]
+        snap_reqs = [r for r in out.snapshot_requests if r[0] not in lost]
+        keep = [s for s in out.sequences if s.request_id not in lost]
+        if not keep:
+            return ModelRunnerOutput(sampled={}, dropped_snapshots=lost_snaps,
+                                     cache_op_failures=failures)
+        seqs, num_decode = self.order(keep)
         restores = [(s.state_slot, s.restore_snapshot) for s in seqs
                     if s.restore_snapshot is not None]
         if restores:
@@ -75,10 +93,8 @@ class ModelRunner:
                                torch.tensor([r[1] for r in restores], device=self.device))
         row = {s.request_id: i for i, s in enumerate(seqs)}
         speculating = {s.request_id for s in seqs if s.num_draft_tokens}
-        snaps = [(row[rid], pos, sid) for rid, pos, sid in out.snapshot_requests
-                 if rid not in speculating]
-        spec_snaps = [(row[rid], pos, sid) for rid, pos, sid in out.snapshot_requests
-                      if rid in speculating]
+        snaps = [(row[rid], pos, sid) for rid, pos, sid in snap_reqs if rid not in speculating]
+        spec_snaps = [(row[rid], pos, sid) for rid, pos, sid in snap_reqs if rid in speculating]
         lens = [len(s.token_ids) for s in seqs]
         wanted, starts, pos = [], [], 0
         for s, n in zip(seqs, lens):
@@ -99,8 +115,13 @@ class ModelRunner:
                            device=self.device)
         self.num_forward_tokens += len(ids)
         capture = self.proposer.capture_layers if self.proposer is not None else ()
+        # grammar masks are computed on a worker thread while the model runs
+        masks = self.structured.prepare(seqs, requests) if self.structured is not None else None
         logits, captured = self.model(ids, fb, capture_layers=capture)
-        sampled = self._sample(seqs, logits.cpu(), requests)
+        sampled = self._sample(seqs, logits.cpu(), requests,
+                               masks.result() if masks is not None else None)
+        if masks is not None:
+            self.structured.advance(sampled)
         valid = [len(sampled[s.request_id]) if s.num_draft_tokens else n
                  for s, n in zip(seqs, lens)]
         dropped = self._settle_speculation(fb, seqs, valid, spec_snaps)
@@ -112,15 +133,21 @@ class ModelRunner:
                 seqs, valid, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()},
                 requests, fb, hidden, rows, out.draft_limits))
             drafts = self._keep_proposals(props)
-        return ModelRunnerOutput(sampled=sampled, drafts=drafts, dropped_snapshots=dropped)
+        return ModelRunnerOutput(sampled=sampled, drafts=drafts,
+                                 dropped_snapshots=dropped + lost_snaps,
+                                 cache_op_failures=failures)
 
     def _sampling_row(self, req: Request) -> SamplingRow:
         return SamplingRow(req.request_id, req.sampling_params, req.prompt_token_ids,
                            req.output_token_ids, self._generator(req))
 
     def _sample(self, seqs: list[ScheduledSequence], logits: torch.Tensor,
-                requests: Mapping[str, Request]) -> dict[str, list[SampledToken]]:
-        """logits: the wanted rows in forward order (all positions of verify rows)."""
+                requests: Mapping[str, Request],
+                masks: Mapping[str, torch.Tensor] | None = None,
+                ) -> dict[str, list[SampledToken]]:
+        """logits: the wanted rows in forward order (all positions of verify rows).
+        masks: grammar bitmasks [positions, W] of the constrained requests."""
+        masks = masks or {}
         plain_idx, plain_rows, ver_idx, ver_rows = [], [], [], []
         at = 0
         for s in seqs:
@@ -131,11 +158,14 @@ class ModelRunner:
                 if probs is not None:
                     probs = probs[: s.num_draft_tokens]
                 ver_rows.append(VerifyRow(self._sampling_row(requests[s.request_id]),
-                                          list(s.token_ids[1:]), probs))
+                                          list(s.token_ids[1:]), probs,
+                                          masks.get(s.request_id)))
                 at += n
             elif s.sample:
                 plain_idx.append(at)
                 plain_rows.append(self._sampling_row(requests[s.request_id]))
+                if s.request_id in masks:
+                    plain_rows[-1].bitmask = masks[s.request_id][0]
                 at += 1
         out: dict[str, list[SampledToken]] = {}
         if plain_rows:
@@ -168,6 +198,8 @@ class ModelRunner:
         drafts = {}
         for rid, p in props.items():
             drafts[rid] = p.tokens
+            if self.structured is not None:   # drafts the grammar refuses cannot be accepted
+                drafts[rid] = self.structured.trim_drafts(rid, p.tokens)
             if p.probs is not None:
                 self._draft_probs[rid] = p.probs
             else:

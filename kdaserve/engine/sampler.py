@@ -15,6 +15,7 @@ import torch
 
 from kdaserve.outputs import SampledToken
 from kdaserve.request import SamplingParams
+from kdaserve.structured import bitmask as token_bitmask
 
 
 @dataclass
@@ -26,6 +27,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
+    bitmask: torch.Tensor | None = None     # [W] int32: the tokens a grammar allows here
 
 
 def _penalise(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -47,6 +49,28 @@ def _penalise(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
             logits[i] = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty,
                                                       row * p.repetition_penalty), row)
         logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits)
+    return logits
+
+
+def _constrain(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logit_bias, then the grammar masks (structured outputs), where a row has them."""
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    masked = [i for i, r in enumerate(rows) if r.bitmask is not None]
+    if not biased and not masked:
+        return logits
+    logits = logits.clone()
+    V = logits.shape[-1]
+    for i in biased:    # ids past the vocabulary are refused at the API edge; ignored here
+        items = [(t, b) for t, b in rows[i].params.logit_bias.items() if 0 <= t < V]
+        if items:
+            ids, bias = zip(*items)
+            logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype)
+    if len(masked) == len(rows):
+        token_bitmask.apply_(logits, torch.stack([r.bitmask for r in rows]))
+    elif masked:
+        sub = logits[masked]
+        logits[masked] = token_bitmask.apply_(sub, torch.stack([rows[i].bitmask
+                                                                for i in masked]))
     return logits
 
 
@@ -76,7 +100,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     logits = logits.float()
     wants_logprobs = any(r.params.logprobs is not None for r in rows)
     raw_logprobs = logits.log_softmax(-1) if wants_logprobs else None
-    logits = _penalise(logits, rows)
+    logits = _constrain(_penalise(logits, rows), rows)
     greedy_tok = logits.argmax(-1)
     tokens = greedy_tok
     if any(r.params.temperature > 0 for r in rows):

@@ -144,7 +144,8 @@ class Scheduler:
             limits = {req.request_id: self._draft_plan.get(req.request_id, most)
                       for req, _ in scheduled}
         return SchedulerOutput(sequences=seqs, preempted=preempted, finished=finished,
-                               snapshot_requests=snaps, draft_limits=limits)
+                               snapshot_requests=snaps, cache_ops=self.cache.take_ops(),
+                               draft_limits=limits)
 
     def _fair_share(self) -> list[str]:
         """Preempt the newest sequence of the group holding the most slots when every slot is
@@ -261,7 +262,7 @@ class Scheduler:
         seq = self._to_sequence(req, n, snaps)
         finished, self._finished_since_step = self._finished_since_step, []
         return SchedulerOutput(sequences=[seq], preempted=[], finished=finished,
-                               snapshot_requests=snaps)
+                               snapshot_requests=snaps, cache_ops=self.cache.take_ops())
 
     def _preempt(self, req: Request) -> None:
         self.cache.free(req.request_id)
@@ -303,9 +304,10 @@ class Scheduler:
         touched = []
         if result.dropped_snapshots:
             self.cache.drop_snapshots(result.dropped_snapshots)
+        reloaded = self._settle_cache_ops(result)
         for seq in out.sequences:
             req = self.requests.get(seq.request_id)
-            if req is None:  # aborted while the step ran
+            if req is None or seq.request_id in reloaded:  # aborted, or sat the step out
                 continue
             tokens = result.sampled.get(seq.request_id, []) if seq.sample else []
             if seq.num_draft_tokens:
@@ -341,6 +343,24 @@ class Scheduler:
             else:
                 req.spec_token_ids = result.drafts.get(req.request_id, [])
         return touched
+
+    def _settle_cache_ops(self, result: ModelRunnerOutput) -> set[str]:
+        """Entries that failed to store or load leave the offload tiers; a request whose load
+        failed sat the step out and starts over (its next prefix hit is shorter: recomputed,
+        never computed on bad data)."""
+        if not result.cache_op_failures:
+            return set()
+        failed = self.cache.settle(result.cache_op_failures)
+        for rid in failed:
+            req = self.requests.get(rid)
+            if req is not None and req in self.running:
+                self.running.remove(req)
+                self.cache.free(rid)
+                req.status = RequestStatus.WAITING
+                req.num_computed_tokens = req.num_cached_tokens = 0
+                req.spec_token_ids = []
+                self.waiting.appendleft(req)
+        return failed
 
     def _commit(self, req: Request) -> None:
         if not self.cache.prefix_caching:

@@ -68,6 +68,20 @@ class HybridCache:
             st.index_copy_(0, slots, sst.index_select(0, snapshot_ids))
             cv.index_copy_(0, slots, scv.index_select(0, snapshot_ids))
 
+    # Views of one cache entry, in the fixed order the offload tiers store them in
+    # (kdaserve/engine/cache_ops.py): writing into the views writes the cache.
+    def block_views(self, block_id: int) -> list[torch.Tensor]:
+        """One MLA block: [block_size, D] per MLA layer."""
+        return [p[block_id] for p in self.mla_pages]
+
+    def snapshot_views(self, snapshot_id: int) -> list[torch.Tensor]:
+        """One KDA snapshot: [H, K, V] per KDA layer, then [K-1, 3HK] per KDA layer."""
+        return ([s[snapshot_id] for s in self.snap_states]
+                + [c[snapshot_id] for c in self.snap_conv])
+
+    def slot_views(self, slot: int) -> list[torch.Tensor]:
+        """One live KDA slot, laid out like a snapshot (a tier snapshot loads straight in)."""
+        return [s[slot] for s in self.kda_states] + [c[slot] for c in self.kda_conv]
 
     def commit_decode(self, fb: ForwardBatch, rows: torch.Tensor, upto: torch.Tensor,
                       slots: torch.Tensor) -> None:

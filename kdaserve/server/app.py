@@ -23,6 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kdaserve.engine.async_engine import AsyncEngine, EngineError
 from kdaserve.request import SamplingParams
+from kdaserve.server.chat_output import ChatDelta, ChatOutput
+from kdaserve.server.chat_plan import ChatPlan, plan_chat
 from kdaserve.server.errors import (
     APIError,
     ServerDrainingError,
@@ -42,6 +44,10 @@ from kdaserve.server.protocol import (
     ChatStreamChoice,
     ChatTokenLogprob,
     CompletionChoice,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCallOut,
     CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
@@ -68,6 +74,7 @@ from kdaserve.server.runs import (
     sse,
     unless_disconnected,
 )
+from kdaserve.structured.compiler import validate as validate_grammar
 from kdaserve.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "APIError", "OpenAIServing", "build_app"]
@@ -78,8 +85,15 @@ logger = logging.getLogger("kdaserve")
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                  max_model_len: int, defaults: Mapping[str, Any], metrics: ServerMetrics,
-                 limits: ServerLimits | None = None) -> None:
+                 limits: ServerLimits | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.engine = engine
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
+        # special tokens' text: dropped from what parsers leave (they need them kept to see
+        # their markers)
+        self.specials = [tokenizer.decode([i], skip_special_tokens=False)
+                         for i in sorted(tokenizer.special_token_ids)]
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -103,10 +117,11 @@ class OpenAIServing:
                                     add_special_tokens=add_special_tokens)
 
     async def render_chat(self, messages: list[dict[str, Any]],
-                          add_generation_prompt: bool) -> str:
+                          add_generation_prompt: bool, **template_kwargs: Any) -> str:
         try:
             text = await self._off_loop(self.tokenizer.apply_chat_template, messages,
-                                        add_generation_prompt=add_generation_prompt)
+                                        add_generation_prompt=add_generation_prompt,
+                                        **template_kwargs)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
         check_text(text, "messages", self.max_model_len, self.limits)
@@ -119,11 +134,25 @@ class OpenAIServing:
                            f"{self.model_name!r}", param="model", code="model_not_found")
 
     def _params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                logprobs: int | None) -> SamplingParams:
+                logprobs: int | None, plan: ChatPlan | None = None) -> SamplingParams:
         try:
-            return req.sampling_params(max_tokens, logprobs, self.defaults)
+            guided = plan.guided if plan is not None else req.guided_decoding()
+            params = req.sampling_params(max_tokens, logprobs, self.defaults, guided)
         except ValueError as exc:
-            raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+            raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0].rstrip(":")) from None
+        if guided is not None:        # grammar errors the engine would find, answered here
+            try:
+                validate_grammar(guided)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="tools" if plan and plan.forced_calls
+                               else req.guided_field()) from None
+        if plan is not None and plan.keeps_special_tokens:
+            params.skip_special_tokens = False
+        vocab = self.engine.info.vocab_size if self.engine.info else self.tokenizer.vocab_size
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab})",
+                           param="logit_bias")
+        return params
 
     def _check_fits(self, prompt_len: int, max_tokens: int, what: str) -> None:
         if prompt_len + max_tokens > self.max_model_len:
@@ -324,7 +353,12 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
         check_sequences(1, req.n, self.limits)
-        text = await self.render_chat(req.messages, req.add_generation_prompt)
+        try:
+            plan = plan_chat(req, self.tool_call_parser, self.reasoning_parser)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0].rstrip(":")) from None
+        text = await self.render_chat(req.messages, req.add_generation_prompt,
+                                      **plan.template_kwargs)
         prompt = Prompt(await self.encode(text, "messages", add_special_tokens=False), text)
         if not prompt.token_ids:
             raise APIError(400, "the rendered messages have no tokens", param="messages")
@@ -336,29 +370,59 @@ class OpenAIServing:
             requested = min(self.defaults.get("max_tokens", self.limits.default_max_tokens),
                             room)
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._params(req, requested, k)
+        params = self._params(req, requested, k, plan)
         self._check_fits(len(prompt.token_ids), requested, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         runs = await self._start(request, request_id, [prompt], params)
         if req.stream:
-            return self._stream(self._chat_events(req, request_id, runs[0]))
+            return self._stream(self._chat_events(req, request_id, runs[0], plan))
         [outs] = await self._collect(request, runs)
-        choices = [ChatChoice(
-            index=j, message=ChatMessage(content=c.text),
-            logprobs=ChatLogprobs(content=self._chat_logprobs(
-                c.token_ids, c.logprobs, k, req.return_tokens_as_token_ids))
-            if k is not None else None,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-            token_ids=c.token_ids if req.return_token_ids else None) for j, c in enumerate(outs)]
+        choices = []
+        for j, c in enumerate(outs):
+            reasoning, content, calls = plan.output(text, self.specials, eager=False).whole(
+                c.text)
+            message = ChatMessage(
+                content=content if content or not calls else None,
+                reasoning_content=reasoning if reasoning and plan.include_reasoning else None,
+                tool_calls=[ToolCallOut(id=tc.id, function=FunctionCall(
+                    name=tc.name, arguments=tc.arguments)) for tc in calls])
+            choices.append(ChatChoice(
+                index=j, message=message,
+                logprobs=ChatLogprobs(content=self._chat_logprobs(
+                    c.token_ids, c.logprobs, k, req.return_tokens_as_token_ids))
+                if k is not None else None,
+                finish_reason=plan.finish_reason(c.finish_reason, len(calls)),
+                stop_reason=c.stop_reason,
+                token_ids=c.token_ids if req.return_token_ids else None))
         usage = UsageInfo.of(len(prompt.token_ids), sum(len(c.token_ids) for c in outs))
         return json_response(ChatCompletionResponse(id=request_id, model=self.model_name,
                                             choices=choices, usage=usage))
 
+    def _chat_delta(self, plan: ChatPlan, out: ChatOutput, text: str,
+                    final: bool) -> DeltaMessage | None:
+        d = out.feed(text) if text else None
+        if final:
+            last = out.finish()
+            d = last if d is None else ChatDelta(d.reasoning + last.reasoning,
+                                                 d.content + last.content, d.calls + last.calls)
+        if d is None or not d:
+            return None
+        calls = [DeltaToolCall(index=c.index, id=c.id, type="function" if c.id else None,
+                               function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                 for c in d.calls]
+        reasoning = d.reasoning if plan.include_reasoning else ""
+        if not (d.content or reasoning or calls):
+            return None
+        return DeltaMessage(content=d.content or None, reasoning_content=reasoning or None,
+                            tool_calls=calls or None)
+
     async def _chat_events(self, req: ChatCompletionRequest, request_id: str,
-                           run: Run) -> AsyncIterator[str]:
+                           run: Run, plan: ChatPlan) -> AsyncIterator[str]:
         created = int(time.time())
         k = (req.top_logprobs or 0) if req.logprobs else None
         generated = 0
+        outputs = [plan.output(run.prompt.text or "", self.specials, eager=True)
+                   for _ in range(run.n)]
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created,
@@ -374,11 +438,14 @@ class OpenAIServing:
                 if k is not None and d.new_token_ids:
                     lp = ChatLogprobs(content=self._chat_logprobs(
                         d.new_token_ids, d.new_logprobs or [], k, req.return_tokens_as_token_ids))
-                if not (d.new_text or d.finished or lp):
+                out = outputs[d.index]
+                delta = self._chat_delta(plan, out, d.new_text, d.finished)
+                if not (delta or d.finished or lp):
                     continue
                 yield chunk([ChatStreamChoice(
-                    index=d.index, delta=DeltaMessage(content=d.new_text or None), logprobs=lp,
-                    finish_reason=d.finish_reason if d.finished else None,
+                    index=d.index, delta=delta or DeltaMessage(), logprobs=lp,
+                    finish_reason=plan.finish_reason(d.finish_reason, out.num_calls)
+                    if d.finished else None,
                     stop_reason=d.stop_reason if d.finished else None,
                     token_ids=d.new_token_ids if req.return_token_ids else None)])
             if req.include_usage:
@@ -415,13 +482,15 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_name: str,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               generation_defaults: Mapping[str, Any] | None = None,
               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None,
-              public_metrics: bool = False) -> FastAPI:
+              public_metrics: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """`generation_defaults` (SamplingParams names) fill fields a request leaves out. With an
     API key every endpoint but /health needs it; `public_metrics` exempts /metrics too."""
     metrics = metrics or ServerMetrics()
     limits = limits or ServerLimits()
     serving = OpenAIServing(engine, tokenizer, served_model_name, max_model_len,
-                            generation_defaults or {}, metrics, limits)
+                            generation_defaults or {}, metrics, limits,
+                            tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     app = FastAPI(title="kdaserve", docs_url=None, redoc_url=None)
     app.state.serving = serving
     app.state.metrics = metrics

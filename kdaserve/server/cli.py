@@ -31,6 +31,8 @@ from kdaserve.request import SamplingParams
 from kdaserve.server.app import DEFAULT_MAX_BODY_BYTES, build_app
 from kdaserve.server.guards import ServerLimits
 from kdaserve.server.lifecycle import DrainingServer
+from kdaserve.server.reasoning import REASONING_FORMATS
+from kdaserve.server.tool_parsers import TOOL_PARSERS
 from kdaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kdaserve")
@@ -139,6 +141,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--state-snapshot-interval", type=_positive_int, default=512,
                    help="also snapshot KDA states every N tokens of long prompts (default: "
                         "%(default)s)")
+    p.add_argument("--offload", type=_offload_tiers, default=(),
+                   help="keep evicted prefix-cache entries in host memory, on disk, or both "
+                        "(host,disk: host in front of disk)")
+    p.add_argument("--offload-bytes", type=_offload_sizes, default=(),
+                   help="offload tier cap, e.g. 8GiB, or one per tier: 8GiB,50GiB (default: "
+                        "4GiB host, 16GiB disk)")
+    p.add_argument("--offload-dir", default=None,
+                   help="directory of the disk tier; entries survive restarts with the same "
+                        "model and cache layout")
     p.add_argument("--speculative-method", choices=("dspark", "ngram"), default=None,
                    help="speculative decoding: the DSpark draft fed by the target's hidden "
                         "states, or n-gram prompt lookup (default: off)")
@@ -153,6 +164,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: on)")
     p.add_argument("--torch-threads", type=_positive_int, default=None,
                    help="torch intra-op threads of the engine process (default: torch's)")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="read tool calls in this model format (tool_choice auto); "
+                        "required/named tool_choice work without one (default: none)")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_FORMATS), default=None,
+                   help="move thinking text to reasoning_content (default: none)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="log level (default: %(default)s)")
 
@@ -185,6 +201,17 @@ def _snapshot_budget(text: str) -> float | int:
     return parse_size(text)
 
 
+def _offload_tiers(text: str) -> tuple[str, ...]:
+    tiers = tuple(t.strip() for t in text.split(",") if t.strip())
+    if tiers not in (("host",), ("disk",), ("host", "disk")):
+        raise argparse.ArgumentTypeError(f"use host, disk or host,disk, got {text!r}")
+    return tiers
+
+
+def _offload_sizes(text: str) -> tuple[int, ...]:
+    return tuple(parse_size(t) for t in text.split(","))
+
+
 def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
     budget = getattr(args, "state_snapshot_budget", None)
     if isinstance(budget, float):
@@ -196,7 +223,10 @@ def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, cache_memory_bytes=args.cache_memory,
                           enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
                           state_snapshot_budget_bytes=budget,
-                          state_snapshot_interval=getattr(args, "state_snapshot_interval", 512)),
+                          state_snapshot_interval=getattr(args, "state_snapshot_interval", 512),
+                          offload_tiers=getattr(args, "offload", ()),
+                          offload_bytes=getattr(args, "offload_bytes", ()),
+                          offload_dir=getattr(args, "offload_dir", None)),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len),
@@ -252,7 +282,9 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Toke
             max_token_bytes=tokenizer.max_token_bytes())
         app = build_app(engine, tokenizer, name, info.max_model_len, api_key=args.api_key,
                         max_body_bytes=args.max_body_size, generation_defaults=defaults,
-                        limits=limits, public_metrics=args.public_metrics)
+                        limits=limits, public_metrics=args.public_metrics,
+                        tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser)
         server = DrainingServer(uvicorn.Config(
             app, host=args.host, port=args.port, log_config=None, lifespan="off",
             log_level=args.log_level, timeout_graceful_shutdown=5),

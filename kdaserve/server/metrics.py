@@ -54,6 +54,29 @@ _COUNTERS = (
      "Draft tokens accepted by verification."),
 )
 
+# Offload tiers, one series per tier (label `tier`): (metric name, key, help, counter?)
+_TIER_METRICS = (
+    ("kdaserve:offload_entries", "entries", "Entries held by the offload tier.", False),
+    ("kdaserve:offload_bytes", "bytes", "Bytes held by the offload tier.", False),
+    ("kdaserve:offload_capacity_bytes", "capacity", "Byte cap of the offload tier.", False),
+    ("kdaserve:offload_stored_entries", "stored_entries", "Entries written to the tier.", True),
+    ("kdaserve:offload_stored_bytes", "stored_bytes", "Bytes written to the tier.", True),
+    ("kdaserve:offload_loaded_entries", "loaded_entries", "Entries read back from the tier.",
+     True),
+    ("kdaserve:offload_loaded_bytes", "loaded_bytes", "Bytes read back from the tier.", True),
+    ("kdaserve:offload_load_seconds", "load_seconds",
+     "Time spent loading entries from the tier (divide by loaded_entries: mean latency).", True),
+    ("kdaserve:offload_queries", "queries", "Prefix lookups that could reach the tier.", True),
+    ("kdaserve:offload_hits", "hits", "Prefix hits that used an entry of the tier.", True),
+    ("kdaserve:offload_hit_rate", "hit_rate", "offload_hits / offload_queries so far.", False),
+    ("kdaserve:offload_hit_tokens", "hit_tokens", "Tokens of the hits that used the tier.", True),
+    ("kdaserve:offload_evictions", "evictions", "Entries the tier evicted for room.", True),
+    ("kdaserve:offload_load_failures", "load_failures",
+     "Loads that failed verification (corrupt, truncated, missing): recomputed.", True),
+    ("kdaserve:offload_store_failures", "store_failures",
+     "Writes that failed (disk full, unwritable): the entry is dropped.", True),
+)
+
 
 class _EngineCollector(Collector):
     def __init__(self) -> None:
@@ -70,6 +93,14 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=float(snap[key]))
         for name, key, doc in _COUNTERS:
             yield CounterMetricFamily(name, doc, value=float(snap[key]))
+        tiers = snap.get("offload") or {}
+        if tiers:
+            for name, key, doc, counter in _TIER_METRICS:
+                kind = CounterMetricFamily if counter else GaugeMetricFamily
+                fam = kind(name, doc, labels=["tier"])
+                for tier, values in tiers.items():
+                    fam.add_metric([tier], float(values.get(key, 0)))
+                yield fam
 
 
 class ServerMetrics:

@@ -7,15 +7,17 @@ guess. Unknown fields are ignored, as OpenAI clients send extras. Fields beyond 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kdaserve.request import SamplingParams
+from kdaserve.request import SamplingParams, SamplingParamsError
+from kdaserve.structured.spec import GuidedDecoding, GuidedDecodingError
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class _Request(BaseModel):
@@ -29,6 +31,18 @@ class _Response(BaseModel):
 # ---- requests ----------------------------------------------------------------------------------
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingRequest(_Request):
@@ -55,6 +69,63 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False       # add each choice's generated token ids (as vLLM)
+    logit_bias: dict[str, float] | None = None
+    metadata: dict[str, Any] | None = None          # accepted and ignored (as OpenAI stores it)
+    # structured outputs: OpenAI's response_format, and vLLM's guided_* extras
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None                # Lark (llguidance's dialect)
+
+    def _guided_fields(self) -> list[str]:
+        asked = [name for name in ("guided_json", "guided_regex", "guided_choice",
+                                   "guided_grammar") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            asked.append("response_format")
+        return asked
+
+    def guided_field(self) -> str | None:
+        """The request field that carries its structured-output spec."""
+        asked = self._guided_fields()
+        return asked[0] if asked else None
+
+    def guided_decoding(self) -> GuidedDecoding | None:
+        """The structured-output spec the request asks for; ValueError naming the field."""
+        asked = self._guided_fields()
+        rf = self.response_format
+        if len(asked) > 1:
+            raise SamplingParamsError(f"{asked[0]} cannot be combined with {asked[1]}: give one "
+                                      "structured-output constraint")
+        if not asked:
+            return None
+        name = asked[0]
+        try:
+            if name == "response_format":
+                if rf.type == "json_object":
+                    return GuidedDecoding("json_object")
+                if rf.json_schema is None or rf.json_schema.schema_ is None:
+                    raise GuidedDecodingError("json_schema needs a 'schema'")
+                return GuidedDecoding("json", json.dumps(rf.json_schema.schema_))
+            if name == "guided_json":
+                spec = self.guided_json
+                return GuidedDecoding("json", spec if isinstance(spec, str) else json.dumps(spec))
+            if name == "guided_regex":
+                return GuidedDecoding("regex", self.guided_regex)
+            if name == "guided_choice":
+                return GuidedDecoding("choice", choices=list(self.guided_choice))
+            return GuidedDecoding("lark", self.guided_grammar)
+        except GuidedDecodingError as exc:
+            raise SamplingParamsError(f"{name}: {exc}") from None
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise SamplingParamsError("logit_bias keys must be token ids (integers as "
+                                      "strings)") from None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingRequest:
@@ -63,7 +134,8 @@ class _SamplingRequest(_Request):
         return self
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        defaults: Mapping[str, Any]) -> SamplingParams:
+                        defaults: Mapping[str, Any], guided: GuidedDecoding | None = None,
+                        ) -> SamplingParams:
         """Raises SamplingParamsError (a ValueError) naming the bad field."""
 
         def pick(name: str, fallback: Any) -> Any:
@@ -79,6 +151,7 @@ class _SamplingRequest(_Request):
             repetition_penalty=pick("repetition_penalty", 1.0), logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            guided=guided, logit_bias=self.logit_bias_ids(),
         )
 
     @property
@@ -96,8 +169,34 @@ class CompletionRequest(_SamplingRequest):
     return_tokens_as_token_ids: bool = False   # logprob tokens as "token_id:N" (as vLLM)
 
 
+class FunctionDef(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None   # e.g. {"thinking": false}
+    include_reasoning: bool = True       # false: drop reasoning_content (vLLM's name)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -181,9 +280,22 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(_Response):
@@ -204,9 +316,23 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Response):

@@ -49,7 +49,8 @@ def test_random_draft_is_identical(hf_checkpoint, prompts, tmp_path, k):
     path, _ = hf_checkpoint
     draft = _random_draft(path, tmp_path / "draft", block=6)
     ref = _greedy(LLM(str(path)), prompts)
-    llm = LLM(str(path), speculative_method="dspark", speculative_adaptive=False, num_speculative_tokens=k,
+    llm = LLM(str(path), speculative_method="dspark",
+              speculative_adaptive=False, num_speculative_tokens=k,
               speculative_model=str(draft))
     assert _greedy(llm, prompts) == ref
     assert llm.engine.scheduler.num_draft_tokens > 0
@@ -60,7 +61,8 @@ def test_random_draft_chunked_prefix_cached_preempted(hf_checkpoint, prompts, tm
     draft = _random_draft(path, tmp_path / "draft", block=4, seed=1)
     shared = [prompts[0] + p for p in prompts]       # shared prefixes: cache hits
     ref = _greedy(LLM(str(path)), shared)
-    llm = LLM(str(path), speculative_method="dspark", speculative_adaptive=False, num_speculative_tokens=4,
+    llm = LLM(str(path), speculative_method="dspark",
+              speculative_adaptive=False, num_speculative_tokens=4,
               speculative_model=str(draft), num_blocks=14, block_size=8,
               long_prefill_token_threshold=7, max_num_batched_tokens=32)
     assert _greedy(llm, shared) == ref
@@ -70,7 +72,8 @@ def test_random_draft_chunked_prefix_cached_preempted(hf_checkpoint, prompts, tm
 def test_seeded_sampling_runs_with_draft(hf_checkpoint, prompts, tmp_path):
     path, _ = hf_checkpoint
     draft = _random_draft(path, tmp_path / "draft", block=4)
-    llm = LLM(str(path), speculative_method="dspark", speculative_adaptive=False, num_speculative_tokens=4,
+    llm = LLM(str(path), speculative_method="dspark",
+              speculative_adaptive=False, num_speculative_tokens=4,
               speculative_model=str(draft))
     sp = SamplingParams(temperature=0.9, top_k=20, max_tokens=16, seed=5, ignore_eos=True)
     a = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], sp, use_tqdm=False)
@@ -85,7 +88,8 @@ def test_bundled_draft_identical_and_accepts():
     if not (demo / "draft" / "config.json").is_file():
         pytest.skip("the bundled draft is not built")
     llm_base = LLM(str(demo))
-    llm = LLM(str(demo), speculative_method="dspark", speculative_adaptive=False, num_speculative_tokens=7)
+    llm = LLM(str(demo), speculative_method="dspark",
+              speculative_adaptive=False, num_speculative_tokens=7)
     prompts = [llm.tokenizer.encode(t) for t in ("ROMEO:\n", "HAMLET:\nTo be")]
     assert _greedy(llm, prompts, n=48) == _greedy(llm_base, prompts, n=48)
     s = llm.engine.scheduler

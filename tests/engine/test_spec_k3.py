@@ -92,7 +92,8 @@ def test_speculation_identical_on_k3(k3_dir, k3_draft, prompts, method):
     prompts = [p + out + p for p, out in zip(prompts, _greedy(plain, prompts))]
     ref = _greedy(plain, prompts)
     kw = {"speculative_model": str(k3_draft)} if method == "dspark" else {}
-    llm = LLM(str(k3_dir), block_size=4, speculative_method=method, speculative_adaptive=False, num_speculative_tokens=5,
+    llm = LLM(str(k3_dir), block_size=4, speculative_method=method,
+              speculative_adaptive=False, num_speculative_tokens=5,
               max_num_batched_tokens=16, **kw)
     assert _greedy(llm, prompts) == ref
     assert _greedy(llm, prompts) == ref           # again, from prefix-cache hits

@@ -131,13 +131,15 @@ def _assert_speculated(llm):
 
 @pytest.mark.parametrize("k", [1, 3, 7])
 def test_greedy_identical(demo, prompts, reference, k):
-    llm = LLM(demo, speculative_method="ngram", speculative_adaptive=False, num_speculative_tokens=k)
+    llm = LLM(demo, speculative_method="ngram",
+              speculative_adaptive=False, num_speculative_tokens=k)
     assert _generate(llm, prompts, _greedy()) == reference
     _assert_speculated(llm)
 
 
 def test_greedy_identical_chunked_small_budget(demo, prompts, reference):
-    llm = LLM(demo, speculative_method="ngram", speculative_adaptive=False, num_speculative_tokens=4,
+    llm = LLM(demo, speculative_method="ngram",
+              speculative_adaptive=False, num_speculative_tokens=4,
               max_num_batched_tokens=12, long_prefill_token_threshold=5, block_size=4)
     assert _generate(llm, prompts, _greedy()) == reference
     _assert_speculated(llm)
@@ -148,7 +150,8 @@ def test_greedy_identical_chunked_small_budget(demo, prompts, reference):
 def test_greedy_identical_shared_prefixes_preempted(demo, prompts):
     shared = [prompts[6] + p for p in prompts]
     ref = _generate(LLM(demo), shared, _greedy(24))
-    llm = LLM(demo, speculative_method="ngram", speculative_adaptive=False, num_speculative_tokens=4, num_blocks=14,
+    llm = LLM(demo, speculative_method="ngram",
+              speculative_adaptive=False, num_speculative_tokens=4, num_blocks=14,
               block_size=8, long_prefill_token_threshold=7, max_num_batched_tokens=32)
     assert _generate(llm, shared, _greedy(24)) == ref
     _assert_speculated(llm)
@@ -160,7 +163,8 @@ def test_mixed_greedy_and_sampled(demo, prompts, reference):
               SamplingParams(temperature=0.8, top_k=20, max_tokens=32, seed=100 + i,
                              ignore_eos=True)
               for i in range(len(prompts))]
-    llm = LLM(demo, speculative_method="ngram", speculative_adaptive=False, num_speculative_tokens=3,
+    llm = LLM(demo, speculative_method="ngram",
+              speculative_adaptive=False, num_speculative_tokens=3,
               max_num_batched_tokens=24)
     a = _generate(llm, prompts, params)
     _assert_speculated(llm)
@@ -179,7 +183,8 @@ def test_greedy_identical_with_penalties_logprobs_and_stops(demo, prompts, refer
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2,
                         repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2)
     base = LLM(demo).generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    llm = LLM(demo, speculative_method="ngram", speculative_adaptive=False, num_speculative_tokens=4)
+    llm = LLM(demo, speculative_method="ngram",
+              speculative_adaptive=False, num_speculative_tokens=4)
     spec = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     assert llm.engine.cache.all_free()
     assert llm.engine.scheduler.num_draft_tokens > 0
@@ -189,7 +194,8 @@ def test_greedy_identical_with_penalties_logprobs_and_stops(demo, prompts, refer
             assert lb.keys() == ls.keys()
             assert all(abs(lb[t] - ls[t]) < 1e-4 for t in lb)
     # stops: the 12th token of each reference output (its first occurrence ends the request)
-    llm = LLM(demo, speculative_method="ngram", speculative_adaptive=False, num_speculative_tokens=4)
+    llm = LLM(demo, speculative_method="ngram",
+              speculative_adaptive=False, num_speculative_tokens=4)
     stops = [SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=[r[11]],
                             ignore_eos=True) for r in reference]
     got = _generate(llm, prompts, stops)

@@ -8,16 +8,14 @@ import torch
 from tiny_models import random_model, tiny_config
 
 from kdaserve.model.batch import HybridCache, build_forward_batch
-from kdaserve.ops import mla
+from kdaserve.ops import mla, online_softmax
 from kdaserve.ops.mla import (
-    attention_lse,
-    gather_blocks,
-    merge_partials,
     mla_decode_absorbed,
     mla_decode_split_k,
     mla_prefill_attention,
     mla_prefill_blockwise,
 )
+from kdaserve.ops.online_softmax import attention_lse, gather_blocks, merge_partials, paged_tiles
 
 H, N, R, DC, VD, BS = 3, 8, 4, 12, 6, 4
 
@@ -26,8 +24,8 @@ H, N, R, DC, VD, BS = 3, 8, 4, 12, 6, 4
 def backend(request, monkeypatch):
     """Both implementations of attention_lse: the fused CPU kernel and the plain torch one."""
     if request.param == "torch":
-        monkeypatch.setattr(mla, "_FLASH_CPU", None)
-    elif mla._FLASH_CPU is None:
+        monkeypatch.setattr(online_softmax, "_FLASH_CPU", None)
+    elif online_softmax._FLASH_CPU is None:
         pytest.skip("no fused CPU attention kernel in this torch")
     return request.param
 
@@ -151,12 +149,30 @@ def test_split_k_decode_equals_absorbed_reference(backend, tiles, request):
 
 
 def test_consecutive_blocks_are_read_in_place():
-    pages = torch.randn(10, BS, 5)
-    view = gather_blocks(pages, torch.tensor([[3, 4, 5]]))
-    assert view.data_ptr() == pages[3].data_ptr()
-    torch.testing.assert_close(view[0], pages[3:6].reshape(-1, 5))
-    copy = gather_blocks(pages, torch.tensor([[5, 3]]))
-    torch.testing.assert_close(copy[0], torch.cat([pages[5], pages[3]]))
+    pages = torch.randn(20, BS, 5)
+    table = torch.tensor([[3, 4, 5, 9, 10, 11, 12, 0]])         # two runs, then padding
+    tiles = list(paged_tiles(pages, table, [26], 3 * BS))
+    assert [(t.t0, t.t1) for t in tiles] == [(0, 12), (12, 24), (24, 28)]
+    assert tiles[0].ctx.data_ptr() == pages[3].data_ptr()
+    assert tiles[1].ctx.data_ptr() == pages[9].data_ptr()
+    torch.testing.assert_close(torch.cat([t.ctx[0] for t in tiles]),
+                               gather_blocks(pages, table[:, :7])[0])
+    scattered = torch.tensor([[7, 2, 15, 4, 11, 1, 18, 9, 3]])
+    tiles = list(paged_tiles(pages, scattered, [35], 4 * BS))   # too fragmented: gathered
+    assert [(t.t0, t.t1) for t in tiles] == [(0, 16), (16, 32), (32, 36)]
+    torch.testing.assert_close(torch.cat([t.ctx[0] for t in tiles]),
+                               gather_blocks(pages, scattered)[0])
+
+
+def test_tiles_bound_the_keys_read_over_all_rows():
+    pages = torch.randn(40, BS, 5)
+    table, lens = torch.arange(1, 37).view(4, 9), [36, 5, 9, 2]
+    tiles = list(paged_tiles(pages, table, lens, 8 * BS))
+    assert max(t.ctx.shape[0] * t.ctx.shape[1] for t in tiles) <= 8 * BS
+    for i, n in enumerate(lens):
+        mine = [t.ctx[t.rows.tolist().index(i) if t.rows is not None else i] for t in tiles
+                if t.rows is None or i in t.rows.tolist()]
+        torch.testing.assert_close(torch.cat(mine)[:n], gather_blocks(pages, table[i:i + 1])[0, :n])
 
 
 @pytest.mark.parametrize("chunk", [3, 16])

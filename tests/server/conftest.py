@@ -16,3 +16,16 @@ def server(tiny_model_dir, tmp_path_factory):
     srv = start_server(tiny_model_dir, log, *MAIN_SERVER_ARGS)
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory):
+    """The bundled demo model with K3's tool-call and reasoning parsers (structured outputs and
+    tool tests)."""
+    from kdaserve.assets import DEMO_MODEL_DIR
+
+    log = tmp_path_factory.mktemp("logs") / "demo.log"
+    srv = start_server(DEMO_MODEL_DIR, log, *MAIN_SERVER_ARGS, "--torch-threads", "1",
+                       "--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k3")
+    yield srv
+    srv.stop()

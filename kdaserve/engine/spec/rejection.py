@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdaserve.engine.sampler import SamplingRow, _filter, _penalise, _top_logprobs
+from kdaserve.engine.sampler import SamplingRow, _constrain, _filter, _penalise, _top_logprobs
 from kdaserve.outputs import SampledToken
 
 
@@ -28,6 +28,7 @@ class VerifyRow:
     row: SamplingRow
     drafts: list[int]
     draft_probs: torch.Tensor | None = None
+    bitmasks: torch.Tensor | None = None    # [len(drafts) + 1, W]: the grammar's masks
 
 
 def target_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -48,9 +49,11 @@ def verify(logits: torch.Tensor, rows: list[VerifyRow]) -> list[list[SampledToke
     logits = logits.float()
     raw_logprobs = logits.log_softmax(-1)
     pos_rows = [SamplingRow(v.row.request_id, v.row.params, v.row.prompt_token_ids,
-                            v.row.output_token_ids + v.drafts[:j], v.row.generator)
+                            v.row.output_token_ids + v.drafts[:j], v.row.generator,
+                            None if v.bitmasks is None else v.bitmasks[j])
                 for v in rows for j in range(len(v.drafts) + 1)]
-    logits = _penalise(logits, pos_rows)
+    # a grammar's mask at position j assumes drafts < j accepted: used only if they are
+    logits = _constrain(_penalise(logits, pos_rows), pos_rows)
     greedy = logits.argmax(-1).tolist()
     random_pos = [i for i, r in enumerate(pos_rows) if r.params.temperature > 0]
     probs = {}

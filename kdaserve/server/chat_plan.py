@@ -1,0 +1,114 @@
+"""What a chat request's tools, tool_choice, structured-output fields and thinking switch
+mean for one generation: the template's arguments, the grammar, and how the output is parsed.
+
+- tools + tool_choice "auto" (the default with tools): tools go to the chat template and the
+  server's `--tool-call-parser` reads calls from the model's own format; no parser is a 400.
+- "required" or a named function: constrained decoding forces `json_calls`' format, so even a
+  model that never saw tools emits a valid call whose arguments match the schema.
+- "none" (or no tools): no tools in the prompt, no parsing.
+- A grammar (response_format, guided_*, forced calls) applies from the first token, so thinking
+  is switched off in the template unless the request set it (the model cannot think inside a
+  grammar).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kdaserve.request import SamplingParamsError
+from kdaserve.server.chat_output import ChatOutput
+from kdaserve.server.protocol import ChatCompletionRequest, NamedToolChoice
+from kdaserve.server.reasoning import (
+    REASONING_FORMATS,
+    THINKING_KWARGS,
+    ReasoningFormat,
+    ReasoningParser,
+)
+from kdaserve.server.tool_parsers import TOOL_PARSERS, JsonCallsParser, ToolParser, call_grammar
+from kdaserve.server.tool_parsers.json_calls import NAME_RE
+from kdaserve.structured.spec import GuidedDecoding
+
+MAX_TOOL_SCHEMA_CHARS = 65_536
+
+
+@dataclass
+class ChatPlan:
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    guided: GuidedDecoding | None = None
+    tool_parser: type[ToolParser] | None = None
+    forced_name: str | None = None           # a named tool_choice
+    reasoning: ReasoningFormat | None = None
+    include_reasoning: bool = True
+
+    @property
+    def forced_calls(self) -> bool:
+        return self.tool_parser is JsonCallsParser
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Parsers read markers that are special tokens: the detokenizer must keep them."""
+        return self.reasoning is not None or (self.tool_parser is not None
+                                              and self.tool_parser is not JsonCallsParser)
+
+    def output(self, prompt_text: str, specials: list[str], eager: bool) -> ChatOutput:
+        reasoning = ReasoningParser(self.reasoning, prompt_text) if self.reasoning else None
+        tools = self.tool_parser(eager=eager) if self.tool_parser else None
+        return ChatOutput(reasoning, tools, specials if self.keeps_special_tokens else ())
+
+    def finish_reason(self, reason: str | None, num_calls: int) -> str | None:
+        if reason == "stop" and num_calls and self.forced_name is None:
+            return "tool_calls"
+        return reason
+
+
+def _bad(param: str, why: str) -> SamplingParamsError:
+    return SamplingParamsError(f"{param} {why}")
+
+
+def plan_chat(req: ChatCompletionRequest, tool_parser: str | None,
+              reasoning_parser: str | None) -> ChatPlan:
+    """Raises SamplingParamsError (a 400) whose message starts with the field it names."""
+    plan = ChatPlan(template_kwargs=dict(req.chat_template_kwargs or {}),
+                    include_reasoning=req.include_reasoning)
+    if reasoning_parser:
+        plan.reasoning = REASONING_FORMATS[reasoning_parser]
+    guided = req.guided_decoding()
+    choice = req.tool_choice
+    tools = req.tools or []
+    for t in tools:
+        if not NAME_RE.match(t.function.name):
+            raise _bad("tools", f"function names must match [A-Za-z0-9_-]{{1,64}}, got "
+                       f"{t.function.name[:80]!r}")
+        if len(json.dumps(t.function.parameters or {})) > MAX_TOOL_SCHEMA_CHARS:
+            raise _bad("tools", f"a function's parameters schema is over "
+                       f"{MAX_TOOL_SCHEMA_CHARS} characters")
+    if choice is not None and choice != "none" and not tools:
+        raise _bad("tool_choice", "needs tools")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice != "none":
+        plan.template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    if isinstance(choice, NamedToolChoice) or choice == "required":
+        if guided is not None:
+            raise _bad("tool_choice", "cannot be combined with response_format or guided_*")
+        functions = [(t.function.name, t.function.parameters) for t in tools]
+        parallel = req.parallel_tool_calls
+        if isinstance(choice, NamedToolChoice):
+            plan.forced_name = choice.function.name
+            functions = [f for f in functions if f[0] == plan.forced_name]
+            if not functions:
+                raise _bad("tool_choice", f"names {plan.forced_name!r}, which is not in tools")
+            parallel = False
+        guided = call_grammar(functions, parallel)
+        plan.tool_parser = JsonCallsParser
+    elif choice == "auto":
+        if tool_parser is None:
+            raise _bad("tool_choice", '"auto" needs the server started with '
+                       "--tool-call-parser (or use \"required\" or a named function)")
+        plan.tool_parser = TOOL_PARSERS[tool_parser]
+    plan.guided = guided
+    if guided is not None and not any(k in plan.template_kwargs for k in THINKING_KWARGS):
+        plan.template_kwargs.update({k: False for k in THINKING_KWARGS})
+    return plan

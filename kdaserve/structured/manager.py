@@ -1,0 +1,149 @@
+"""Structured outputs in the engine process: compile specs (cached), keep each request's
+matcher, compute a step's masks while the model runs, advance matchers with sampled tokens.
+
+Masks for a step are known before its forward pass (every matcher has consumed the tokens
+sampled so far; a verify row's drafts come with the schedule), so `prepare` computes them
+on a worker thread (llguidance releases the GIL) while torch runs the model, and the sampler
+waits only for what is left. A verify row gets one mask per position, computed along its
+drafts and rolled back (llguidance's draft-aware batch call), so a draft the grammar refuses
+is never accepted and positions after it stay unconstrained (they are never used).
+
+Legend: W = ceil(V / 32) mask words, P positions of a row (drafts + 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance as llg
+import llguidance.torch as llt
+import torch
+
+from kdaserve.outputs import SampledToken, ScheduledSequence
+from kdaserve.request import Request
+from kdaserve.structured import bitmask
+from kdaserve.structured.compiler import GrammarCache
+from kdaserve.structured.matcher import RequestGrammar
+from kdaserve.structured.spec import GuidedDecoding, GuidedDecodingError
+from kdaserve.structured.tokenizer import build_lltokenizer
+from kdaserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("kdaserve")
+
+
+class StructuredOutputs:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, threads: int = 1) -> None:
+        self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        self._eos = sorted(tokenizer.eos_token_ids) if tokenizer is not None else []
+        self._cache: GrammarCache | None = None
+        self._cache_lock = threading.Lock()
+        self._grammars: dict[str, RequestGrammar] = {}
+        self._pending: Future | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdaserve-grammar")
+        self._executor = llg.LLExecutor(num_threads=threads)
+        # the vocabulary walk takes seconds at 163,840 tokens: start it now, off the loop
+        self._warm = self._pool.submit(self._grammar_cache) if tokenizer is not None else None
+
+    def _grammar_cache(self) -> GrammarCache:
+        with self._cache_lock:
+            if self._cache is None:
+                if self._tokenizer is None:
+                    raise GuidedDecodingError("structured outputs need a tokenizer; this model "
+                                              "directory has none")
+                try:
+                    lltok = build_lltokenizer(self._tokenizer, self.vocab_size)
+                except Exception as exc:     # an unusual vocabulary: a 400, not an engine fault
+                    raise GuidedDecodingError(f"structured outputs are not available for this "
+                                              f"tokenizer: {type(exc).__name__}: {exc}") from None
+                self._cache = GrammarCache(lltok)
+            return self._cache
+
+    # ---- requests ---------------------------------------------------------------------------
+    def validate(self, g: GuidedDecoding) -> None:
+        """Compile (or find cached) the request's grammar; GuidedDecodingError says why not."""
+        self._grammar_cache().get(g)
+
+    def _state(self, req: Request) -> RequestGrammar | None:
+        g = req.sampling_params.guided
+        if g is None:
+            return None
+        st = self._grammars.get(req.request_id)
+        if st is None:
+            st = self._grammars[req.request_id] = RequestGrammar(
+                self._grammar_cache().matcher(g), self._eos)
+        return st
+
+    def forget(self, request_id: str) -> None:
+        self._grammars.pop(request_id, None)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def prepare(self, seqs: Sequence[ScheduledSequence], requests: Mapping[str, Request],
+                ) -> Future[dict[str, torch.Tensor]] | None:
+        """Start computing the masks of this step's sampling rows: {request id: [P, W]}."""
+        if self._pending is not None:      # a failed step may have left one running
+            self._pending.exception()
+            self._pending = None
+        rows: list[tuple[str, RequestGrammar, list[int]]] = []
+        for s in seqs:
+            req = requests.get(s.request_id)
+            if req is None or not (s.sample or s.num_draft_tokens):
+                continue
+            st = self._state(req)
+            if st is None:
+                continue
+            st.sync(req.output_token_ids)
+            rows.append((s.request_id, st, list(s.token_ids[1:]) if s.num_draft_tokens else []))
+        if not rows:
+            return None
+        self._pending = self._pool.submit(self._masks, rows)
+        return self._pending
+
+    def _masks(self, rows: list[tuple[str, RequestGrammar, list[int]]]) -> dict[str, torch.Tensor]:
+        total = sum(len(d) + 1 for _, _, d in rows)
+        out = bitmask.allocate(total, self.vocab_size)          # [sum P, W], all allowed
+        plain: list[tuple[llg.LLMatcher, int]] = []
+        drafted: list[tuple[llg.LLMatcher, int, list[int]]] = []
+        spans: dict[str, tuple[int, int]] = {}
+        at = 0
+        for rid, st, drafts in rows:
+            spans[rid] = (at, len(drafts) + 1)
+            if st.done:
+                self._eos_only(out[at:at + len(drafts) + 1])
+            elif drafts:
+                drafted.append((st.matcher, at, drafts))
+            else:
+                plain.append((st.matcher, at))
+            at += len(drafts) + 1
+        if plain:
+            llt.fill_next_token_bitmask_par(self._executor, plain, out)
+        if drafted:
+            llt.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, out)
+        return {rid: out[a:a + n] for rid, (a, n) in spans.items()}
+
+    def _eos_only(self, rows: torch.Tensor) -> None:
+        rows.zero_()
+        as_bytes = rows.view(torch.uint8)        # little-endian: id i is bit i % 8 of byte i // 8
+        for e in self._eos:
+            if e < self.vocab_size:
+                as_bytes[:, e // 8] |= 1 << (e % 8)
+
+    def advance(self, sampled: Mapping[str, list[SampledToken]]) -> None:
+        """Feed each constrained request its new tokens (accepted drafts + the last one)."""
+        for rid, tokens in sampled.items():
+            st = self._grammars.get(rid)
+            if st is not None:
+                st.accept([t.token_id for t in tokens])
+
+    def trim_drafts(self, request_id: str, drafts: list[int]) -> list[int]:
+        """Drop drafts from the first one the grammar refuses (they could only be rejected)."""
+        st = self._grammars.get(request_id)
+        if st is None or not drafts:
+            return drafts
+        return drafts[:st.valid_prefix(drafts)]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
