@@ -74,17 +74,11 @@ def mlx_logits(path: Path, prompts: list[list[int]]) -> list:
     return out
 
 
-def mlx_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
-    """n greedy tokens from mlx-lm with its own incremental cache."""
-    import mlx.core as mx
+def mlx_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """n greedy tokens per prompt from mlx-lm (loaded once) with its own incremental cache."""
     from mlx_lm.utils import load_model
 
+    from kdaserve.bench.reference_k3 import mlx_greedy_tokens
+
     model, _ = load_model(Path(path))
-    cache = model.make_cache()
-    logits = model(mx.array([prompt]), cache=cache)
-    toks = []
-    for _ in range(n):
-        t = int(mx.argmax(logits[0, -1]).item())
-        toks.append(t)
-        logits = model(mx.array([[t]]), cache=cache)
-    return toks
+    return [mlx_greedy_tokens(model, p, n) for p in prompts]

@@ -49,6 +49,19 @@ def bench_config(vocab: int = 4096, hidden: int = 256, layers: int = 8) -> dict:
     }
 
 
+def mlx_greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens from an mlx-lm model with its own incremental cache."""
+    import mlx.core as mx
+
+    cache = model.make_cache()
+    logits = model(mx.array([prompt]), cache=cache)
+    toks: list[int] = []
+    for _ in range(n):
+        toks.append(int(mx.argmax(logits[0, -1]).item()))
+        logits = model(mx.array([[toks[-1]]]), cache=cache)
+    return toks
+
+
 def write_checkpoint(out: Path, seed: int) -> None:
     cfg = ModelConfig.from_dict(bench_config())
     torch.manual_seed(seed)
@@ -87,15 +100,8 @@ def run(args: argparse.Namespace, out_dir: Path) -> dict:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
                         use_tqdm=False)
-    identical = True
-    for p, o in zip(prompts, outs):
-        cache = ref.make_cache()
-        logits = ref(mx.array([p]), cache=cache)
-        toks = []
-        for _ in range(n):
-            toks.append(int(mx.argmax(logits[0, -1]).item()))
-            logits = ref(mx.array([[toks[-1]]]), cache=cache)
-        identical &= toks == o.outputs[0].token_ids
+    identical = all(mlx_greedy_tokens(ref, p, n) == o.outputs[0].token_ids
+                    for p, o in zip(prompts, outs))
     return {"arch": "kimi_k3", "max_abs_logit_diff_vs_mlx": float(np.abs(got - want).max()),
             "max_abs_logit": float(np.abs(want).max()), "greedy_identical_vs_mlx": identical,
             "greedy_prompts": len(prompts), "greedy_tokens": n,

@@ -327,6 +327,7 @@ class AsyncEngine:
         self._encoder = msgspec.msgpack.Encoder()
         self._dead: str | None = None          # why the engine is gone, once it is
         self._fatal: str | None = None
+        self._died = False                     # it ended without being asked to
         self._closing = False
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._tmpdir: str | None = None
@@ -451,6 +452,7 @@ class AsyncEngine:
                 why += f": {self._fatal}"
             if self.info is not None:     # during start() the caller gets the reason instead
                 logger.error("%s", why)
+            self._died = True
         self._dead = why
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(why))
@@ -463,7 +465,7 @@ class AsyncEngine:
     @property
     def died(self) -> bool:
         """The engine process ended without being asked to."""
-        return self._dead is not None and self._dead != "the engine was shut down"
+        return self._died
 
     @property
     def is_alive(self) -> bool:

@@ -19,6 +19,7 @@ import torch
 
 from kdaserve.cache.spec import DTYPE_BYTES, specs_for
 from kdaserve.config import ModelConfig
+from kdaserve.model.base import FP32_PARAM_SUFFIXES
 
 _PARTS = (
     ("routed experts", re.compile(r"\.experts_w(13|2)(_packed)?$")),
@@ -90,8 +91,8 @@ def measure(cfg: ModelConfig, weight_dtype: str = "bfloat16") -> ModelSize:
         part = _part(name, cfg)
         packed = t.dtype == torch.uint8
         n = t.numel() * (2 if packed and part == "routed experts" else 1)
-        stored = t.numel() if packed else n * (4 if name.endswith(
-            ("A_log", "dt_bias", "gate.weight", "e_score_correction_bias")) else wbytes)
+        stored = t.numel() if packed else n * (
+            4 if name.endswith(FP32_PARAM_SUFFIXES) else wbytes)
         size.stored_bytes[part] = size.stored_bytes.get(part, 0) + stored
         if part == "expert scales":
             continue

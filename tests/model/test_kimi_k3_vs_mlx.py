@@ -55,7 +55,7 @@ def test_greedy_identical_to_mlx(k3_dir):
     """Through the engine: batched, one at a time, chunked prefill (prompts longer than the
     step's token budget), and again with prefix-cache hits on the same prompts."""
     ps = prompts(5, 1, lo=20, hi=60)
-    want = [mlx_greedy(k3_dir, p, GREEDY.max_tokens) for p in ps]
+    want = mlx_greedy(k3_dir, ps, GREEDY.max_tokens)
     llm = LLM(str(k3_dir), block_size=4, max_num_batched_tokens=16, state_snapshot_interval=4)
 
     def run(batch):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
-import os
 import stat
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 import zmq
 from safetensors.torch import save_file
+from test_async_engine import one_omp_thread
 
 from kdaserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kdaserve.engine.async_engine import AsyncEngine
@@ -80,15 +80,8 @@ def test_engine_sockets_are_private_ipc(tiny_model_dir):
 
     async def scenario():
         eng = AsyncEngine(cfg)
-        old = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"
-        try:
+        with one_omp_thread():
             await eng.start()
-        finally:
-            if old is None:
-                os.environ.pop("OMP_NUM_THREADS")
-            else:
-                os.environ["OMP_NUM_THREADS"] = old
         try:
             folder = Path(eng._tmpdir)
             mode = stat.S_IMODE(folder.stat().st_mode)
