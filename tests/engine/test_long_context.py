@@ -116,9 +116,6 @@ def test_long_prompt_does_not_starve_short_requests(model_dir):
     assert all(s["short-b"] == 1 for s in prefill[1:])
 
 
-@pytest.mark.xfail(strict=False, reason="scheduler.py schedules running requests in admission "
-                   "order: without long_prefill_token_threshold a long prefill takes the whole "
-                   "step budget and a request arriving meanwhile waits for all of it")
 def test_default_budget_admits_a_short_request_during_a_long_prefill(model_dir):
     llm = LLM(str(model_dir), max_num_batched_tokens=256, max_model_len=MAX_MODEL_LEN)
     eng = llm.engine
@@ -128,6 +125,45 @@ def test_default_budget_admits_a_short_request_during_a_long_prefill(model_dir):
     eng.step()
     assert eng.scheduler.requests["long"].num_computed_tokens < 2400
     assert "short" in {r.request_id for r in eng.scheduler.running}
+
+
+def test_default_budget_keeps_decodes_running_between_long_prefill_chunks(model_dir):
+    """No long_prefill_token_threshold: decodes go before partial prefills, and a partial
+    prefill leaves room to admit a request that arrives meanwhile."""
+    llm = LLM(str(model_dir), max_num_batched_tokens=256, max_model_len=MAX_MODEL_LEN)
+    eng = llm.engine
+    per_step: list[dict[str, int]] = []
+    execute = eng.runner.execute
+
+    def spy(out, requests):
+        per_step.append({s.request_id: len(s.token_ids) for s in out.sequences})
+        return execute(out, requests)
+
+    eng.runner.execute = spy
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    got: dict[str, list[int]] = {"short-a": [], "short-b": []}
+
+    def step():
+        for d in eng.step():
+            got.setdefault(d.request_id, []).extend(d.new_token_ids)
+
+    eng.add_request("short-a", [5, 6, 7], greedy)
+    step()
+    eng.add_request("long", list(range(3, 63)) * 40, SamplingParams(max_tokens=1))
+    step()                           # the long prompt is admitted: its first chunk
+    eng.add_request("short-b", [8, 9], greedy)
+    while eng.has_unfinished():
+        step()
+    prefill = [s for s in per_step if s.get("long", 0) > 1]
+    assert sum(s["long"] for s in prefill) == 2400
+    assert len(prefill) == -(-(2400 - 255 - 253) // 254) + 2     # chunks: 255, 253, 254...
+    assert all(s["short-a"] == 1 for s in prefill)
+    assert prefill[1]["short-b"] == 2                 # admitted at the chunk after its arrival
+    assert all(s["short-b"] == 1 for s in prefill[2:])
+    assert all(sum(s.values()) <= 256 for s in per_step)
+    alone = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}],
+                         greedy, use_tqdm=False)
+    assert [got["short-a"], got["short-b"]] == [o.outputs[0].token_ids for o in alone]
 
 
 def test_planner_says_what_fits_at_1m_context():
