@@ -11,7 +11,7 @@ import torch
 
 from kdaserve.cache.identity import cache_layout, offload_identity
 from kdaserve.cache.manager import CacheManager
-from kdaserve.cache.planner import CachePlan, plan_cache
+from kdaserve.cache.planner import CachePlan, cache_budget, plan_cache
 from kdaserve.cache.spec import specs_for
 from kdaserve.config import EngineConfig, SchedulerConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
@@ -87,19 +87,20 @@ class EngineCore:
         latent, state = specs_for(cfg, config.cache.block_size, config.dtype)
         sched = config.scheduler
         cc = config.cache
+        max_len = min(sched.max_model_len, cfg.max_position_embeddings)
+        if max_len != sched.max_model_len:
+            sched = SchedulerConfig(**{**sched.__dict__, "max_model_len": max_len})
+        memory = cache_budget(cc, device)
         snapshot_bytes = 0
         if cc.enable_prefix_caching:
             snapshot_bytes = cc.state_snapshot_budget_bytes
             if snapshot_bytes is None:
-                snapshot_bytes = cc.cache_memory_bytes // 4
+                snapshot_bytes = memory // 4
         self.plan: CachePlan = plan_cache(
-            latent, state, cc.cache_memory_bytes, sched.max_num_seqs,
+            latent, state, memory, sched.max_num_seqs,
             num_blocks=cc.num_blocks, num_state_slots=cc.num_state_slots,
-            snapshot_bytes=snapshot_bytes,
+            snapshot_bytes=snapshot_bytes, max_model_len=max_len,
         )
-        max_len = min(sched.max_model_len, cfg.max_position_embeddings)
-        if max_len != sched.max_model_len:
-            sched = SchedulerConfig(**{**sched.__dict__, "max_model_len": max_len})
         self.max_model_len = sched.max_model_len
         tiers = open_tiers(config, cfg, latent, state, chunk, device)
         self.cache = CacheManager(

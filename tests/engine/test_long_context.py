@@ -13,9 +13,9 @@ import torch
 from tiny_models import random_model, tiny_config
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.cache.planner import fraction_budget, plan_cache
+from kdaserve.cache.planner import cache_budget, fraction_budget, plan_cache
 from kdaserve.cache.spec import specs_for
-from kdaserve.config import ModelConfig
+from kdaserve.config import CacheConfig, ConfigError, ModelConfig
 from kdaserve.model.loader import save_model
 
 LONG, SHORT, CHUNK, NEW = 65536, 16384, 4096, 6
@@ -182,3 +182,24 @@ def test_planner_says_what_fits_at_1m_context():
     assert fraction_budget(80 << 30, 0.9, 20 << 30) == int((80 << 30) * 0.9) - (20 << 30)
     with pytest.raises(ValueError):
         fraction_budget(16 << 30, 0.5, 10 << 30)
+
+
+def test_gpu_memory_utilization_sizes_the_cache_on_cuda_only():
+    cc = CacheConfig(cache_memory_bytes=1 << 30, gpu_memory_utilization=0.9)
+    info = lambda device: (60 << 30, 80 << 30)      # noqa: E731 - 20 GiB in use (weights)
+    want = int((80 << 30) * 0.9) - (20 << 30) - (2 << 30)     # less an activation reserve
+    assert cache_budget(cc, torch.device("cuda", 0), info) == want
+    assert cache_budget(cc, torch.device("cpu"), info) == 1 << 30    # --cache-memory on CPU
+    assert cache_budget(CacheConfig(cache_memory_bytes=1 << 30), torch.device("cuda"), info) \
+        == 1 << 30
+    with pytest.raises(ValueError, match="raise the fraction"):
+        cache_budget(CacheConfig(gpu_memory_utilization=0.2), torch.device("cuda"), info)
+    with pytest.raises(ConfigError):
+        CacheConfig(gpu_memory_utilization=1.5)
+
+
+def test_engine_plans_at_the_clamped_max_model_len(model_dir):
+    llm = LLM(str(model_dir), max_model_len=4 * MAX_MODEL_LEN, cache_memory=64 << 20)
+    plan = llm.engine.plan
+    assert plan.max_model_len == llm.engine.max_model_len == MAX_MODEL_LEN   # the model's limit
+    assert f"max_model_len {plan.max_model_len} tokens" in plan.describe()
