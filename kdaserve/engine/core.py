@@ -261,6 +261,8 @@ class EngineCore:
 
     def _delta(self, req: Request) -> RequestDelta:
         tr = self._tracked[req.request_id]
+        prompt_lps = (req.prompt_logprobs or [None]) if tr.emitted_tokens == 0 and \
+            req.sampling_params.prompt_logprobs is not None else None
         new_ids = req.output_token_ids[tr.emitted_tokens:]
         new_lps = req.output_logprobs[tr.emitted_tokens:] if req.output_logprobs else None
         tr.emitted_tokens = len(req.output_token_ids)
@@ -282,7 +284,7 @@ class EngineCore:
         return RequestDelta(tr.parent, tr.index, new_ids, text, finished, reason,
                             req.stop_reason if finished else None, new_lps,
                             req.num_prompt_tokens, len(req.output_token_ids),
-                            req.num_cached_tokens)
+                            req.num_cached_tokens, prompt_logprobs=prompt_lps)
 
     def _final_delta(self, rid: str, reason: str, error: str | None = None) -> RequestDelta:
         tr = self._tracked[rid]

@@ -112,6 +112,8 @@ class LLM:
                     if comp.logprobs is not None and d.new_logprobs:
                         comp.logprobs.extend(d.new_logprobs)
                     out.num_cached_tokens = d.num_cached_tokens
+                    if d.prompt_logprobs is not None:
+                        out.prompt_logprobs = d.prompt_logprobs
                     if d.finished:
                         comp.finish_reason, comp.stop_reason = d.finish_reason, d.stop_reason
                         if d.error is not None:       # the engine failed this request only

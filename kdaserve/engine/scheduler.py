@@ -25,6 +25,7 @@ from collections import Counter, deque
 
 from kdaserve.cache.manager import CacheManager
 from kdaserve.config import SchedulerConfig
+from kdaserve.engine.prompt_logprobs import record, wants_prompt_logprobs
 from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
 from kdaserve.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from kdaserve.request import Request, RequestStatus
@@ -204,7 +205,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting(counts)
             hit = None
-            if req.num_computed_tokens == 0:
+            if req.num_computed_tokens == 0 and not wants_prompt_logprobs(req):
                 hit = self.cache.find_hit(req.all_token_ids, req.extra_keys, req.cache_salt)
             computed = hit.num_tokens if hit is not None else req.num_computed_tokens
             n = min(req.num_tokens - computed, budget, chunk_cap)
@@ -356,6 +357,8 @@ class Scheduler:
                                             len(tokens) - 1)
             else:
                 req.num_computed_tokens += len(seq.token_ids)
+            if seq.request_id in result.prompt_logprobs:
+                record(req, *result.prompt_logprobs[seq.request_id])
             req.spec_token_ids = []
             if not seq.sample:
                 self._commit(req)
