@@ -127,7 +127,7 @@ class ModelRunner:
         logits = logits[:n_sample]
         sampled = self._sample(seqs, logits.cpu(), requests,
                                masks.result() if masks is not None else None)
-        if masks is not None:
+        if masks is not None and self.proposer is not None:   # drafts are checked at once
             self.structured.advance(sampled)
         valid = [len(sampled[s.request_id]) if s.num_draft_tokens else n
                  for s, n in zip(seqs, lens)]
