@@ -552,6 +552,9 @@ class CacheConfig:
 
     block_size: int = 16
     cache_memory_bytes: int = 512 << 20
+    # On CUDA: this fraction of the device's memory, less what is in use after loading, sizes
+    # the cache instead of cache_memory_bytes (vLLM's --gpu-memory-utilization).
+    gpu_memory_utilization: float | None = None
     num_blocks: int | None = None
     num_state_slots: int | None = None
     enable_prefix_caching: bool = True
@@ -569,6 +572,9 @@ class CacheConfig:
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.cache_memory_bytes <= 0:
             raise ConfigError("cache memory must be positive")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1], got "
+                              f"{self.gpu_memory_utilization}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError("num_blocks must be >= 1")
         if self.num_state_slots is not None and self.num_state_slots < 1:

@@ -62,6 +62,8 @@ class ModelRunnerOutput:
     dropped_snapshots: list[int] = field(default_factory=list)
     cache_op_failures: list[OpFailure] = field(default_factory=list)
     # entries that failed to store or load; a failed load's request was left out of the step
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    # requests asking for prompt logprobs: (first prompt position scored, its entries)
 
 
 @dataclass
@@ -82,6 +84,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # entry 0 None
 
 
 @dataclass
@@ -100,3 +103,4 @@ class RequestDelta:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None        # the engine failed this request (finish_reason "error")
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # with the first tokens

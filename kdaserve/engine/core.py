@@ -11,7 +11,7 @@ import torch
 
 from kdaserve.cache.identity import cache_layout, offload_identity
 from kdaserve.cache.manager import CacheManager
-from kdaserve.cache.planner import CachePlan, plan_cache
+from kdaserve.cache.planner import CachePlan, cache_budget, plan_cache
 from kdaserve.cache.spec import specs_for
 from kdaserve.config import EngineConfig, SchedulerConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
@@ -87,19 +87,20 @@ class EngineCore:
         latent, state = specs_for(cfg, config.cache.block_size, config.dtype)
         sched = config.scheduler
         cc = config.cache
+        max_len = min(sched.max_model_len, cfg.max_position_embeddings)
+        if max_len != sched.max_model_len:
+            sched = SchedulerConfig(**{**sched.__dict__, "max_model_len": max_len})
+        memory = cache_budget(cc, device)
         snapshot_bytes = 0
         if cc.enable_prefix_caching:
             snapshot_bytes = cc.state_snapshot_budget_bytes
             if snapshot_bytes is None:
-                snapshot_bytes = cc.cache_memory_bytes // 4
+                snapshot_bytes = memory // 4
         self.plan: CachePlan = plan_cache(
-            latent, state, cc.cache_memory_bytes, sched.max_num_seqs,
+            latent, state, memory, sched.max_num_seqs,
             num_blocks=cc.num_blocks, num_state_slots=cc.num_state_slots,
-            snapshot_bytes=snapshot_bytes,
+            snapshot_bytes=snapshot_bytes, max_model_len=max_len,
         )
-        max_len = min(sched.max_model_len, cfg.max_position_embeddings)
-        if max_len != sched.max_model_len:
-            sched = SchedulerConfig(**{**sched.__dict__, "max_model_len": max_len})
         self.max_model_len = sched.max_model_len
         tiers = open_tiers(config, cfg, latent, state, chunk, device)
         self.cache = CacheManager(
@@ -260,6 +261,8 @@ class EngineCore:
 
     def _delta(self, req: Request) -> RequestDelta:
         tr = self._tracked[req.request_id]
+        prompt_lps = (req.prompt_logprobs or [None]) if tr.emitted_tokens == 0 and \
+            req.sampling_params.prompt_logprobs is not None else None
         new_ids = req.output_token_ids[tr.emitted_tokens:]
         new_lps = req.output_logprobs[tr.emitted_tokens:] if req.output_logprobs else None
         tr.emitted_tokens = len(req.output_token_ids)
@@ -281,7 +284,7 @@ class EngineCore:
         return RequestDelta(tr.parent, tr.index, new_ids, text, finished, reason,
                             req.stop_reason if finished else None, new_lps,
                             req.num_prompt_tokens, len(req.output_token_ids),
-                            req.num_cached_tokens)
+                            req.num_cached_tokens, prompt_logprobs=prompt_lps)
 
     def _final_delta(self, rid: str, reason: str, error: str | None = None) -> RequestDelta:
         tr = self._tracked[rid]

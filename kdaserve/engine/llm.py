@@ -31,7 +31,8 @@ class LLM:
                  speculative_model: str | None = None, speculative_adaptive: bool = True,
                  offload: str | Sequence[str] | None = None,
                  offload_bytes: int | Sequence[int] | None = None,
-                 offload_dir: str | None = None) -> None:
+                 offload_dir: str | None = None,
+                 gpu_memory_utilization: float | None = None) -> None:
         """`offload`: "host", "disk" or "host,disk" (evicted prefix-cache entries go there);
         `offload_bytes`: one cap, or one per tier; `offload_dir`: the disk tier's directory."""
         tiers = tuple(t.strip() for t in (offload.split(",") if isinstance(offload, str)
@@ -41,6 +42,7 @@ class LLM:
         self.config = EngineConfig(
             model=path, dtype=dtype, device=device, kda_chunk_size=kda_chunk_size, seed=seed,
             cache=CacheConfig(block_size=block_size, cache_memory_bytes=cache_memory,
+                              gpu_memory_utilization=gpu_memory_utilization,
                               num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                               state_snapshot_budget_bytes=state_snapshot_budget,
                               state_snapshot_interval=state_snapshot_interval,
@@ -110,6 +112,8 @@ class LLM:
                     if comp.logprobs is not None and d.new_logprobs:
                         comp.logprobs.extend(d.new_logprobs)
                     out.num_cached_tokens = d.num_cached_tokens
+                    if d.prompt_logprobs is not None:
+                        out.prompt_logprobs = d.prompt_logprobs
                     if d.finished:
                         comp.finish_reason, comp.stop_reason = d.finish_reason, d.stop_reason
                         if d.error is not None:       # the engine failed this request only

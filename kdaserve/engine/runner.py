@@ -15,6 +15,7 @@ import torch
 
 from kdaserve.cache.planner import CachePlan
 from kdaserve.engine.cache_ops import CacheOpRunner, Store
+from kdaserve.engine.prompt_logprobs import plan_rows, score
 from kdaserve.engine.sampler import SamplingRow, sample
 from kdaserve.engine.spec.proposer import Proposal, ProposalInput, Proposer
 from kdaserve.engine.spec.rejection import VerifyRow, verify
@@ -104,6 +105,10 @@ class ModelRunner:
             elif s.sample:
                 wanted.append(pos + n - 1)
             pos += n
+        prompt_rows = plan_rows(seqs, starts, requests)       # only requests that ask
+        n_sample = len(wanted)
+        for r in prompt_rows:
+            wanted.extend(r.at)
         fb = build_forward_batch(
             lens, [s.context_len for s in seqs], num_decode=num_decode,
             conv_kernel=self.cfg.conv_kernel_size, chunk_size=self.model.chunk_size,
@@ -118,9 +123,11 @@ class ModelRunner:
         # grammar masks are computed on a worker thread while the model runs
         masks = self.structured.prepare(seqs, requests) if self.structured is not None else None
         logits, captured = self.model(ids, fb, capture_layers=capture)
+        prompt_lps = score(logits[n_sample:], prompt_rows) if prompt_rows else {}
+        logits = logits[:n_sample]
         sampled = self._sample(seqs, logits.cpu(), requests,
                                masks.result() if masks is not None else None)
-        if masks is not None:
+        if masks is not None and self.proposer is not None:   # drafts are checked at once
             self.structured.advance(sampled)
         valid = [len(sampled[s.request_id]) if s.num_draft_tokens else n
                  for s, n in zip(seqs, lens)]
@@ -135,7 +142,7 @@ class ModelRunner:
             drafts = self._keep_proposals(props)
         return ModelRunnerOutput(sampled=sampled, drafts=drafts,
                                  dropped_snapshots=dropped + lost_snaps,
-                                 cache_op_failures=failures)
+                                 cache_op_failures=failures, prompt_logprobs=prompt_lps)
 
     def _sampling_row(self, req: Request) -> SamplingRow:
         return SamplingRow(req.request_id, req.sampling_params, req.prompt_token_ids,

@@ -248,26 +248,36 @@ class OpenAIServing:
             return prompt.text
         return self.tokenizer.decode(prompt.token_ids)
 
-    def _completion_logprobs(self, token_ids: list[int], lps: list[dict[int, float]],
-                             offset: int, as_ids: bool) -> tuple[CompletionLogprobs, int]:
-        out = CompletionLogprobs()
+    def _completion_logprobs(self, token_ids: list[int], lps: list[dict[int, float] | None],
+                             offset: int, as_ids: bool, out: CompletionLogprobs | None = None,
+                             ) -> tuple[CompletionLogprobs, int]:
+        """Appends to `out` (a new one if None). An entry None (the prompt's first token,
+        which nothing predicts) gives a None logprob, as in OpenAI's echo."""
+        out = out if out is not None else CompletionLogprobs()
         for tid, entry in zip(token_ids, lps):
             text = self.token_text(tid, as_ids)
             out.tokens.append(text)
-            out.token_logprobs.append(entry.get(tid))
-            out.top_logprobs.append({self.token_text(t, as_ids): lp for t, lp in entry.items()})
+            out.token_logprobs.append(entry.get(tid) if entry is not None else None)
+            out.top_logprobs.append(None if entry is None else
+                                    {self.token_text(t, as_ids): lp for t, lp in entry.items()})
             out.text_offset.append(offset)
             offset += len(text)
         return out, offset
 
+    def _echo_logprobs(self, prompt: Prompt, lps: list[dict[int, float] | None] | None,
+                       as_ids: bool) -> tuple[CompletionLogprobs, int]:
+        """The prompt's tokens with their logprobs (echo with logprobs)."""
+        return self._completion_logprobs(prompt.token_ids, lps or [None], 0, as_ids)
+
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported", param="echo")
         prompts = await self._completion_prompts(req.prompt, req.n)
         max_tokens = req.max_tokens if req.max_tokens is not None else self.defaults.get(
             "max_tokens", 16)
         params = self._params(req, max_tokens, req.logprobs)
+        echo_lps = req.echo and req.logprobs is not None
+        if echo_lps:          # the prompt's logits are computed for this request only
+            params.prompt_logprobs = req.logprobs
         for p in prompts:
             self._check_fits(len(p.token_ids), max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -281,8 +291,11 @@ class OpenAIServing:
             for j, c in enumerate(outs):
                 lp = None
                 if req.logprobs is not None:
+                    as_ids = req.return_tokens_as_token_ids
+                    head, _ = self._echo_logprobs(run.prompt, c.prompt_logprobs, as_ids) \
+                        if echo_lps else (None, 0)
                     lp, _ = self._completion_logprobs(c.token_ids, c.logprobs, len(prefix),
-                                                      req.return_tokens_as_token_ids)
+                                                      as_ids, head)
                 choices.append(CompletionChoice(
                     index=i * run.n + j, text=prefix + c.text, logprobs=lp,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
@@ -304,8 +317,10 @@ class OpenAIServing:
                                         choices=choices, usage=usage))
 
         deltas = merge(runs)
+        # with logprobs the echo waits for the prompt's logprobs (in the first delta)
+        echo_lps = req.echo and req.logprobs is not None
         try:
-            if req.echo:
+            if req.echo and not echo_lps:
                 for i, run in enumerate(runs):
                     text = self._echo_text(run.prompt)
                     for j in range(n):
@@ -314,6 +329,12 @@ class OpenAIServing:
             async for i, d in deltas:
                 index = i * n + d.index
                 generated += len(d.new_token_ids)
+                if echo_lps and d.prompt_logprobs is not None:
+                    text = self._echo_text(runs[i].prompt)
+                    lp, _ = self._echo_logprobs(runs[i].prompt, d.prompt_logprobs,
+                                                req.return_tokens_as_token_ids)
+                    offsets[index] = len(text)
+                    yield chunk([CompletionChoice(index=index, text=text, logprobs=lp)])
                 lp = None
                 if req.logprobs is not None and d.new_token_ids:
                     lp, offsets[index] = self._completion_logprobs(

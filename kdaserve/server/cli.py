@@ -97,6 +97,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-memory", type=parse_size, default="512MiB",
                    help="memory for MLA pages and KDA state slots, e.g. 256MiB, 1GiB or bytes "
                         "(default: 512MiB)")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
+                   help="on CUDA, size the cache as this fraction of the GPU's memory less what "
+                        "is in use after loading the weights, e.g. 0.9 (--cache-memory is "
+                        "used on CPU)")
     p.add_argument("--block-size", type=_positive_int, default=16,
                    help="tokens per MLA cache block, a power of two (default: %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
@@ -201,6 +205,16 @@ def _snapshot_budget(text: str) -> float | int:
     return parse_size(text)
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def _offload_tiers(text: str) -> tuple[str, ...]:
     tiers = tuple(t.strip() for t in text.split(",") if t.strip())
     if tiers not in (("host",), ("disk",), ("host", "disk")):
@@ -221,6 +235,7 @@ def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
         kda_chunk_size=args.kda_chunk_size, seed=args.seed,
         num_threads=getattr(args, "torch_threads", None),
         cache=CacheConfig(block_size=args.block_size, cache_memory_bytes=args.cache_memory,
+                          gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
                           enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
                           state_snapshot_budget_bytes=budget,
                           state_snapshot_interval=getattr(args, "state_snapshot_interval", 512),

@@ -114,8 +114,11 @@ class Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, d: RequestDelta) -> None:
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.text += d.new_text
         self.token_ids += d.new_token_ids
         self.logprobs += d.new_logprobs or []
