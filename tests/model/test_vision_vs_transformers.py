@@ -15,8 +15,7 @@ from hf_vision_reference import IMAGE_TOKEN, make_hf_k25_checkpoint
 
 pytest.importorskip("transformers")
 
-# (h, w): a grid smaller than the 6x6 position table, one equal to it, one wider, one that the
-# processor downscales (more than 512 px on a side)
+# (h, w): a grid smaller than the 6x6 position table, one equal to it, one wider, a large one
 SIZES = [(60, 90), (84, 84), (30, 50), (300, 600)]
 
 
@@ -68,7 +67,7 @@ def test_config_and_layout(k25):
 def test_image_features_match(k25):
     _, hf, model = k25
     pp = images(SIZES)
-    assert [p.grid for p in pp] == [(6, 8), (6, 6), (4, 4), (18, 36)]
+    assert [p.grid for p in pp] == [(6, 8), (6, 6), (4, 4), (22, 44)]
     pix, thw, grids = packed(pp)
     with torch.no_grad():
         ref = hf.model.get_image_features(pix, thw).pooler_output

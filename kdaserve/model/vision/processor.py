@@ -1,7 +1,7 @@
 """Image preprocessing of the Kimi vision path, as transformers' Kimi_K25ImageProcessor does it:
 RGB (alpha composited over white), downscale (bicubic, never up) so that the patch grid fits
-`max_patches` in all and `max_side` pixels per side, pad
-bottom/right with black to a multiple of patch·merge, scale to [0, 1], normalise with mean = std
+`max_patches` in all and `max_side` patches per side (the reference's `size.max_height`, in
+patches despite its name), pad bottom/right with black to a multiple of patch·merge, scale to [0, 1], normalise with mean = std
 = 0.5, cut into patches in raster order. The result is plain numpy (no torch), so the server's
 tokenizer process can prepare images and the engine process receives bytes.
 
@@ -25,7 +25,7 @@ class ImageProcessorConfig:
     patch_size: int = 14
     merge: int = 2
     max_patches: int = 16384
-    max_side: int = 512                   # pixels per side after resizing (the reference's size)
+    max_side: int = 512                   # patches per side (the reference's size.max_height)
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def navit_size(h: int, w: int, cfg: ImageProcessorConfig) -> tuple[tuple[int, in
                                                                     tuple[int, int]]:
     """(resized h, w), (padded h, w) of an image of h x w pixels."""
     p = cfg.patch_size
-    side_patches = cfg.max_side // p
+    side_patches = cfg.max_side
     ph, pw = max(1.0, h // p), max(1.0, w // p)
     scale = min(1.0, math.sqrt(cfg.max_patches / (ph * pw)), side_patches * p / h,
                 side_patches * p / w)
