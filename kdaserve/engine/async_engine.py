@@ -134,6 +134,8 @@ class EngineStatsSnapshot(msgspec.Struct):
     spec_verifications: int = 0    # decode rows that verified drafts
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # adaptive speculation's decisions (kdaserve.engine.spec.adaptive.decisions); {} when off
+    spec_adaptive: dict[str, float] = {}
     # offload tiers: tier name -> counters (see kdaserve.engine.cache_ops.offload_stats)
     offload: dict[str, dict[str, float]] = {}
 
@@ -195,6 +197,10 @@ def _engine_process(config_msg: bytes, cmd_addr: str, out_addr: str, log_level: 
             logger.error("engine loop failed:\n%s", traceback.format_exc())
             out.send(encoder.encode(Fatal(_describe(exc))))
             raise SystemExit(1) from None
+        try:      # a clean shutdown: the device cache goes to the offload tiers (disk persists)
+            core.close()
+        except Exception:
+            logger.exception("flushing the cache to the offload tiers at shutdown failed")
     finally:
         cmds.close(linger=0)
         out.close(linger=5000)     # deliver the last message even if we exit right after
@@ -287,6 +293,8 @@ class _EngineLoop:
             spec_verifications=core.scheduler.num_verify_rows,
             spec_draft_tokens=core.scheduler.num_draft_tokens,
             spec_accepted_tokens=core.scheduler.num_accepted_tokens,
+            spec_adaptive=(core.scheduler.spec_policy.decisions()
+                           if core.scheduler.spec_policy is not None else {}),
             offload=offload_stats(cache.offload, core.runner.cache_ops))
 
 
