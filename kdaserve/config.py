@@ -65,7 +65,7 @@ _MODEL_FIELDS = frozenset(
 # compressed-tensors formats of the routed experts that the loader understands
 _EXPERT_FORMATS = {"mxfp4-pack-quantized": "mxfp4"}
 # config.json model_type values ModelConfig reads (the registry maps them to model classes)
-TEXT_MODEL_TYPES = ("kimi_linear", "kimi_k3")
+TEXT_MODEL_TYPES = ("kimi_linear", "kimi_k3", "kimi_k25")
 
 
 def _require(raw: dict[str, Any], name: str) -> Any:
@@ -126,7 +126,7 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
     # ---- Kimi K3 (defaults: Kimi Linear) ----
-    architecture: str = "kimi_linear"          # the registry's key: kimi_linear | kimi_k3
+    architecture: str = "kimi_linear"          # the registry's key: kimi_linear | kimi_k3 | kimi_k25
     hidden_act: str = "silu"                   # silu | situ
     activation_situ_beta: float | None = None
     activation_situ_linear_beta: float | None = None
@@ -250,6 +250,8 @@ class ModelConfig:
         model_type = raw.get("model_type", "kimi_linear")
         if model_type == "kimi_k3":
             return cls._from_k3_dict(raw)
+        if model_type == "kimi_k25":
+            return cls._from_k25_dict(raw)
         if model_type != "kimi_linear":
             raise ConfigError(
                 f"config.json: 'model_type' is {model_type!r}; supported: "
@@ -276,6 +278,27 @@ class ModelConfig:
             media_placeholder_token_id=raw.get("media_placeholder_token_id"),
             vision_config=raw.get("vision_config"),
             eos_token_id=cfg.eos_token_id or _eos_ids(raw.get("eos_token_id")))
+
+    @classmethod
+    def _from_k25_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """transformers' kimi_k25 (Kimi_K25ForConditionalGeneration) with a kimi_linear
+        text_config; the projector's width and eps sit at the top level and are kept with the
+        vision_config here. Its ties default to on, as in transformers."""
+        text = dict(raw.get("text_config") or {})
+        if text.get("model_type", "kimi_linear") != "kimi_linear":
+            raise ConfigError(f"config.json: kimi_k25 with a {text.get('model_type')!r} "
+                              "text_config is not supported; the text model must be kimi_linear")
+        text.pop("model_type", None)
+        text["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", True))
+        cfg = cls._from_text_dict(text)
+        vc = dict(raw.get("vision_config") or {})
+        for src, dst in (("projection_hidden_size", "mm_hidden_size"),
+                         ("projection_layer_norm_eps", "projector_ln_eps")):
+            if raw.get(src) is not None:
+                vc.setdefault(dst, raw[src])
+        return replace(cfg, architecture="kimi_k25", vision_config=vc,
+                       media_placeholder_token_id=raw.get("image_token_id", 163605),
+                       eos_token_id=cfg.eos_token_id or _eos_ids(raw.get("eos_token_id")))
 
     @classmethod
     def _from_text_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -371,6 +394,12 @@ class ModelConfig:
         """config.json contents that kdaserve and the references read: transformers'
         KimiLinear for kimi_linear, mlx-lm's kimi_k3 (and llama.cpp's converter) for K3."""
         text = self._text_hf_dict()
+        if self.architecture == "kimi_k25":
+            return {"architectures": ["Kimi_K25ForConditionalGeneration"],
+                    "model_type": "kimi_k25", "text_config": text,
+                    "vision_config": self.vision_config,
+                    "image_token_id": self.media_placeholder_token_id,
+                    "tie_word_embeddings": self.tie_word_embeddings}
         if self.architecture != "kimi_k3":
             return text
         text["architectures"] = ["KimiLinearForCausalLM"]

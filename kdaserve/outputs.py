@@ -19,6 +19,7 @@ class ScheduledSequence:
     sample: bool                      # the chunk ends at the last known token: sample one
     restore_snapshot: int | None = None  # snapshot id to load into the slot first (prefix hit)
     num_draft_tokens: int = 0         # the last len(...) token_ids are drafts to verify
+    media: tuple = ()                 # MediaItems whose placeholders overlap token_ids
 
 
 @dataclass

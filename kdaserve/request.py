@@ -184,6 +184,7 @@ class Request:
     max_model_len: int | None = None
     cache_salt: str | None = None
     extra_keys: tuple = ()
+    media: tuple = ()               # MediaItems (kdaserve/media.py): images in the prompt
     group: str = ""                 # fairness unit: all sequences of one client request
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -19,7 +19,7 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from kdaserve.config import EngineConfig
+from kdaserve.media import MediaItem, MediaWire
 from kdaserve.outputs import RequestDelta
 from kdaserve.request import SamplingParams
 
@@ -68,6 +69,7 @@ class AddCmd(msgspec.Struct, tag="add"):
     params: msgspec.Raw            # an encoded SamplingParams, decoded (validated) by the child
     priority: int = 0
     group: str | None = None       # fairness unit (one HTTP request's prompts share it)
+    media: list[MediaWire] = []    # images, their placeholder runs expanded in the prompt
 
 
 class AbortCmd(msgspec.Struct, tag="abort"):
@@ -265,7 +267,8 @@ class _EngineLoop:
         try:
             params = msgspec.msgpack.decode(cmd.params, type=SamplingParams)
             self.core.add_request(cmd.request_id, cmd.prompt_token_ids, params,
-                                  priority=cmd.priority, group=cmd.group)
+                                  priority=cmd.priority, group=cmd.group,
+                                  media=[m.item() for m in cmd.media])
         except ValueError as exc:   # SamplingParamsError and msgspec.ValidationError included
             self._send(AddFailed(cmd.request_id, str(exc), invalid_input=True))
         except Exception as exc:
@@ -556,7 +559,8 @@ class AsyncEngine:
     # ---- requests --------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0,
-                       group: str | None = None) -> AsyncIterator[RequestDelta]:
+                       group: str | None = None, media: Sequence[MediaItem] = (),
+                       ) -> AsyncIterator[RequestDelta]:
         """Submit a request and yield its deltas until all `params.n` completions finished.
 
         Input errors surface as ValueError on the first iteration; leaving the loop early (or
@@ -580,7 +584,8 @@ class AsyncEngine:
         remaining = params.n
         try:
             self._send(AddCmd(request_id, list(prompt_token_ids),
-                              msgspec.Raw(self._encoder.encode(params)), priority, group))
+                              msgspec.Raw(self._encoder.encode(params)), priority, group,
+                              [MediaWire.of(m) for m in media]))
             while remaining:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):

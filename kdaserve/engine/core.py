@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from kdaserve.engine.runner import ModelRunner
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
 from kdaserve.engine.spec.proposer import NgramDrafts, Proposer
+from kdaserve.media import MediaItem, check_media
 from kdaserve.model.base import HybridForCausalLM
 from kdaserve.model.loader import load_model
 from kdaserve.ops.host_memory import tune_host_allocator
@@ -127,8 +129,10 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    extra_keys: tuple = (), group: str | None = None) -> None:
-        """`group` is the fairness unit (default: this request with its n completions)."""
+                    extra_keys: tuple = (), group: str | None = None,
+                    media: Sequence[MediaItem] = ()) -> None:
+        """`group` is the fairness unit (default: this request with its n completions).
+        media: the prompt's images (their placeholder runs already expanded in the ids)."""
         if request_id in self._children:
             raise ValueError(f"duplicate request id {request_id!r}")
         if params.stop and self.tokenizer is None:
@@ -138,6 +142,9 @@ class EngineCore:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        if media:
+            self._check_media(media, prompt_token_ids)
+            extra_keys = tuple(extra_keys) + tuple(m.placed_key() for m in media)
         if params.guided is not None:    # compiled (and cached) now: a bad spec is a 400
             self.runner.structured.validate(params.guided)
         children = []
@@ -150,6 +157,7 @@ class EngineCore:
             req = Request(cid, list(prompt_token_ids), child_params, eos_token_ids=self.eos_ids,
                           priority=priority, arrival_time=arrival_time or time.monotonic(),
                           cache_salt=cache_salt, extra_keys=tuple(extra_keys),
+                          media=tuple(media),
                           group=group or request_id)
             self.scheduler.add_request(req)  # validates; the first failure raises before any
             children.append(cid)
@@ -160,6 +168,13 @@ class EngineCore:
                     child_params.stop, child_params.include_stop_str_in_output)
             self._tracked[cid] = _Tracked(request_id, i, detok)
         self._children[request_id] = children
+
+    def _check_media(self, media: Sequence[MediaItem], prompt: list[int]) -> None:
+        tower = getattr(self.model, "vision_tower", None)
+        if tower is None:
+            raise ValueError("this model has no vision tower; images are not supported")
+        check_media(media, prompt, self.model.config.media_placeholder_token_id,
+                    tower.cfg.merge_size)
 
     def abort(self, request_id: str) -> None:
         for cid in self._children.pop(request_id, []):

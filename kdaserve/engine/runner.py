@@ -15,6 +15,7 @@ import torch
 
 from kdaserve.cache.planner import CachePlan
 from kdaserve.engine.cache_ops import CacheOpRunner, Store
+from kdaserve.engine.encoder_cache import EncoderCache, embed_with_media
 from kdaserve.engine.prompt_logprobs import plan_rows, score
 from kdaserve.engine.sampler import SamplingRow, sample
 from kdaserve.engine.spec.proposer import Proposal, ProposalInput, Proposer
@@ -48,6 +49,7 @@ class ModelRunner:
         self._draft_probs: dict[str, torch.Tensor] = {}
         self._unseeded = torch.Generator().manual_seed(seed)
         self.num_forward_tokens = 0
+        self.encoder_cache = EncoderCache()     # image embeddings by content hash
 
     def _generator(self, req: Request) -> torch.Generator:
         seed = req.sampling_params.seed
@@ -122,7 +124,9 @@ class ModelRunner:
         capture = self.proposer.capture_layers if self.proposer is not None else ()
         # grammar masks are computed on a worker thread while the model runs
         masks = self.structured.prepare(seqs, requests) if self.structured is not None else None
-        logits, captured = self.model(ids, fb, capture_layers=capture)
+        embeds = (embed_with_media(self.model, ids, seqs, starts, self.encoder_cache)
+                  if any(s.media for s in seqs) else None)
+        logits, captured = self.model(ids, fb, capture_layers=capture, inputs_embeds=embeds)
         prompt_lps = score(logits[n_sample:], prompt_rows) if prompt_rows else {}
         logits = logits[:n_sample]
         sampled = self._sample(seqs, logits.cpu(), requests,

@@ -329,6 +329,7 @@ class Scheduler:
             sample=start + n - num_drafts == req.num_tokens,
             restore_snapshot=self._restore.get(req.request_id),
             num_draft_tokens=num_drafts,
+            media=tuple(m for m in req.media if m.overlaps(start, start + n)),
         )
 
     # ---- after the model ran ----------------------------------------------------------------

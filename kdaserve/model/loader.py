@@ -17,6 +17,8 @@ from tqdm.auto import tqdm
 
 from kdaserve.model.base import FP32_PARAM_SUFFIXES, HybridForCausalLM
 from kdaserve.model.registry import build_model, load_config
+from kdaserve.model.vision.hf_layout import HFLayoutConverter, is_hf_layout
+from kdaserve.model.vision.tower import has_vision, vision_config_of
 
 log = logging.getLogger("kdaserve")
 
@@ -37,9 +39,11 @@ _ALIASES = (
      r"\1_\2.weight"),
     (re.compile(r"\.block_sparse_moe\.e_score_correction_bias$"),
      ".block_sparse_moe.gate.e_score_correction_bias"),
+    # transformers 5.24's default kimi_k25 save misplaces the patch embedding
+    (re.compile(r"^vision_tower\.encoder\.patch_embed\."), "vision_tower.patch_embed."),
 )
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
-# Parts of a multimodal or MTP checkpoint this text model does not build (logged, not loaded).
+# Parts of a multimodal or MTP checkpoint a model may not build (logged, not loaded).
 _SKIPPED = re.compile(r"^(vision_tower|vision_model|mm_projector|multi_modal_projector)\.|"
                       r"^(language_model\.)?model\.mtp")
 # Routed experts are stored stacked in the model; the checkpoint names them one by one, as
@@ -129,58 +133,31 @@ def load_model(
     bar = tqdm(names, desc="Loading weights", unit="tensor", disable=not progress)
     filled: dict[str, set[tuple[int, str]]] = {}
     skipped = 0
-    for h, name in bar:
-        if _IGNORED.search(name):
+    vcfg = vision_config_of(cfg) if cfg.architecture == "kimi_k25" else None
+    hf_layout = HFLayoutConverter(vcfg.num_attention_heads) if vcfg is not None else None
+    for h, raw_name in bar:
+        if _IGNORED.search(raw_name):
             continue
-        if _SKIPPED.search(name):
-            skipped += 1
-            continue
-        expert = _expert_target(name)
-        key = expert[0] if expert else _canonical(name, params)
-        if key not in params:
-            raise CheckpointError(f"unexpected tensor '{name}' in checkpoint {path}")
-        t = h.get_tensor(name)
-        keep32 = key.endswith(FP32_PARAM_SUFFIXES)
-        dtype = params[key].dtype if not params[key].is_floating_point() else (
-            torch.float32 if keep32 else target)
-        if t.is_floating_point() != params[key].is_floating_point():
-            raise CheckpointError(f"tensor '{name}' is {t.dtype}, expected "
-                                  f"{params[key].dtype} (is the quantization_config right?)")
-        if expert is not None:
-            _, e, part = expert
-            if e >= params[key].shape[0]:
-                raise CheckpointError(f"tensor '{name}': expert {e} beyond num_experts")
-            if key not in loaded:
-                loaded[key] = torch.empty(params[key].shape, dtype=dtype, device=device)
-            dst = _expert_slice(loaded[key], e, part)
-            if tuple(t.shape) != tuple(dst.shape):
-                raise CheckpointError(
-                    f"tensor '{name}' has shape {tuple(t.shape)}, expected {tuple(dst.shape)} "
-                    "from config.json")
-            dst.copy_(t)
-            filled.setdefault(key, set()).add((e, part))
-            continue
-        want = tuple(params[key].shape)
-        if key.endswith(_RESHAPEABLE) and t.numel() == params[key].numel():
-            t = t.reshape(want)
-        if tuple(t.shape) != want:
-            raise CheckpointError(
-                f"tensor '{name}' has shape {tuple(t.shape)}, expected {want} from config.json"
-            )
-        loaded[key] = t.to(device=device, dtype=dtype)
-    for key, parts in filled.items():
-        stack = key.rsplit(".", 1)[1]
-        want = {(e, p) for e in range(params[key].shape[0])
-                for p in (("w2",) if stack.startswith("experts_w2") else ("w1", "w3"))}
-        if parts != want:
-            e, part = min(want - parts)
-            prefix = key.rsplit(".", 1)[0]
-            kind = ("weight_packed" if stack.endswith("_packed") else
-                    "weight_scale" if stack.endswith("_scale") else "weight")
-            raise CheckpointError(
-                f"checkpoint {path} lacks tensor '{prefix}.experts.{e}.{part}.{kind}'")
+        if hf_layout is not None and is_hf_layout(raw_name):
+            pieces = hf_layout.feed(raw_name, h.get_tensor(raw_name))
+        else:
+            pieces = [(raw_name, None)]
+        for name, t in pieces:
+            skipped += _load_one(name, t if t is not None else h, params, loaded, filled,
+                                 target, device, path)
+    if hf_layout is not None:
+        try:
+            hf_layout.finish()
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {path}: {e}") from None
+    _check_experts(filled, params, path)
+    if has_vision(model) and not any(k.startswith("vision_tower.") for k in loaded):
+        log.info("kdaserve: %s has no vision weights; serving text only", path)
+        model.drop_vision()
+        params = {k: v for k, v in params.items()
+                  if not k.startswith(("vision_tower.", "mm_projector."))}
     if skipped:
-        log.info("kdaserve: %d vision/MTP tensors in %s are not part of the text model; "
+        log.info("kdaserve: %d vision/MTP tensors in %s are not part of the model; "
                  "not loaded", skipped, path)
     if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
         loaded["lm_head.weight"] = loaded.get("model.embed_tokens.weight")
@@ -192,6 +169,64 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def _load_one(name: str, src, params: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor],
+              filled: dict[str, set[tuple[int, str]]], target: torch.dtype, device: str,
+              path: Path) -> int:
+    """Place one checkpoint tensor (`src`: the tensor, or the safetensors handle to read it
+    from) into `loaded`; returns 1 when it was skipped as not part of the model."""
+    if _SKIPPED.search(name) and _canonical(name, params) not in params:
+        return 1
+    expert = _expert_target(name)
+    key = expert[0] if expert else _canonical(name, params)
+    if key not in params:
+        raise CheckpointError(f"unexpected tensor '{name}' in checkpoint {path}")
+    t = src if isinstance(src, torch.Tensor) else src.get_tensor(name)
+    keep32 = key.endswith(FP32_PARAM_SUFFIXES)
+    dtype = params[key].dtype if not params[key].is_floating_point() else (
+        torch.float32 if keep32 else target)
+    if t.is_floating_point() != params[key].is_floating_point():
+        raise CheckpointError(f"tensor '{name}' is {t.dtype}, expected "
+                              f"{params[key].dtype} (is the quantization_config right?)")
+    if expert is not None:
+        _, e, part = expert
+        if e >= params[key].shape[0]:
+            raise CheckpointError(f"tensor '{name}': expert {e} beyond num_experts")
+        if key not in loaded:
+            loaded[key] = torch.empty(params[key].shape, dtype=dtype, device=device)
+        dst = _expert_slice(loaded[key], e, part)
+        if tuple(t.shape) != tuple(dst.shape):
+            raise CheckpointError(
+                f"tensor '{name}' has shape {tuple(t.shape)}, expected {tuple(dst.shape)} "
+                "from config.json")
+        dst.copy_(t)
+        filled.setdefault(key, set()).add((e, part))
+        return 0
+    want = tuple(params[key].shape)
+    if key.endswith(_RESHAPEABLE) and t.numel() == params[key].numel():
+        t = t.reshape(want)
+    if tuple(t.shape) != want:
+        raise CheckpointError(
+            f"tensor '{name}' has shape {tuple(t.shape)}, expected {want} from config.json"
+        )
+    loaded[key] = t.to(device=device, dtype=dtype)
+    return 0
+
+
+def _check_experts(filled: dict[str, set[tuple[int, str]]], params: dict[str, torch.Tensor],
+                   path: Path) -> None:
+    for key, parts in filled.items():
+        stack = key.rsplit(".", 1)[1]
+        want = {(e, p) for e in range(params[key].shape[0])
+                for p in (("w2",) if stack.startswith("experts_w2") else ("w1", "w3"))}
+        if parts != want:
+            e, part = min(want - parts)
+            prefix = key.rsplit(".", 1)[0]
+            kind = ("weight_packed" if stack.endswith("_packed") else
+                    "weight_scale" if stack.endswith("_scale") else "weight")
+            raise CheckpointError(
+                f"checkpoint {path} lacks tensor '{prefix}.experts.{e}.{part}.{kind}'")
 
 
 def save_model(model: HybridForCausalLM, out: str | os.PathLike,

@@ -31,6 +31,7 @@ from kdaserve.server.errors import (
     engine_error,
     install_error_handlers,
 )
+from kdaserve.image_io import ImageError, ImageLimits, check_count, load_image
 from kdaserve.server.guards import ServerLimits, check_sequences, check_text, check_token_ids
 from kdaserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from kdaserve.server.middleware import DEFAULT_MAX_BODY_BYTES, AuthMiddleware, BodyLimitMiddleware
@@ -76,6 +77,7 @@ from kdaserve.server.runs import (
 )
 from kdaserve.structured.compiler import validate as validate_grammar
 from kdaserve.tokenizer import Tokenizer
+from kdaserve.vision_input import VisionInput, split_chat_images
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "APIError", "OpenAIServing", "build_app"]
 
@@ -86,8 +88,11 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                  max_model_len: int, defaults: Mapping[str, Any], metrics: ServerMetrics,
                  limits: ServerLimits | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, vision: VisionInput | None = None,
+                 image_limits: ImageLimits | None = None) -> None:
         self.engine = engine
+        self.vision = vision                    # None: a text-only model
+        self.image_limits = image_limits or ImageLimits()
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         # special tokens' text: dropped from what parsers leave (they need them kept to see
@@ -126,6 +131,27 @@ class OpenAIServing:
             raise APIError(400, str(exc), param="messages") from None
         check_text(text, "messages", self.max_model_len, self.limits)
         return text
+
+    async def _chat_images(self, messages: list[dict[str, Any]]
+                           ) -> tuple[list[dict[str, Any]], list[Any]]:
+        """image_url parts -> the model's image marker in the text, and the decoded images
+        (each refusal a 400 that names the limit)."""
+        try:
+            messages, refs = split_chat_images(
+                messages, self.vision.marker if self.vision is not None else None)
+            if not refs:
+                return messages, []
+            check_count(len(refs), self.image_limits)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        images = []
+        for i, j, url in refs:
+            try:
+                images.append(await self._off_loop(load_image, url, self.image_limits))
+            except ImageError as exc:
+                raise APIError(400, f"messages[{i}].content[{j}]: {exc}",
+                               param="messages", code="invalid_image") from None
+        return messages, images
 
     # ---- shared ---------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -378,9 +404,16 @@ class OpenAIServing:
             plan = plan_chat(req, self.tool_call_parser, self.reasoning_parser)
         except ValueError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0].rstrip(":")) from None
-        text = await self.render_chat(req.messages, req.add_generation_prompt,
+        messages, images = await self._chat_images(req.messages)
+        text = await self.render_chat(messages, req.add_generation_prompt,
                                       **plan.template_kwargs)
         prompt = Prompt(await self.encode(text, "messages", add_special_tokens=False), text)
+        if images:
+            try:
+                ids, media = await self._off_loop(self.vision.expand, prompt.token_ids, images)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="messages") from None
+            prompt = Prompt(ids, text, media)
         if not prompt.token_ids:
             raise APIError(400, "the rendered messages have no tokens", param="messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -504,14 +537,16 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_name: str,
               generation_defaults: Mapping[str, Any] | None = None,
               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None,
               public_metrics: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, vision: VisionInput | None = None,
+              image_limits: ImageLimits | None = None) -> FastAPI:
     """`generation_defaults` (SamplingParams names) fill fields a request leaves out. With an
     API key every endpoint but /health needs it; `public_metrics` exempts /metrics too."""
     metrics = metrics or ServerMetrics()
     limits = limits or ServerLimits()
     serving = OpenAIServing(engine, tokenizer, served_model_name, max_model_len,
                             generation_defaults or {}, metrics, limits,
-                            tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+                            tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                            vision=vision, image_limits=image_limits)
     app = FastAPI(title="kdaserve", docs_url=None, redoc_url=None)
     app.state.serving = serving
     app.state.metrics = metrics

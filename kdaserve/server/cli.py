@@ -29,7 +29,9 @@ from kdaserve.engine.async_engine import (
 from kdaserve.generation_defaults import generation_defaults
 from kdaserve.request import SamplingParams
 from kdaserve.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+from kdaserve.image_io import ImageLimits
 from kdaserve.server.guards import ServerLimits
+from kdaserve.vision_input import VisionInput
 from kdaserve.server.lifecycle import DrainingServer
 from kdaserve.server.reasoning import REASONING_FORMATS
 from kdaserve.server.tool_parsers import TOOL_PARSERS
@@ -129,6 +131,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running streams get to finish before they are "
                         "ended with an error event (default: %(default)s)")
+    p.add_argument("--max-image-bytes", type=parse_size, default=ImageLimits.max_bytes,
+                   help="largest encoded image accepted, e.g. 20MiB (default: %(default)s)")
+    p.add_argument("--max-image-pixels", type=_positive_int, default=ImageLimits.max_pixels,
+                   help="most pixels (width x height) of one image; larger ones, decompression "
+                        "bombs included, are refused from their header (default: %(default)s)")
+    p.add_argument("--max-images-per-request", type=_positive_int,
+                   default=ImageLimits.max_images,
+                   help="most images in one chat request (default: %(default)s)")
+    p.add_argument("--allow-image-urls", default=None, metavar="HOST,...",
+                   help="fetch http(s) image URLs from these hosts ('.example.com' matches "
+                        "its subdomains); by default only inline data URLs are accepted")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set; "
                         "/health stays open)")
@@ -295,11 +308,21 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Toke
             request_timeout_s=args.request_timeout or None,
             health_timeout_s=args.health_timeout, shutdown_timeout_s=args.shutdown_timeout,
             max_token_bytes=tokenizer.max_token_bytes())
+        hosts = tuple(h.strip() for h in (args.allow_image_urls or "").split(",") if h.strip())
+        image_limits = ImageLimits(
+            max_bytes=args.max_image_bytes, max_pixels=args.max_image_pixels,
+            max_images=args.max_images_per_request, allow_remote=bool(hosts),
+            allowed_hosts=hosts)
+        vision = VisionInput.for_model(config.model, tokenizer)
+        if vision is not None:
+            logger.info("vision: images accepted (placeholder %r, %d pixel patches)",
+                        vision.placeholder, vision.processor.patch_size)
         app = build_app(engine, tokenizer, name, info.max_model_len, api_key=args.api_key,
                         max_body_bytes=args.max_body_size, generation_defaults=defaults,
                         limits=limits, public_metrics=args.public_metrics,
                         tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser)
+                        reasoning_parser=args.reasoning_parser, vision=vision,
+                        image_limits=image_limits)
         server = DrainingServer(uvicorn.Config(
             app, host=args.host, port=args.port, log_config=None, lifespan="off",
             log_level=args.log_level, timeout_graceful_shutdown=5),

@@ -105,6 +105,7 @@ class EventStream(StreamingResponse):
 class Prompt:
     token_ids: list[int]
     text: str | None = None
+    media: list = field(default_factory=list)     # MediaItems (kdaserve/media.py)
 
 
 @dataclass
@@ -137,7 +138,8 @@ class Run:
         self.prompt = prompt
         self.n = params.n
         self.request_id = request_id
-        self._gen = engine.generate(request_id, prompt.token_ids, params, group=group)
+        self._gen = engine.generate(request_id, prompt.token_ids, params, group=group,
+                                    media=prompt.media)
         self._first: RequestDelta | None = None
         self._timer = timer
         self._reasons: list[str] = []
