@@ -184,7 +184,7 @@ def _engine_process(config_msg: bytes, cmd_addr: str, out_addr: str, log_level: 
             raise SystemExit(1) from None
         plan = core.plan
         out.send(encoder.encode(EngineInfo(
-            max_model_len=core.max_model_len, vocab_size=core.model.config.vocab_size,
+            max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
             plan=plan.describe(), num_blocks=plan.num_blocks, block_size=plan.block_size,
             num_state_slots=plan.num_state_slots)))
         try:
