@@ -193,6 +193,8 @@ def _engine_process(config_msg: bytes, cmd_addr: str, out_addr: str, log_level: 
             logger.error("engine loop failed:\n%s", traceback.format_exc())
             out.send(encoder.encode(Fatal(_describe(exc))))
             raise SystemExit(1) from None
+        finally:
+            core.shutdown()          # worker processes of a parallel layout
     finally:
         cmds.close(linger=0)
         out.close(linger=5000)     # deliver the last message even if we exit right after
@@ -284,7 +286,8 @@ class _EngineLoop:
             spec_verifications=core.scheduler.num_verify_rows,
             spec_draft_tokens=core.scheduler.num_draft_tokens,
             spec_accepted_tokens=core.scheduler.num_accepted_tokens,
-            offload=offload_stats(cache.offload, core.runner.cache_ops))
+            offload=offload_stats(cache.offload, core.runner.cache_ops)
+            if cache.offload is not None else {})
 
 
 # ---- the client, in the server's event loop ---------------------------------------------------
@@ -356,7 +359,10 @@ class AsyncEngine:
         self._out.bind(out_addr)
         mp = multiprocessing.get_context("spawn")
         self._proc = mp.Process(
-            target=_engine_process, name="kdaserve-engine", daemon=True,
+            # a daemonic process may not start the workers of a parallel layout; those die
+            # with the engine process (PDEATHSIG), which exits when the server goes
+            target=_engine_process, name="kdaserve-engine",
+            daemon=self.config.parallel.executor == "uni",
             args=(self._encoder.encode(self.config), cmd_addr, out_addr, self.log_level))
         self._proc.start()
         self._exited = loop.create_future()
