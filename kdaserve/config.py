@@ -680,6 +680,51 @@ class SpeculativeConfig:
             raise ConfigError("need 1 <= ngram_min <= ngram_max")
 
 
+MOE_BACKENDS = ("auto", "reference", "grouped", "ep_all2all", "tp_sharded")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The process layout (docs/parallelism.md). Ranks = max(tensor, expert) parallel size:
+    tensor parallelism shards attention heads, MLPs and the vocabulary; expert parallelism
+    partitions the routed experts over the same ranks (attention is then replicated when
+    tensor_parallel_size is 1). `distributed_executor`: "mp" (one spawned process per rank,
+    also used for a single rank when asked for) or "uni" (in-process; one rank only)."""
+
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    moe_backend: str = "auto"
+    distributed_executor: str | None = None    # None: "uni" for one rank, else "mp"
+    worker_timeout_s: float = 300.0            # a collective that waits longer fails
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "expert_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if tp > 1 and ep > 1 and tp != ep:
+            raise ConfigError(f"expert_parallel_size ({ep}) must be 1 or equal "
+                              f"tensor_parallel_size ({tp}): experts are partitioned over the "
+                              "tensor-parallel ranks")
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ConfigError(f"moe_backend must be one of {MOE_BACKENDS}, "
+                              f"got {self.moe_backend!r}")
+        if self.distributed_executor not in (None, "uni", "mp"):
+            raise ConfigError("distributed_executor must be 'uni' or 'mp', "
+                              f"got {self.distributed_executor!r}")
+        if self.distributed_executor == "uni" and self.world_size > 1:
+            raise ConfigError("the in-process executor runs one rank; use 'mp' for "
+                              f"{self.world_size} ranks")
+
+    @property
+    def world_size(self) -> int:
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
+
+    @property
+    def executor(self) -> str:
+        return self.distributed_executor or ("uni" if self.world_size == 1 else "mp")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the weights."""
@@ -693,6 +738,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

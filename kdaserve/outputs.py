@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kdaserve.cache.ops import CacheOp, OpFailure
+from kdaserve.request import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,18 @@ class ScheduledSequence:
 
 
 @dataclass
+class RequestData:
+    """What a runner keeps of one request (kdaserve/engine/step_message.py): sent whole the
+    first time the runner sees it (`prompt_token_ids`, `params` set), then as the tail of its
+    output tokens: `output_token_ids` replace the runner's copy from index `output_start` on."""
+
+    output_start: int
+    output_token_ids: list[int]
+    prompt_token_ids: list[int] | None = None
+    params: SamplingParams | None = None
+
+
+@dataclass
 class SchedulerOutput:
     sequences: list[ScheduledSequence]
     preempted: list[str] = field(default_factory=list)
@@ -34,6 +47,9 @@ class SchedulerOutput:
 
     draft_limits: dict[str, int] | None = None
     # speculation: how many drafts to propose for each request's next step (absent: the most)
+    request_data: dict[str, RequestData] = field(default_factory=dict)
+    # what the runner needs of each scheduled request besides its tokens (prompt, params,
+    # output so far): filled on rank 0 before the step leaves the engine core
 
     @property
     def num_tokens(self) -> int:

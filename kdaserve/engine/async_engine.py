@@ -188,7 +188,7 @@ def _engine_process(config_msg: bytes, cmd_addr: str, out_addr: str, log_level: 
             raise SystemExit(1) from None
         plan = core.plan
         out.send(encoder.encode(EngineInfo(
-            max_model_len=core.max_model_len, vocab_size=core.model.config.vocab_size,
+            max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
             plan=plan.describe(), num_blocks=plan.num_blocks, block_size=plan.block_size,
             num_state_slots=plan.num_state_slots)))
         try:
@@ -201,6 +201,8 @@ def _engine_process(config_msg: bytes, cmd_addr: str, out_addr: str, log_level: 
             core.close()
         except Exception:
             logger.exception("flushing the cache to the offload tiers at shutdown failed")
+        finally:
+            core.shutdown()          # worker processes of a parallel layout
     finally:
         cmds.close(linger=0)
         out.close(linger=5000)     # deliver the last message even if we exit right after
@@ -295,7 +297,8 @@ class _EngineLoop:
             spec_accepted_tokens=core.scheduler.num_accepted_tokens,
             spec_adaptive=(core.scheduler.spec_policy.decisions()
                            if core.scheduler.spec_policy is not None else {}),
-            offload=offload_stats(cache.offload, core.runner.cache_ops))
+            offload=(offload_stats(cache.offload, core.runner.cache_ops)
+                     if cache.offload is not None else {}))
 
 
 # ---- the client, in the server's event loop ---------------------------------------------------
@@ -367,7 +370,10 @@ class AsyncEngine:
         self._out.bind(out_addr)
         mp = multiprocessing.get_context("spawn")
         self._proc = mp.Process(
-            target=_engine_process, name="kdaserve-engine", daemon=True,
+            # a daemonic process may not start the workers of a parallel layout; those die
+            # with the engine process (PDEATHSIG), which exits when the server goes
+            target=_engine_process, name="kdaserve-engine",
+            daemon=self.config.parallel.executor == "uni",
             args=(self._encoder.encode(self.config), cmd_addr, out_addr, self.log_level))
         self._proc.start()
         self._exited = loop.create_future()

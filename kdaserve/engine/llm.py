@@ -11,7 +11,13 @@ from typing import Any, Union
 from tqdm.auto import tqdm
 
 from kdaserve.assets import default_model_path
-from kdaserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from kdaserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from kdaserve.engine.core import EngineCore
 from kdaserve.outputs import CompletionOutput, RequestOutput
 from kdaserve.image_io import ImageLimits, check_count, load_image
@@ -37,7 +43,10 @@ class LLM:
                  offload: str | Sequence[str] | None = None,
                  offload_bytes: int | Sequence[int] | None = None,
                  offload_dir: str | None = None,
-                 gpu_memory_utilization: float | None = None) -> None:
+                 gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
+                 expert_parallel_size: int = 1, moe_backend: str = "auto",
+                 distributed_executor: str | None = None,
+                 num_threads: int | None = None) -> None:
         """`offload`: "host", "disk" or "host,disk" (evicted prefix-cache entries go there);
         `offload_bytes`: one cap, or one per tier; `offload_dir`: the disk tier's directory."""
         tiers = tuple(t.strip() for t in (offload.split(",") if isinstance(offload, str)
@@ -46,6 +55,11 @@ class LLM:
         path = str(model) if model is not None else str(default_model_path())
         self.config = EngineConfig(
             model=path, dtype=dtype, device=device, kda_chunk_size=kda_chunk_size, seed=seed,
+            num_threads=num_threads,
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                    expert_parallel_size=expert_parallel_size,
+                                    moe_backend=moe_backend,
+                                    distributed_executor=distributed_executor),
             cache=CacheConfig(block_size=block_size, cache_memory_bytes=cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization,
                               num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
@@ -74,6 +88,11 @@ class LLM:
         """Hand what the device cache holds to the offload tiers (the disk tier keeps it for
         the next run). The engine stays usable."""
         self.engine.close()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (multi-process layouts); the LLM is unusable
+        afterwards."""
+        self.engine.shutdown()
 
     def _prompt_media(self, prompt: PromptType) -> tuple[str | None, list[int], list[MediaItem]]:
         text, ids = self._prompt_ids(prompt)

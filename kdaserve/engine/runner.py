@@ -20,10 +20,10 @@ from kdaserve.engine.prompt_logprobs import plan_rows, score
 from kdaserve.engine.sampler import SamplingRow, sample
 from kdaserve.engine.spec.proposer import Proposal, ProposalInput, Proposer
 from kdaserve.engine.spec.rejection import VerifyRow, verify
+from kdaserve.engine.step_message import RunnerRequest, RunnerRequests
 from kdaserve.model.batch import HybridCache, build_forward_batch
 from kdaserve.model.base import HybridForCausalLM
 from kdaserve.outputs import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
-from kdaserve.request import Request
 
 if TYPE_CHECKING:
     from kdaserve.structured.manager import StructuredOutputs
@@ -39,7 +39,8 @@ class ModelRunner:
         self.structured = structured      # grammar masks (structured outputs)
         self.device = torch.device(device)
         self.cfg = model.config
-        self.cache = HybridCache.allocate(self.cfg, plan.num_blocks, plan.block_size,
+        # a tensor-parallel rank holds its own heads' states (model.rank_config)
+        self.cache = HybridCache.allocate(model.rank_config, plan.num_blocks, plan.block_size,
                                           plan.num_state_slots, model.dtype, self.device,
                                           num_snapshots=plan.num_snapshots)
         self.cache_ops = CacheOpRunner(self.cache, stores or {})   # offload tiers
@@ -48,10 +49,11 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._draft_probs: dict[str, torch.Tensor] = {}
         self._unseeded = torch.Generator().manual_seed(seed)
+        self.requests = RunnerRequests()     # what the step messages said of each request
         self.num_forward_tokens = 0
         self.encoder_cache = EncoderCache()     # image embeddings by content hash
 
-    def _generator(self, req: Request) -> torch.Generator:
+    def _generator(self, req: RunnerRequest) -> torch.Generator:
         seed = req.sampling_params.seed
         if seed is None:
             return self._unseeded
@@ -73,7 +75,10 @@ class ModelRunner:
         return decode + rest, len(decode)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """One step from its self-contained message (see kdaserve/engine/step_message.py)."""
+        self.requests.apply(out)
+        requests = self.requests
         for rid in out.finished:
             self._generators.pop(rid, None)
             self._draft_probs.pop(rid, None)
@@ -148,12 +153,12 @@ class ModelRunner:
                                  dropped_snapshots=dropped + lost_snaps,
                                  cache_op_failures=failures, prompt_logprobs=prompt_lps)
 
-    def _sampling_row(self, req: Request) -> SamplingRow:
+    def _sampling_row(self, req: RunnerRequest) -> SamplingRow:
         return SamplingRow(req.request_id, req.sampling_params, req.prompt_token_ids,
                            req.output_token_ids, self._generator(req))
 
     def _sample(self, seqs: list[ScheduledSequence], logits: torch.Tensor,
-                requests: Mapping[str, Request],
+                requests: Mapping[str, RunnerRequest],
                 masks: Mapping[str, torch.Tensor] | None = None,
                 ) -> dict[str, list[SampledToken]]:
         """logits: the wanted rows in forward order (all positions of verify rows).

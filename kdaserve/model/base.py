@@ -89,6 +89,12 @@ class HybridForCausalLM(nn.Module):
         return self
 
     @property
+    def rank_config(self) -> ModelConfig:
+        """The shapes this process holds: the config, or a tensor-parallel rank's share of its
+        heads (kdaserve/distributed/tensor_parallel.py sets it)."""
+        return getattr(self, "_rank_config", None) or self.config
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 

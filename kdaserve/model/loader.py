@@ -55,6 +55,29 @@ _STACK_SUFFIX = {"weight": "", "weight_packed": "_packed", "weight_scale": "_sca
 _RESHAPEABLE = ("A_log", "dt_bias")
 
 
+def _read(h, name: str, want: tuple[int, ...] | None, shard, reshapeable: bool) -> torch.Tensor:
+    """The checkpoint tensor, or this rank's slice of it when the model holds a share: the one
+    dimension whose size differs is split evenly over the tensor-parallel ranks, and only that
+    slice is read from the file."""
+    if shard is None or shard.tp_size == 1 or want is None:
+        return h.get_tensor(name)
+    sl = h.get_slice(name)
+    full = tuple(sl.get_shape())
+    if full == want:
+        return h.get_tensor(name)
+    tp, r = shard.tp_size, shard.tp_rank
+    if len(full) != len(want) and reshapeable:          # A_log [H] vs [1,1,H,1]: tiny
+        t = h.get_tensor(name).reshape(-1)
+        n = t.numel() // tp
+        return t[r * n:(r + 1) * n]
+    diff = [d for d, (f, w) in enumerate(zip(full, want)) if f != w]
+    if len(full) != len(want) or len(diff) != 1 or full[diff[0]] != want[diff[0]] * tp:
+        raise CheckpointError(f"tensor '{name}' of shape {full} does not split into this "
+                              f"rank's {want} over {tp} ranks")
+    d, n = diff[0], want[diff[0]]
+    return sl[(slice(None),) * d + (slice(r * n, (r + 1) * n),)]
+
+
 def _expert_target(name: str) -> tuple[str, int, str] | None:
     """`...experts.{e}.w1.weight[_packed|_scale]` -> (stacked tensor name, e, part)."""
     m = _EXPERT.match(name)
@@ -114,13 +137,20 @@ def _canonical(name: str, params: dict[str, torch.Tensor]) -> str:
 
 def load_model(
     path: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str = "cpu",
-    chunk_size: int = 16, progress: bool = True,
+    chunk_size: int = 16, progress: bool = True, parallel=None, moe_backend: str = "auto",
 ) -> HybridForCausalLM:
-    """Build the model from `path/config.json` and fill it from the safetensors files there."""
+    """Build the model from `path/config.json` and fill it from the safetensors files there.
+    `parallel` (a kdaserve.distributed ParallelContext): build this rank's share and read
+    only its slices of each tensor."""
     path = Path(path)
     cfg = load_config(path)
     with torch.device("meta"):
         model = build_model(cfg, chunk_size=chunk_size)
+        shard = None
+        if parallel is not None:
+            from kdaserve.distributed.tensor_parallel import shard_model
+
+            shard = shard_model(model, parallel, moe_backend)
     target = parse_dtype(dtype)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
@@ -144,7 +174,7 @@ def load_model(
             pieces = [(raw_name, None)]
         for name, t in pieces:
             skipped += _load_one(name, t if t is not None else h, params, loaded, filled,
-                                 target, device, path)
+                                 target, device, path, shard)
     if hf_layout is not None:
         try:
             hf_layout.finish()
@@ -173,16 +203,28 @@ def load_model(
 
 def _load_one(name: str, src, params: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor],
               filled: dict[str, set[tuple[int, str]]], target: torch.dtype, device: str,
-              path: Path) -> int:
+              path: Path, shard=None) -> int:
     """Place one checkpoint tensor (`src`: the tensor, or the safetensors handle to read it
-    from) into `loaded`; returns 1 when it was skipped as not part of the model."""
+    from) into `loaded`; returns 1 when it was skipped as not part of the model. With a
+    `shard` (a parallel layout), only this rank's experts and slices are read."""
     if _SKIPPED.search(name) and _canonical(name, params) not in params:
         return 1
     expert = _expert_target(name)
     key = expert[0] if expert else _canonical(name, params)
     if key not in params:
         raise CheckpointError(f"unexpected tensor '{name}' in checkpoint {path}")
-    t = src if isinstance(src, torch.Tensor) else src.get_tensor(name)
+    if expert is not None and shard is not None:    # expert parallel: ours only
+        e_local = expert[1] - shard.expert_start
+        if not 0 <= e_local < shard.num_local_experts:
+            return 0
+        expert = (expert[0], e_local, expert[2])
+    if isinstance(src, torch.Tensor):
+        t = src
+    else:
+        want_shape = (tuple(params[key].shape) if expert is None else
+                      tuple(_expert_slice(params[key], expert[1], expert[2]).shape)
+                      if expert[1] < params[key].shape[0] else None)
+        t = _read(src, name, want_shape, shard, key.endswith(_RESHAPEABLE))
     keep32 = key.endswith(FP32_PARAM_SUFFIXES)
     dtype = params[key].dtype if not params[key].is_floating_point() else (
         torch.float32 if keep32 else target)

@@ -18,7 +18,8 @@ from typing import Any
 import uvicorn
 
 from kdaserve.assets import DEMO_MODEL_DIR, default_model_path
-from kdaserve.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
+from kdaserve.config import (MOE_BACKENDS, CacheConfig, EngineConfig, ModelConfig,
+                             ParallelConfig, SchedulerConfig,
                              SpeculativeConfig)
 from kdaserve.engine.async_engine import (
     DEFAULT_MAX_QUEUED_TOKENS,
@@ -179,6 +180,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="choose the drafts verified per request and step from measured "
                         "acceptance and step cost, speculation off where it does not pay "
                         "(default: on)")
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                   help="ranks that shard attention heads, MLPs and the vocabulary, one "
+                        "process each (docs/parallelism.md; default: %(default)s)")
+    p.add_argument("--expert-parallel-size", type=_positive_int, default=1,
+                   help="ranks the routed experts are partitioned over (1 or equal to "
+                        "--tensor-parallel-size; default: %(default)s)")
+    p.add_argument("--moe-backend", choices=MOE_BACKENDS, default="auto",
+                   help="how routed experts run; auto picks by topology and logs why "
+                        "(default: %(default)s)")
+    p.add_argument("--distributed-executor", choices=("uni", "mp"), default=None,
+                   help="in-process (one rank) or one spawned process per rank (default: uni "
+                        "for one rank, else mp)")
     p.add_argument("--torch-threads", type=_positive_int, default=None,
                    help="torch intra-op threads of the engine process (default: torch's)")
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
@@ -263,6 +276,11 @@ def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
                                       draft_model=args.speculative_model,
                                       adaptive=getattr(args, "speculative_adaptive", True))
         if getattr(args, "speculative_method", None) else None,
+        parallel=ParallelConfig(
+            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+            expert_parallel_size=getattr(args, "expert_parallel_size", 1),
+            moe_backend=getattr(args, "moe_backend", "auto"),
+            distributed_executor=getattr(args, "distributed_executor", None)),
     )
 
 
