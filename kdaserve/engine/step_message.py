@@ -64,6 +64,10 @@ class RunnerRequest:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
 
 class RunnerRequests(dict[str, RunnerRequest]):
     """The runner's copy of the requests it runs, updated from each step's request data."""

@@ -135,9 +135,9 @@ def test_default_budget_keeps_decodes_running_between_long_prefill_chunks(model_
     per_step: list[dict[str, int]] = []
     execute = eng.runner.execute
 
-    def spy(out, requests):
+    def spy(out):
         per_step.append({s.request_id: len(s.token_ids) for s in out.sequences})
-        return execute(out, requests)
+        return execute(out)
 
     eng.runner.execute = spy
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
