@@ -19,6 +19,7 @@ from kdaserve.engine.sampler import SamplingRow, sample
 from kdaserve.engine.spec.proposer import Proposal, ProposalInput, Proposer
 from kdaserve.engine.spec.rejection import VerifyRow, verify
 from kdaserve.model.batch import HybridCache, build_forward_batch
+from kdaserve.model import fused_decode
 from kdaserve.model.base import HybridForCausalLM
 from kdaserve.outputs import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
 from kdaserve.request import Request
@@ -47,6 +48,8 @@ class ModelRunner:
         self._draft_probs: dict[str, torch.Tensor] = {}
         self._unseeded = torch.Generator().manual_seed(seed)
         self.num_forward_tokens = 0
+        # compiled single-token decode for few rows (built on first use; False: not available)
+        self._fused: fused_decode.FusedDecoder | None | bool = None
 
     def _generator(self, req: Request) -> torch.Generator:
         seed = req.sampling_params.seed
@@ -104,7 +107,8 @@ class ModelRunner:
             elif s.sample:
                 wanted.append(pos + n - 1)
             pos += n
-        fb = build_forward_batch(
+        fused = self._fused_decoder(seqs, num_decode, snap_reqs)
+        fb = None if fused is not None else build_forward_batch(
             lens, [s.context_len for s in seqs], num_decode=num_decode,
             conv_kernel=self.cfg.conv_kernel_size, chunk_size=self.model.chunk_size,
             cache=self.cache, block_tables=[s.block_ids for s in seqs],
@@ -117,7 +121,10 @@ class ModelRunner:
         capture = self.proposer.capture_layers if self.proposer is not None else ()
         # grammar masks are computed on a worker thread while the model runs
         masks = self.structured.prepare(seqs, requests) if self.structured is not None else None
-        logits, captured = self.model(ids, fb, capture_layers=capture)
+        if fused is not None:
+            logits, captured = fused(ids, *fused_decode.step_inputs(seqs), self.cache), []
+        else:
+            logits, captured = self.model(ids, fb, capture_layers=capture)
         sampled = self._sample(seqs, logits.cpu(), requests,
                                masks.result() if masks is not None else None)
         if masks is not None:
@@ -136,6 +143,15 @@ class ModelRunner:
         return ModelRunnerOutput(sampled=sampled, drafts=drafts,
                                  dropped_snapshots=dropped + lost_snaps,
                                  cache_op_failures=failures)
+
+    def _fused_decoder(self, seqs: list[ScheduledSequence], num_decode: int,
+                       snap_reqs: list) -> fused_decode.FusedDecoder | None:
+        if self._fused is False or self.proposer is not None or not fused_decode.applies(
+                seqs, num_decode, snap_reqs):
+            return None
+        if self._fused is None or not self._fused.still_valid():
+            self._fused = fused_decode.fused_decoder(self.model, self.cache) or False
+        return self._fused or None
 
     def _sampling_row(self, req: Request) -> SamplingRow:
         return SamplingRow(req.request_id, req.sampling_params, req.prompt_token_ids,
