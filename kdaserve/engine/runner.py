@@ -107,7 +107,7 @@ class ModelRunner:
             elif s.sample:
                 wanted.append(pos + n - 1)
             pos += n
-        fused = self._fused_decoder(seqs, num_decode, snap_reqs)
+        fused = self._fused_decoder(seqs, num_decode)
         fb = None if fused is not None else build_forward_batch(
             lens, [s.context_len for s in seqs], num_decode=num_decode,
             conv_kernel=self.cfg.conv_kernel_size, chunk_size=self.model.chunk_size,
@@ -122,7 +122,9 @@ class ModelRunner:
         # grammar masks are computed on a worker thread while the model runs
         masks = self.structured.prepare(seqs, requests) if self.structured is not None else None
         if fused is not None:
-            logits, captured = fused(ids, *fused_decode.step_inputs(seqs), self.cache), []
+            logits = fused(ids, *fused_decode.step_inputs(seqs), self.cache,
+                           [(b, sid) for b, _, sid in snaps])
+            captured = []
         else:
             logits, captured = self.model(ids, fb, capture_layers=capture)
         sampled = self._sample(seqs, logits.cpu(), requests,
@@ -144,10 +146,10 @@ class ModelRunner:
                                  dropped_snapshots=dropped + lost_snaps,
                                  cache_op_failures=failures)
 
-    def _fused_decoder(self, seqs: list[ScheduledSequence], num_decode: int,
-                       snap_reqs: list) -> fused_decode.FusedDecoder | None:
+    def _fused_decoder(self, seqs: list[ScheduledSequence], num_decode: int
+                       ) -> fused_decode.FusedDecoder | None:
         if self._fused is False or self.proposer is not None or not fused_decode.applies(
-                seqs, num_decode, snap_reqs):
+                seqs, num_decode):
             return None
         if self._fused is None or not self._fused.still_valid():
             self._fused = fused_decode.fused_decoder(self.model, self.cache) or False

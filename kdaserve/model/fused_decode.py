@@ -54,7 +54,7 @@ class FusedDecoder:
         cfg = model.config
         self.hidden = cfg.hidden_size
         self._keep: list[torch.Tensor] = []      # tensors whose memory the calls read
-        self._params = [(p, p.data_ptr()) for p in model.parameters()]
+        self._witness = self._fingerprint()
         self.layers: list[tuple] = []
         scratch = 0
         for layer in model.model.layers:
@@ -119,9 +119,9 @@ class FusedDecoder:
             return ("mlp", args, 3 * hd + 3 * i)
         sh = ffn.shared_experts
         i_s = sh.gate_proj.weight.shape[0] if sh is not None else 0
-        E, I = ffn.num_experts, ffn.intermediate
+        E, inter = ffn.num_experts, ffn.intermediate
         r = ffn.gate
-        args = (_I(hd), _I(E), _I(I), _I(r.top_k), None, self._t(norm.weight), _F(norm.eps),
+        args = (_I(hd), _I(E), _I(inter), _I(r.top_k), None, self._t(norm.weight), _F(norm.eps),
                 self._t(r.weight), self._t(r.e_score_correction_bias), _I(r.renormalize),
                 _F(r.scaling), self._t(ffn.experts_w13.transpose(1, 2)),
                 self._t(ffn.experts_w2.transpose(1, 2)),
@@ -129,17 +129,27 @@ class FusedDecoder:
                 self._t(sh.up_proj.weight) if sh is not None else ctypes.c_void_p(None),
                 self._t(sh.down_proj.weight) if sh is not None else ctypes.c_void_p(None),
                 _I(i_s))
-        return ("moe", args, 4 * hd + 2 * E + 3 * I + 3 * i_s)
+        return ("moe", args, 4 * hd + 2 * E + 3 * inter + 3 * i_s)
+
+    def _fingerprint(self) -> tuple:
+        """Pointers of the embedding, the head and each layer's first parameter: a reload or
+        dtype change replaces them all (checking every parameter would cost ~0.5 ms a step)."""
+        m = self.model
+        ts = [m.model.embed_tokens.weight, m.lm_head.weight]
+        ts += [next(layer.parameters()) for layer in m.model.layers]
+        return tuple((t.data_ptr(), t.dtype) for t in ts)
 
     def still_valid(self) -> bool:
-        return all(p.data_ptr() == ptr for p, ptr in self._params)
+        return self._fingerprint() == self._witness
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 block_table: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+                 block_table: torch.Tensor, cache: HybridCache,
+                 snapshots: list[tuple[int, int]] = ()) -> torch.Tensor:
         """ids, positions, slots [B] int64; block_table [B, width] int64 (contiguous).
         Writes the rows' KDA states, conv windows and MLA latents into the cache and returns
-        the logits [B, vocab]."""
+        the logits [B, vocab]. snapshots: (row, snapshot id) pairs whose state after this
+        token is saved (a decode row can only snapshot its final state)."""
         model = self.model
         x = model.model.embed_tokens(ids).float().contiguous()
         B = _I(x.shape[0])
@@ -161,6 +171,13 @@ class FusedDecoder:
                 k.mlp(B, *fargs[:2], xp, *fargs[3:], sp)
             else:
                 k.moe(B, *fargs[:4], xp, *fargs[5:], sp)
+        if snapshots and cache.snap_states:
+            src = slots[[r for r, _ in snapshots]]
+            dest = torch.tensor([d for _, d in snapshots], dtype=torch.long)
+            for st, cv, sst, scv in zip(cache.kda_states, cache.kda_conv, cache.snap_states,
+                                        cache.snap_conv):
+                sst.index_copy_(0, dest, st[src])
+                scv.index_copy_(0, dest, cv[src].to(scv.dtype))
         return model.lm_head(model.model.norm(x))
 
 
@@ -214,8 +231,8 @@ def step_inputs(seqs) -> tuple[torch.Tensor, ...]:
             torch.tensor([s.state_slot for s in seqs], dtype=torch.long), table)
 
 
-def applies(seqs, num_decode: int, snapshots: list) -> bool:
-    """Rows that each carry one sampled token with context, no snapshot to take, few enough."""
-    return (0 < len(seqs) <= MAX_FUSED_ROWS and num_decode == len(seqs) and not snapshots
+def applies(seqs, num_decode: int) -> bool:
+    """Rows that each carry one sampled token with context, few enough of them."""
+    return (0 < len(seqs) <= MAX_FUSED_ROWS and num_decode == len(seqs)
             and all(len(s.token_ids) == 1 and s.sample and not s.num_draft_tokens
                     for s in seqs))
