@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         "reference", help="model vs transformers, fla-core (kimi_linear) or mlx-lm (kimi_k3)"))
     from kdaserve.bench import long as bench_long
     bench_long.add_arguments(bsub.add_parser("long", help="cost against context length, to 1M"))
+    from kdaserve.bench import compare
+    compare.add_arguments(bsub.add_parser("compare", help="kdaserve vs llama.cpp, same model"))
     try:
         from kdaserve.bench.serve import add_bench_serve_arguments
     except ImportError:  # pragma: no cover - lands with the server
@@ -120,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
             from kdaserve.bench.long import run as run_long
 
             return run_long(args)
+        if args.bench == "compare":
+            from kdaserve.bench.compare import run as run_compare
+
+            return run_compare(args)
         if args.bench == "spec":
             from kdaserve.bench.spec import run as run_spec
 

@@ -22,6 +22,7 @@ from kdaserve.engine.spec.proposer import Proposal, ProposalInput, Proposer
 from kdaserve.engine.spec.rejection import VerifyRow, verify
 from kdaserve.engine.step_message import RunnerRequest, RunnerRequests
 from kdaserve.model.batch import HybridCache, build_forward_batch
+from kdaserve.model import fused_decode
 from kdaserve.model.base import HybridForCausalLM
 from kdaserve.outputs import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
 
@@ -52,6 +53,8 @@ class ModelRunner:
         self.requests = RunnerRequests()     # what the step messages said of each request
         self.num_forward_tokens = 0
         self.encoder_cache = EncoderCache()     # image embeddings by content hash
+        # compiled single-token decode for few rows (built on first use; False: not available)
+        self._fused: fused_decode.FusedDecoder | None | bool = None
 
     def _generator(self, req: RunnerRequest) -> torch.Generator:
         seed = req.sampling_params.seed
@@ -116,7 +119,8 @@ class ModelRunner:
         n_sample = len(wanted)
         for r in prompt_rows:
             wanted.extend(r.at)
-        fb = build_forward_batch(
+        fused = self._fused_decoder(seqs, num_decode) if not prompt_rows else None
+        fb = None if fused is not None else build_forward_batch(
             lens, [s.context_len for s in seqs], num_decode=num_decode,
             conv_kernel=self.cfg.conv_kernel_size, chunk_size=self.model.chunk_size,
             cache=self.cache, block_tables=[s.block_ids for s in seqs],
@@ -129,9 +133,14 @@ class ModelRunner:
         capture = self.proposer.capture_layers if self.proposer is not None else ()
         # grammar masks are computed on a worker thread while the model runs
         masks = self.structured.prepare(seqs, requests) if self.structured is not None else None
-        embeds = (embed_with_media(self.model, ids, seqs, starts, self.encoder_cache)
-                  if any(s.media for s in seqs) else None)
-        logits, captured = self.model(ids, fb, capture_layers=capture, inputs_embeds=embeds)
+        if fused is not None:      # decode rows only: no media, no prompt logprobs
+            logits = fused(ids, *fused_decode.step_inputs(seqs), self.cache,
+                           [(b, sid) for b, _, sid in snaps])
+            captured = []
+        else:
+            embeds = (embed_with_media(self.model, ids, seqs, starts, self.encoder_cache)
+                      if any(s.media for s in seqs) else None)
+            logits, captured = self.model(ids, fb, capture_layers=capture, inputs_embeds=embeds)
         prompt_lps = score(logits[n_sample:], prompt_rows) if prompt_rows else {}
         logits = logits[:n_sample]
         sampled = self._sample(seqs, logits.cpu(), requests,
@@ -152,6 +161,15 @@ class ModelRunner:
         return ModelRunnerOutput(sampled=sampled, drafts=drafts,
                                  dropped_snapshots=dropped + lost_snaps,
                                  cache_op_failures=failures, prompt_logprobs=prompt_lps)
+
+    def _fused_decoder(self, seqs: list[ScheduledSequence], num_decode: int
+                       ) -> fused_decode.FusedDecoder | None:
+        if self._fused is False or self.proposer is not None or not fused_decode.applies(
+                seqs, num_decode):
+            return None
+        if self._fused is None or not self._fused.still_valid():
+            self._fused = fused_decode.fused_decoder(self.model, self.cache) or False
+        return self._fused or None
 
     def _sampling_row(self, req: RunnerRequest) -> SamplingRow:
         return SamplingRow(req.request_id, req.sampling_params, req.prompt_token_ids,

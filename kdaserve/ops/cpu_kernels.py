@@ -295,3 +295,22 @@ def moe_experts_mxfp4_kernel() -> MoEExperts | None:
         return out
 
     return run
+
+
+@cache
+def decode_block_kernels():
+    """The fused single-token decode blocks of csrc/decode_cpu.c (kda, mla, mlp, moe), or None.
+    Called with ctypes objects built once per model (kdaserve.model.fused_decode), so no
+    argument types are declared: each call converts nothing."""
+    lib = _library("decode_cpu.c")
+    if lib is None:
+        return None
+    from types import SimpleNamespace
+
+    fns = {}
+    for key, name in (("kda", "kda_decode_block"), ("mla", "mla_decode_block"),
+                      ("mlp", "mlp_decode_block"), ("moe", "moe_decode_block")):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fns[key] = fn
+    return SimpleNamespace(**fns)

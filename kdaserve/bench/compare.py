@@ -1,0 +1,241 @@
+"""`kdaserve bench compare`: the same workloads through kdaserve and llama.cpp on the same
+checkpoint, interleaved (kdaserve, then llama.cpp, workload by workload), best of N.
+
+Workloads: one stream (128-token prompt, 256 greedy tokens), 32 requests at once (128 in /
+128 out, continuous batching on both sides), prefill of one 2,048-token prompt. Prompts are
+token ids (both engines read the same ids; tokenizers play no part), generation is greedy
+with EOS ignored, prefix caching is off so repeats recompute.
+
+The peer is llama-cpp-python in its own virtualenv (kdaserve/bench/peers/setup_llamacpp.sh
+builds it and the GGUF; docs/benchmarks.md has the steps). The bench uses it when it finds
+<peers-dir>/llamacpp-venv and the converted model, builds both when asked with
+--setup-peers, and otherwise prints kdaserve's figures alone with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kdaserve.assets import default_model_path
+from kdaserve.engine.llm import LLM
+from kdaserve.request import SamplingParams
+
+PEER_DIR = Path(__file__).parent / "peers"
+DEFAULT_PEERS = Path(os.environ.get("KDASERVE_PEERS_DIR")
+                     or Path.home() / ".cache" / "kdaserve" / "peers")
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (n, length), generator=g).tolist()
+
+
+class KdaservePeer:
+    """kdaserve's side, in this process."""
+
+    def __init__(self, model: str, dtype: str, threads: int, max_seqs: int,
+                 speculative: str | None = None) -> None:
+        torch.set_num_threads(threads)
+        self.llm = LLM(model, dtype=dtype, max_num_seqs=max_seqs, max_model_len=4096,
+                       max_num_batched_tokens=2048, enable_prefix_caching=False,
+                       speculative_method=speculative)
+
+    def _gen(self, prompts: list[list[int]], out: int) -> tuple[float, float, list]:
+        sp = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+        c0, t0 = time.process_time(), time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                 use_tqdm=False)
+        return (time.perf_counter() - t0, time.process_time() - c0,
+                [o.outputs[0].token_ids for o in outs])
+
+    def single(self, prompt: list[int], out: int) -> dict:
+        s, cpu, toks = self._gen([prompt], out)
+        return {"seconds": s, "cpu_seconds": cpu, "tokens": toks[0]}
+
+    def batch(self, prompts: list[list[int]], out: int) -> dict:
+        s, cpu, toks = self._gen(prompts, out)
+        return {"seconds": s, "cpu_seconds": cpu, "output_tokens": sum(map(len, toks)),
+                "tokens": toks}
+
+    def prefill(self, prompt: list[int]) -> dict:
+        s, cpu, _ = self._gen([prompt], 1)
+        return {"seconds": s, "cpu_seconds": cpu}
+
+
+class LlamaCppPeer:
+    """llama.cpp's side: a process in the peer's virtualenv, one JSON line per command."""
+
+    def __init__(self, python: Path, gguf: Path, threads: int, max_seqs: int,
+                 ctx: int) -> None:
+        self.proc = subprocess.Popen(
+            [str(python), str(PEER_DIR / "llamacpp_peer.py"), str(gguf), str(threads),
+             str(max_seqs), str(ctx)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the llama.cpp peer exited (run it by hand to see why: "
+                               f"{PEER_DIR / 'llamacpp_peer.py'})")
+        return json.loads(line)
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def find_peer(peers: Path, model: str, dtype: str) -> tuple[Path, Path] | str:
+    """(the venv's python, the GGUF) or why not."""
+    python = peers / "llamacpp-venv" / "bin" / "python"
+    gguf = peers / "models" / f"{Path(model).name}-{_gguf_type(dtype)}.gguf"
+    if not python.is_file() or subprocess.run([str(python), "-c", "import llama_cpp"],
+                                              capture_output=True).returncode != 0:
+        return f"no llama.cpp peer at {python} (build it with --setup-peers)"
+    if not gguf.is_file():
+        return f"no converted model at {gguf} (build it with --setup-peers)"
+    return python, gguf
+
+
+def _gguf_type(dtype: str) -> str:
+    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]
+
+
+def setup_peers(peers: Path, model: str, dtype: str) -> None:
+    subprocess.run(["bash", str(PEER_DIR / "setup_llamacpp.sh"), str(peers), model,
+                    _gguf_type(dtype), sys.executable], check=True)
+
+
+def _best(runs: list[dict]) -> dict:
+    return min(runs, key=lambda r: r["seconds"])
+
+
+def _agreement(a: list[int], b: list[int]) -> dict:
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return {"identical": a == b, "matching_prefix": same, "length": len(a)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (default: bundled demo)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--peers-dir", default=str(DEFAULT_PEERS),
+                   help="where the llama.cpp virtualenv and GGUF files live")
+    p.add_argument("--setup-peers", action="store_true",
+                   help="build the llama.cpp peer and convert the model first (minutes)")
+    p.add_argument("--threads", type=int, default=2, help="threads for each engine")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--single-input", type=int, default=128)
+    p.add_argument("--single-output", type=int, default=256)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch-input", type=int, default=128)
+    p.add_argument("--batch-output", type=int, default=128)
+    p.add_argument("--prefill", type=int, default=2048)
+    p.add_argument("--workloads", default="single,batch,prefill")
+    p.add_argument("--speculative", choices=("dspark", "ngram"), default=None,
+                   help="also run kdaserve's single stream with speculation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object only")
+
+
+def run(args: argparse.Namespace) -> int:
+    model = args.model or str(default_model_path())
+    peers = Path(args.peers_dir)
+    if args.setup_peers:
+        setup_peers(peers, model, args.dtype)
+    found = find_peer(peers, model, args.dtype)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    single_prompt = _prompts(1, args.single_input, vocab, args.seed)[0]
+    batch_prompts = _prompts(args.batch, args.batch_input, vocab, args.seed + 1)
+    prefill_prompt = _prompts(1, args.prefill, vocab, args.seed + 2)[0]
+    work = [w.strip() for w in args.workloads.split(",") if w.strip()]
+
+    kd = KdaservePeer(model, args.dtype, args.threads, max(args.batch, 1))
+    spec = (KdaservePeer(model, args.dtype, args.threads, 4, args.speculative)
+            if args.speculative else None)
+    lc = lc_batch = None
+    if isinstance(found, tuple):
+        python, gguf = found
+        lc = LlamaCppPeer(python, gguf, args.threads, 1,
+                          max(args.prefill, args.single_input + args.single_output) + 16)
+        if "batch" in work:
+            lc_batch = LlamaCppPeer(python, gguf, args.threads, args.batch,
+                                    args.batch_input + args.batch_output + 16)
+    runs: dict[str, dict[str, list]] = {w: {"kdaserve": [], "llamacpp": []} for w in work}
+    if spec is not None:
+        runs["single_spec"] = {"kdaserve": []}
+    for _ in range(args.repeats):
+        for w in work:
+            if w == "single":
+                runs[w]["kdaserve"].append(kd.single(single_prompt, args.single_output))
+                if lc is not None:
+                    runs[w]["llamacpp"].append(lc.ask(op="single", prompt=single_prompt,
+                                                      out=args.single_output))
+                if spec is not None:
+                    runs["single_spec"]["kdaserve"].append(
+                        spec.single(single_prompt, args.single_output))
+            elif w == "batch":
+                runs[w]["kdaserve"].append(kd.batch(batch_prompts, args.batch_output))
+                if lc_batch is not None:
+                    runs[w]["llamacpp"].append(lc_batch.ask(op="batch", prompts=batch_prompts,
+                                                            out=args.batch_output))
+            elif w == "prefill":
+                runs[w]["kdaserve"].append(kd.prefill(prefill_prompt))
+                if lc is not None:
+                    runs[w]["llamacpp"].append(lc.ask(op="prefill", prompt=prefill_prompt))
+    report = summarize(runs, args, found, lc)
+    for p in (lc, lc_batch):
+        if p is not None:
+            p.close()
+    print(json.dumps(report, indent=None if args.json else 2))
+    return 0
+
+
+def summarize(runs: dict, args: argparse.Namespace, found, lc) -> dict:
+    rate = {
+        "single": lambda r: args.single_output / r["seconds"],
+        "single_spec": lambda r: args.single_output / r["seconds"],
+        "batch": lambda r: r["output_tokens"] / r["seconds"],
+        "prefill": lambda r: args.prefill / r["seconds"],
+    }
+    report: dict = {"dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
+                    "llamacpp": lc.info if lc is not None else None,
+                    "peer_missing": found if isinstance(found, str) else None,
+                    "load_average": os.getloadavg()}
+    for w, sides in runs.items():
+        for side, rs in sides.items():
+            if not rs:
+                continue
+            best = _best(rs)
+            report[f"{side}_{w}_tok_s"] = round(rate[w](best), 1)
+            if "cpu_seconds" in best:
+                report[f"{side}_{w}_cpu_seconds"] = round(best["cpu_seconds"], 3)
+        if sides.get("llamacpp"):
+            kb, lb = _best(sides["kdaserve"]), _best(sides["llamacpp"])
+            report[f"ratio_vs_llamacpp_{w}"] = round(rate[w](kb) / rate[w](lb), 3)
+            if w == "single":
+                report["greedy_agreement_single"] = _agreement(kb["tokens"], lb["tokens"])
+            if w == "batch":
+                agree = [_agreement(a, b) for a, b in zip(kb["tokens"], lb["tokens"])]
+                report["greedy_agreement_batch"] = {
+                    "identical_sequences": sum(a["identical"] for a in agree),
+                    "sequences": len(agree),
+                    "min_matching_prefix": min(a["matching_prefix"] for a in agree)}
+    if "single_spec" in runs and runs.get("single", {}).get("llamacpp"):
+        sb, lb = _best(runs["single_spec"]["kdaserve"]), _best(runs["single"]["llamacpp"])
+        report["ratio_spec_vs_llamacpp_single"] = round(lb["seconds"] / sb["seconds"], 3)
+        report["greedy_agreement_spec"] = _agreement(
+            sb["tokens"], _best(runs["single"]["kdaserve"])["tokens"])
+    return report

@@ -1,0 +1,239 @@
+"""The fused decode path: a step of single-token decode rows on CPU through one compiled call
+per token mixer and per feed-forward (ops/csrc/decode_cpu.c), instead of ~40 torch ops and
+their Python per layer.
+
+It serves the common case only: Kimi Linear layers in fp32 on CPU (KDA with either gate, MLA
+with q_proj and no rope or output gate, SiLU dense MLP or sigmoid-routed MoE with plain
+top-k and unquantized, non-latent experts) and rows that each carry one token with context.
+Everything else (prefill, drafts, snapshots, other dtypes or variants) takes the model's
+forward, which stays the reference: tests/model/test_fused_decode.py checks logits and greedy
+tokens against it. `fused_decoder(model)` returns None where the path does not apply;
+KDASERVE_FUSED_DECODE=0 turns it off.
+
+Weights are read through pointers taken once, so the decoder keeps the tensors alive and
+checks before each step that the parameters it read are still the model's (a reload or a
+dtype change turns the path off rather than reading stale memory).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from kdaserve.model.base import DecoderLayer, HybridForCausalLM
+from kdaserve.model.batch import HybridCache
+from kdaserve.model.kda import KimiDeltaAttention
+from kdaserve.model.layers import MLP
+from kdaserve.model.mla import MultiHeadLatentAttention
+from kdaserve.model.moe import SparseMoE
+from kdaserve.ops.cpu_kernels import decode_block_kernels
+
+_I, _F = ctypes.c_int64, ctypes.c_float
+
+# above this many decode rows the batched torch matmuls read each weight once for all rows
+# and beat per-row matrix-vector products (docs/benchmarks.md, "Fused decode")
+MAX_FUSED_ROWS = 4
+
+
+def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
+
+
+def _f32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+
+
+class FusedDecoder:
+    """Per-layer argument lists for the compiled blocks, built once from the model."""
+
+    def __init__(self, model: HybridForCausalLM, kernels) -> None:
+        self.model = model
+        self.k = kernels
+        cfg = model.config
+        self.hidden = cfg.hidden_size
+        self._keep: list[torch.Tensor] = []      # tensors whose memory the calls read
+        self._witness_params = [model.model.embed_tokens.weight, model.lm_head.weight] + [
+            layer.input_layernorm.weight for layer in model.model.layers]
+        self._witness = self._fingerprint()
+        self.layers: list[tuple] = []
+        scratch = 0
+        for layer in model.model.layers:
+            mixer, ffn = self._mixer(layer), self._ffn(layer)
+            scratch = max(scratch, mixer[2], ffn[2])
+            self.layers.append((mixer, ffn))
+        self.scratch = torch.empty(scratch + 1024, dtype=torch.float32)
+
+    def _t(self, t: torch.Tensor) -> ctypes.c_void_p:
+        t = t.detach()
+        if not _f32(t):
+            t = t.float().contiguous()
+        self._keep.append(t)
+        return _p(t)
+
+    def _mixer(self, layer: DecoderLayer) -> tuple:
+        attn, norm = layer.self_attn, layer.input_layernorm
+        hd = self.hidden
+        if isinstance(attn, KimiDeltaAttention):
+            H, D = attn.num_heads, attn.head_dim
+            lins = attn._input_linears()
+            fused = attn._fused
+            w_in = (fused if fused is not None
+                    and [lin.weight.data_ptr() for lin in lins] == attn._fused_ptrs
+                    else torch.cat([lin.weight.detach() for lin in lins], 0))
+            G = lins[4].weight.shape[0]
+            taps = attn.q_conv1d.kernel_size[0]
+            lb = attn.gate_lower_bound
+            static = dict(
+                head=(_I(hd), _I(H), _I(D), _I(G), _I(taps)),
+                norm=(self._t(norm.weight), _F(norm.eps), self._t(w_in)),
+                conv=(self._t(attn._conv_weight_t()), self._t(attn.f_b_proj.weight),
+                      self._t(attn.dt_bias), self._t(attn.A_log.detach().view(H).exp()),
+                      _F(0.0 if lb is None else lb), _I(lb is not None),
+                      self._t(attn.g_b_proj.weight) if not attn.full_rank_gate
+                      else ctypes.c_void_p(None),
+                      self._t(attn.o_norm.weight), _F(attn.o_norm.eps),
+                      self._t(attn.o_proj.weight), _F(D ** -0.5)),
+                index=attn.kda_index)
+            P = 3 * H * D + D + G + H
+            return ("kda", static, hd + P + 6 * H * D + 3 * D)
+        H, N, R = attn.num_heads, attn.nope, attn.rope
+        Dc, Vd = attn.kv_lora_rank, attn.v_dim
+        static = dict(
+            head=(_I(hd), _I(H), _I(N), _I(R), _I(Dc), _I(Vd)),
+            weights=(self._t(norm.weight), _F(norm.eps), self._t(attn.q_proj.weight),
+                     self._t(attn.kv_a_proj_with_mqa.weight),
+                     self._t(attn.kv_a_layernorm.weight), _F(attn.kv_a_layernorm.eps),
+                     self._t(attn.kv_b_proj.weight)),
+            tail=(self._t(attn.o_proj.weight), _F(attn.scale)),
+            index=attn.mla_index)
+        return ("mla", static, hd + H * (N + R) + 2 * (Dc + R) + H * Dc + H * Vd)
+
+    def _ffn(self, layer: DecoderLayer) -> tuple:
+        ffn, norm = layer.ffn, layer.post_attention_layernorm
+        hd = self.hidden
+        if isinstance(ffn, MLP):
+            i = ffn.gate_proj.weight.shape[0]
+            args = (_I(hd), _I(i), None, self._t(norm.weight), _F(norm.eps),
+                    self._t(ffn.gate_proj.weight), self._t(ffn.up_proj.weight),
+                    self._t(ffn.down_proj.weight))
+            return ("mlp", args, 3 * hd + 3 * i)
+        sh = ffn.shared_experts
+        i_s = sh.gate_proj.weight.shape[0] if sh is not None else 0
+        E, inter = ffn.num_experts, ffn.intermediate
+        r = ffn.gate
+        args = (_I(hd), _I(E), _I(inter), _I(r.top_k), None, self._t(norm.weight), _F(norm.eps),
+                self._t(r.weight), self._t(r.e_score_correction_bias), _I(r.renormalize),
+                _F(r.scaling), self._t(ffn.experts_w13.transpose(1, 2)),
+                self._t(ffn.experts_w2.transpose(1, 2)),
+                self._t(sh.gate_proj.weight) if sh is not None else ctypes.c_void_p(None),
+                self._t(sh.up_proj.weight) if sh is not None else ctypes.c_void_p(None),
+                self._t(sh.down_proj.weight) if sh is not None else ctypes.c_void_p(None),
+                _I(i_s))
+        return ("moe", args, 4 * hd + 2 * E + 3 * inter + 3 * i_s)
+
+    def _fingerprint(self) -> tuple:
+        """Pointers of the embedding, the head and each layer's input norm: a reload or a
+        dtype change replaces them all (checking every parameter would cost ~1 ms a step)."""
+        return tuple((p.data_ptr(), p.dtype) for p in self._witness_params)
+
+    def still_valid(self) -> bool:
+        return self._fingerprint() == self._witness
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 block_table: torch.Tensor, cache: HybridCache,
+                 snapshots: list[tuple[int, int]] = ()) -> torch.Tensor:
+        """ids, positions, slots [B] int64; block_table [B, width] int64 (contiguous).
+        Writes the rows' KDA states, conv windows and MLA latents into the cache and returns
+        the logits [B, vocab]. snapshots: (row, snapshot id) pairs whose state after this
+        token is saved (a decode row can only snapshot its final state)."""
+        model = self.model
+        x = model.model.embed_tokens(ids).float().contiguous()
+        B = _I(x.shape[0])
+        xp, sp = _p(x), _p(self.scratch)
+        slots_p, pos_p, bt_p = _p(slots), _p(positions), _p(block_table)
+        width = _I(block_table.shape[1])
+        bs = _I(cache.block_size)
+        k = self.k
+        for (kind, st, _), (fkind, fargs, _) in self.layers:
+            if kind == "kda":
+                i = st["index"]
+                k.kda(B, *st["head"], xp, *st["norm"], _p(cache.kda_conv[i]),
+                      _p(cache.kda_states[i]), slots_p, *st["conv"], sp)
+            else:
+                pages = cache.mla_pages[st["index"]]
+                k.mla(B, *st["head"], xp, *st["weights"], _p(pages), bs, bt_p, width, pos_p,
+                      *st["tail"], sp)
+            if fkind == "mlp":
+                k.mlp(B, *fargs[:2], xp, *fargs[3:], sp)
+            else:
+                k.moe(B, *fargs[:4], xp, *fargs[5:], sp)
+        if snapshots and cache.snap_states:
+            src = slots[[r for r, _ in snapshots]]
+            dest = torch.tensor([d for _, d in snapshots], dtype=torch.long)
+            for st, cv, sst, scv in zip(cache.kda_states, cache.kda_conv, cache.snap_states,
+                                        cache.snap_conv):
+                sst.index_copy_(0, dest, st[src])
+                scv.index_copy_(0, dest, cv[src].to(scv.dtype))
+        return model.lm_head(model.model.norm(x))
+
+
+def fused_decoder(model: HybridForCausalLM, cache: HybridCache) -> FusedDecoder | None:
+    """A FusedDecoder for this model and cache, or None where the path does not apply."""
+    if os.environ.get("KDASERVE_FUSED_DECODE", "1") == "0" or not supports(model, cache):
+        return None
+    kernels = decode_block_kernels()
+    return FusedDecoder(model, kernels) if kernels is not None else None
+
+
+def supports(model: HybridForCausalLM, cache: HybridCache) -> bool:
+    cfg = model.config
+    if getattr(model, "_rank_config", None) is not None:
+        return False          # a parallel rank's share: its hooks all-reduce what fused skips
+    if type(model).run_layers is not HybridForCausalLM.run_layers:
+        return False          # K3's attention residuals mix the layer outputs differently
+    if model.dtype != torch.float32 or model.model.embed_tokens.weight.device.type != "cpu":
+        return False
+    if any(t.dtype != torch.float32 for t in cache.mla_pages + cache.kda_conv):
+        return False
+    for layer in model.model.layers:
+        if not isinstance(layer, DecoderLayer):
+            return False
+        attn, ffn = layer.self_attn, layer.ffn
+        if isinstance(attn, MultiHeadLatentAttention):
+            if (not hasattr(attn, "q_proj") or attn.use_rope or hasattr(attn, "g_proj")):
+                return False
+        elif not isinstance(attn, KimiDeltaAttention):
+            return False
+        if isinstance(ffn, MLP):
+            if ffn.act.code != 0:
+                return False
+        elif isinstance(ffn, SparseMoE):
+            r = ffn.gate
+            if (ffn.quantized or ffn.is_latent or ffn.act.code != 0 or r.groups > 1
+                    or r.activation != "sigmoid"
+                    or (ffn.shared_experts is not None and ffn.shared_experts.act.code != 0)):
+                return False
+        else:
+            return False
+    return cfg.num_hidden_layers == len(model.model.layers)
+
+
+def step_inputs(seqs) -> tuple[torch.Tensor, ...]:
+    """positions, slots [B] and the block table [B, width] of single-token decode rows
+    (kdaserve.outputs.ScheduledSequence)."""
+    width = max(len(s.block_ids) for s in seqs)
+    table = torch.zeros(len(seqs), width, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        table[b, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.long)
+    return (torch.tensor([s.context_len for s in seqs], dtype=torch.long),
+            torch.tensor([s.state_slot for s in seqs], dtype=torch.long), table)
+
+
+def applies(seqs, num_decode: int) -> bool:
+    """Rows that each carry one sampled token with context, few enough of them."""
+    return (0 < len(seqs) <= MAX_FUSED_ROWS and num_decode == len(seqs)
+            and all(len(s.token_ids) == 1 and s.sample and not s.num_draft_tokens
+                    for s in seqs))
