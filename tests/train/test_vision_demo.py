@@ -10,6 +10,7 @@ import io
 import json
 import random
 
+import numpy as np
 import torch
 
 from kdaserve.model.registry import load_config
@@ -89,3 +90,35 @@ def test_loss_falls_on_a_fixed_batch(tmp_path):
         opt.step()
         loss = step_loss(model, batch)
     assert loss.item() < first.item() / 2
+
+
+def test_probe_loss_is_answer_loss_plus_mean_pool_classification(tmp_path):
+    """The auxiliary term: cross-entropy of the probe on each image's mean embedding against
+    its colour x shape class, added to the answer loss."""
+    import torch.nn.functional as F
+
+    from kdaserve.model.loader import save_model
+    from kdaserve.model.registry import build_model
+    from kdaserve.train import vision_demo as vd
+    from kdaserve.train.shapes import COLORS, SHAPES
+    torch.manual_seed(0)
+    tok = vd.build_tokenizer(tmp_path)
+    end_id = tok.token_to_id("<|im_end|>")
+    cfg = vd.model_config(tok.vocab_size, tok.token_to_id("<|media_pad|>"),
+                          [tok.token_to_id("<|endoftext|>"), end_id], tok.token_to_id("<|pad|>"))
+    model = build_model(cfg, chunk_size=16).eval()
+    save_model(model, tmp_path)
+    ex = Examples(tok, VisionInput.for_model(tmp_path, tok), end_id)
+    batch = [ex.example(s) for s in (3, 4, 5)]
+    for (_, _, _, label), s in zip(batch, (3, 4, 5)):
+        d = draw(s)
+        assert label == sorted(COLORS).index(d.color) * len(SHAPES) + SHAPES.index(d.shape)
+    probe = torch.nn.Linear(cfg.hidden_size, 12)
+    with torch.no_grad():
+        feats = model.encode_images(
+            torch.from_numpy(np.concatenate([b[2][0].pixels for b in batch])),
+            [b[2][0].grid for b in batch])
+        want = step_loss(model, batch) + F.cross_entropy(
+            probe(torch.stack([f.mean(0) for f in feats])), torch.tensor([b[3] for b in batch]))
+        got = step_loss(model, batch, probe)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
