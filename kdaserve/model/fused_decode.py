@@ -144,11 +144,14 @@ class FusedDecoder:
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_table: torch.Tensor, cache: HybridCache,
-                 snapshots: list[tuple[int, int]] = ()) -> torch.Tensor:
+                 snapshots: list[tuple[int, int]] = (), capture: tuple[int, ...] = (),
+                 captured: list[torch.Tensor] | None = None) -> torch.Tensor:
         """ids, positions, slots [B] int64; block_table [B, width] int64 (contiguous).
         Writes the rows' KDA states, conv windows and MLA latents into the cache and returns
         the logits [B, vocab]. snapshots: (row, snapshot id) pairs whose state after this
-        token is saved (a decode row can only snapshot its final state)."""
+        token is saved (a decode row can only snapshot its final state). The stream after
+        each layer in `capture` is appended to `captured` (a speculative draft's context),
+        as the torch forward's capture_layers."""
         model = self.model
         x = model.model.embed_tokens(ids).float().contiguous()
         B = _I(x.shape[0])
@@ -157,7 +160,7 @@ class FusedDecoder:
         width = _I(block_table.shape[1])
         bs = _I(cache.block_size)
         k = self.k
-        for (kind, st, _), (fkind, fargs, _) in self.layers:
+        for li, ((kind, st, _), (fkind, fargs, _)) in enumerate(self.layers):
             if kind == "kda":
                 i = st["index"]
                 k.kda(B, *st["head"], xp, *st["norm"], _p(cache.kda_conv[i]),
@@ -170,6 +173,8 @@ class FusedDecoder:
                 k.mlp(B, *fargs[:2], xp, *fargs[3:], sp)
             else:
                 k.moe(B, *fargs[:4], xp, *fargs[5:], sp)
+            if li in capture and captured is not None:
+                captured.append(x.clone())
         if snapshots and cache.snap_states:
             src = slots[[r for r, _ in snapshots]]
             dest = torch.tensor([d for _, d in snapshots], dtype=torch.long)

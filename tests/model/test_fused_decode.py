@@ -64,10 +64,14 @@ def test_step_matches_torch_forward(gate, rows):
                                  cache=ref_cache, block_tables=tables, state_slots=slots,
                                  snapshots=[(0, ctx[0] + 1, step)])
         with torch.inference_mode():
-            want, _ = model(ids, fb)
+            want, want_hidden = model(ids, fb, capture_layers=(0, 2))
+        hidden: list[torch.Tensor] = []
         got = fused(ids, torch.tensor(ctx), torch.tensor(slots), torch.tensor(tables), cache,
-                    snapshots=[(0, step)])
+                    snapshots=[(0, step)], capture=(0, 2), captured=hidden)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert len(hidden) == 2           # a draft's context: the stream after those layers
+        for h, w in zip(hidden, want_hidden):
+            torch.testing.assert_close(h, w, rtol=1e-4, atol=1e-4)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     for name in ("kda_states", "kda_conv", "mla_pages", "snap_states", "snap_conv"):
         for a, b in zip(getattr(cache, name), getattr(ref_cache, name)):
