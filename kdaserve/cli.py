@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kdaserve.train.demo import add_arguments as add_train_arguments
 
     add_train_arguments(sub.add_parser("train", help="train the demo model from its corpus"))
-    from kdaserve.train.draft import add_extract_arguments, add_train_draft_arguments
+    from kdaserve.train.draft import add_train_draft_arguments
+    from kdaserve.train.draft_data import add_extract_arguments
 
     add_extract_arguments(sub.add_parser(
         "extract-hidden", help="target hidden states over a corpus, for draft training"))
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(args)
     if args.command == "extract-hidden":
-        from kdaserve.train.draft import run_extract
+        from kdaserve.train.draft_data import run_extract
 
         return run_extract(args)
     if args.command == "train-draft":

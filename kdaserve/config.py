@@ -65,7 +65,7 @@ _MODEL_FIELDS = frozenset(
 # compressed-tensors formats of the routed experts that the loader understands
 _EXPERT_FORMATS = {"mxfp4-pack-quantized": "mxfp4"}
 # config.json model_type values ModelConfig reads (the registry maps them to model classes)
-TEXT_MODEL_TYPES = ("kimi_linear", "kimi_k3")
+TEXT_MODEL_TYPES = ("kimi_linear", "kimi_k3", "kimi_k25")
 
 
 def _require(raw: dict[str, Any], name: str) -> Any:
@@ -126,7 +126,7 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
     # ---- Kimi K3 (defaults: Kimi Linear) ----
-    architecture: str = "kimi_linear"          # the registry's key: kimi_linear | kimi_k3
+    architecture: str = "kimi_linear"          # the registry's key: kimi_linear | kimi_k3 | kimi_k25
     hidden_act: str = "silu"                   # silu | situ
     activation_situ_beta: float | None = None
     activation_situ_linear_beta: float | None = None
@@ -250,6 +250,8 @@ class ModelConfig:
         model_type = raw.get("model_type", "kimi_linear")
         if model_type == "kimi_k3":
             return cls._from_k3_dict(raw)
+        if model_type == "kimi_k25":
+            return cls._from_k25_dict(raw)
         if model_type != "kimi_linear":
             raise ConfigError(
                 f"config.json: 'model_type' is {model_type!r}; supported: "
@@ -276,6 +278,27 @@ class ModelConfig:
             media_placeholder_token_id=raw.get("media_placeholder_token_id"),
             vision_config=raw.get("vision_config"),
             eos_token_id=cfg.eos_token_id or _eos_ids(raw.get("eos_token_id")))
+
+    @classmethod
+    def _from_k25_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """transformers' kimi_k25 (Kimi_K25ForConditionalGeneration) with a kimi_linear
+        text_config; the projector's width and eps sit at the top level and are kept with the
+        vision_config here. Its ties default to on, as in transformers."""
+        text = dict(raw.get("text_config") or {})
+        if text.get("model_type", "kimi_linear") != "kimi_linear":
+            raise ConfigError(f"config.json: kimi_k25 with a {text.get('model_type')!r} "
+                              "text_config is not supported; the text model must be kimi_linear")
+        text.pop("model_type", None)
+        text["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", True))
+        cfg = cls._from_text_dict(text)
+        vc = dict(raw.get("vision_config") or {})
+        for src, dst in (("projection_hidden_size", "mm_hidden_size"),
+                         ("projection_layer_norm_eps", "projector_ln_eps")):
+            if raw.get(src) is not None:
+                vc.setdefault(dst, raw[src])
+        return replace(cfg, architecture="kimi_k25", vision_config=vc,
+                       media_placeholder_token_id=raw.get("image_token_id", 163605),
+                       eos_token_id=cfg.eos_token_id or _eos_ids(raw.get("eos_token_id")))
 
     @classmethod
     def _from_text_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -371,6 +394,12 @@ class ModelConfig:
         """config.json contents that kdaserve and the references read: transformers'
         KimiLinear for kimi_linear, mlx-lm's kimi_k3 (and llama.cpp's converter) for K3."""
         text = self._text_hf_dict()
+        if self.architecture == "kimi_k25":
+            return {"architectures": ["Kimi_K25ForConditionalGeneration"],
+                    "model_type": "kimi_k25", "text_config": text,
+                    "vision_config": self.vision_config,
+                    "image_token_id": self.media_placeholder_token_id,
+                    "tie_word_embeddings": self.tie_word_embeddings}
         if self.architecture != "kimi_k3":
             return text
         text["architectures"] = ["KimiLinearForCausalLM"]
@@ -552,6 +581,9 @@ class CacheConfig:
 
     block_size: int = 16
     cache_memory_bytes: int = 512 << 20
+    # On CUDA: this fraction of the device's memory, less what is in use after loading, sizes
+    # the cache instead of cache_memory_bytes (vLLM's --gpu-memory-utilization).
+    gpu_memory_utilization: float | None = None
     num_blocks: int | None = None
     num_state_slots: int | None = None
     enable_prefix_caching: bool = True
@@ -569,6 +601,9 @@ class CacheConfig:
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.cache_memory_bytes <= 0:
             raise ConfigError("cache memory must be positive")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1], got "
+                              f"{self.gpu_memory_utilization}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError("num_blocks must be >= 1")
         if self.num_state_slots is not None and self.num_state_slots < 1:
@@ -645,6 +680,51 @@ class SpeculativeConfig:
             raise ConfigError("need 1 <= ngram_min <= ngram_max")
 
 
+MOE_BACKENDS = ("auto", "reference", "grouped", "ep_all2all", "tp_sharded")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The process layout (docs/parallelism.md). Ranks = max(tensor, expert) parallel size:
+    tensor parallelism shards attention heads, MLPs and the vocabulary; expert parallelism
+    partitions the routed experts over the same ranks (attention is then replicated when
+    tensor_parallel_size is 1). `distributed_executor`: "mp" (one spawned process per rank,
+    also used for a single rank when asked for) or "uni" (in-process; one rank only)."""
+
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    moe_backend: str = "auto"
+    distributed_executor: str | None = None    # None: "uni" for one rank, else "mp"
+    worker_timeout_s: float = 300.0            # a collective that waits longer fails
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "expert_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if tp > 1 and ep > 1 and tp != ep:
+            raise ConfigError(f"expert_parallel_size ({ep}) must be 1 or equal "
+                              f"tensor_parallel_size ({tp}): experts are partitioned over the "
+                              "tensor-parallel ranks")
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ConfigError(f"moe_backend must be one of {MOE_BACKENDS}, "
+                              f"got {self.moe_backend!r}")
+        if self.distributed_executor not in (None, "uni", "mp"):
+            raise ConfigError("distributed_executor must be 'uni' or 'mp', "
+                              f"got {self.distributed_executor!r}")
+        if self.distributed_executor == "uni" and self.world_size > 1:
+            raise ConfigError("the in-process executor runs one rank; use 'mp' for "
+                              f"{self.world_size} ranks")
+
+    @property
+    def world_size(self) -> int:
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
+
+    @property
+    def executor(self) -> str:
+        return self.distributed_executor or ("uni" if self.world_size == 1 else "mp")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the weights."""
@@ -658,6 +738,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kdaserve.cache.ops import CacheOp, OpFailure
+from kdaserve.request import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,19 @@ class ScheduledSequence:
     sample: bool                      # the chunk ends at the last known token: sample one
     restore_snapshot: int | None = None  # snapshot id to load into the slot first (prefix hit)
     num_draft_tokens: int = 0         # the last len(...) token_ids are drafts to verify
+    media: tuple = ()                 # MediaItems whose placeholders overlap token_ids
+
+
+@dataclass
+class RequestData:
+    """What a runner keeps of one request (kdaserve/engine/step_message.py): sent whole the
+    first time the runner sees it (`prompt_token_ids`, `params` set), then as the tail of its
+    output tokens: `output_token_ids` replace the runner's copy from index `output_start` on."""
+
+    output_start: int
+    output_token_ids: list[int]
+    prompt_token_ids: list[int] | None = None
+    params: SamplingParams | None = None
 
 
 @dataclass
@@ -33,6 +47,9 @@ class SchedulerOutput:
 
     draft_limits: dict[str, int] | None = None
     # speculation: how many drafts to propose for each request's next step (absent: the most)
+    request_data: dict[str, RequestData] = field(default_factory=dict)
+    # what the runner needs of each scheduled request besides its tokens (prompt, params,
+    # output so far): filled on rank 0 before the step leaves the engine core
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +79,8 @@ class ModelRunnerOutput:
     dropped_snapshots: list[int] = field(default_factory=list)
     cache_op_failures: list[OpFailure] = field(default_factory=list)
     # entries that failed to store or load; a failed load's request was left out of the step
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    # requests asking for prompt logprobs: (first prompt position scored, its entries)
 
 
 @dataclass
@@ -82,6 +101,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # entry 0 None
 
 
 @dataclass
@@ -100,3 +120,4 @@ class RequestDelta:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None        # the engine failed this request (finish_reason "error")
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # with the first tokens

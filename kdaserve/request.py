@@ -184,10 +184,14 @@ class Request:
     max_model_len: int | None = None
     cache_salt: str | None = None
     extra_keys: tuple = ()
+    media: tuple = ()               # MediaItems (kdaserve/media.py): images in the prompt
     group: str = ""                 # fairness unit: all sequences of one client request
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: one entry per prompt token (see
+    # engine/prompt_logprobs.py), entry 0 None
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0

@@ -1,5 +1,14 @@
 """`kdaserve bench spec`: decode speed with and without speculative decoding, side by side in
-one run, greedy, on the same prompts; outputs must be token-identical."""
+one run, on prompts neither the model nor its draft trained on (bench/spec_prompts.py).
+
+Two decoding modes, as users call the server: greedy, and sampled with the model's generation
+defaults (temperature 0.8, top-p 0.95 and whatever else generation_config.json sets, e.g. the
+demo's repetition penalty), fixed seeds. Batch sizes 1, 8 and 32 (concurrent requests). For each:
+`speedup` (spec tok/s ÷ plain tok/s), `acceptance_rate` (accepted ÷ proposed drafts),
+`mean_accepted_tokens` (tokens a verifying row yields: accepted drafts + 1), and for greedy
+`identical` (the outputs must be token-identical). Sampled outputs differ by construction (the
+random stream is consumed differently); the rejection sampler's exactness is a unit test.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +19,18 @@ import time
 import torch
 
 from kdaserve.assets import default_model_path
+from kdaserve.bench.spec_prompts import unseen_prompts
 from kdaserve.engine.llm import LLM
+from kdaserve.generation_defaults import generation_defaults
 from kdaserve.request import SamplingParams
 
-PROMPTS = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo! wherefore art thou", "KING HENRY V:\nOnce more",
-           "HAMLET:\nTo be, or not to be", "First Citizen:\nBefore we proceed",
-           "MACBETH:\nIs this a dagger", "PORTIA:\nThe quality of mercy", "LEAR:\nBlow, winds"]
 
-
-def _timed(llm: LLM, prompts: list[str], sp: SamplingParams, batch: int
+def _timed(llm: LLM, prompts: list[str], params: list[SamplingParams], batch: int
            ) -> tuple[float, int, list[list[int]]]:
     """Runs prompts in groups of `batch` concurrent requests; returns (seconds, tokens, ids)."""
     outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
-        outs += llm.generate(prompts[i:i + batch], sp, use_tqdm=False)
+        outs += llm.generate(prompts[i:i + batch], params[i:i + batch], use_tqdm=False)
     dt = time.perf_counter() - start
     ids = [o.outputs[0].token_ids for o in outs]
     return dt, sum(len(x) for x in ids), ids
@@ -34,39 +41,68 @@ def _counters(llm: LLM) -> tuple[int, int, int]:
     return s.num_draft_tokens, s.num_accepted_tokens, s.num_verify_rows
 
 
-def measure(base: LLM, spec: LLM, prompts: list[str], max_tokens: int, batch: int) -> dict:
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    _timed(base, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), 1)   # warm-up
-    _timed(spec, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), 1)
-    t_base, n_base, ids_base = _timed(base, prompts, sp, batch)
+def _params(mode: str, defaults: dict, n: int, max_tokens: int) -> list[SamplingParams]:
+    if mode == "greedy":
+        return [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * n
+    fields = {"temperature": 0.8, "top_p": 0.95, **{
+        k: v for k, v in defaults.items() if k in ("top_k", "min_p", "repetition_penalty")}}
+    return [SamplingParams(**fields, max_tokens=max_tokens, ignore_eos=True, seed=1000 + i)
+            for i in range(n)]
+
+
+def measure(base: LLM, spec: LLM, prompts: list[str], params: list[SamplingParams],
+            batch: int, greedy: bool) -> dict:
+    t_base, n_base, ids_base = _timed(base, prompts, params, batch)
     before = _counters(spec)
-    t_spec, n_spec, ids_spec = _timed(spec, prompts, sp, batch)
+    t_spec, n_spec, ids_spec = _timed(spec, prompts, params, batch)
     drafted, accepted, rows = (a - b for a, b in zip(_counters(spec), before))
     base_rate, spec_rate = n_base / t_base, n_spec / t_spec
-    return {
-        "batch": batch, "baseline_tok_s": round(base_rate, 1), "spec_tok_s": round(spec_rate, 1),
-        "speedup": round(spec_rate / base_rate, 3),
-        # tokens a verification yields: accepted drafts + the corrected/bonus token
+    out = {
+        "batch": batch, "requests": len(prompts), "baseline_tok_s": round(base_rate, 1),
+        "spec_tok_s": round(spec_rate, 1), "speedup": round(spec_rate / base_rate, 3),
         "mean_accepted_tokens": round((accepted + rows) / rows, 3) if rows else 1.0,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
         "drafted": drafted, "accepted": accepted, "verifications": rows,
-        "identical": ids_base == ids_spec,
     }
+    if greedy:
+        out["identical"] = ids_base == ids_spec
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     model = args.model or str(default_model_path())
     base = LLM(model, enable_prefix_caching=False)
-    result: dict = {"model": model, "method": args.method, "k": args.k,
-                    "max_tokens": args.max_tokens, "threads": args.threads}
     spec = LLM(model, enable_prefix_caching=False, speculative_method=args.method,
-               num_speculative_tokens=args.k, speculative_model=args.draft)
-    prompts = PROMPTS[: args.num_prompts]
-    result.update(measure(base, spec, prompts, args.max_tokens, 1))
-    for b in args.batches:
-        many = (PROMPTS * (b // len(PROMPTS) + 1))[:b]
-        result[f"batch{b}"] = measure(base, spec, many, args.max_tokens, b)
+               num_speculative_tokens=args.k, speculative_model=args.draft,
+               speculative_adaptive=not args.no_adaptive)
+    prompts = unseen_prompts()
+    defaults = generation_defaults(model)
+    result: dict = {"model": model, "method": args.method, "k": args.k,
+                    "adaptive": not args.no_adaptive, "max_tokens": args.max_tokens,
+                    "threads": args.threads, "prompts": "unseen (bench/spec_prompts.py)"}
+    warm = [SamplingParams(temperature=0.0, max_tokens=8)]
+    for llm in (base, spec):
+        _timed(llm, prompts[:1], warm, 1)
+    for mode in args.modes:
+        rows = {}
+        for b in [1, *args.batches]:
+            n = args.num_prompts if b == 1 else b
+            many = (prompts * (n // len(prompts) + 1))[:n]
+            rows[f"batch{b}"] = measure(base, spec, many, _params(mode, defaults, n,
+                                                                   args.max_tokens),
+                                        b, greedy=mode == "greedy")
+        result[mode] = rows
+        if mode == "sampled":
+            result["sampling"] = {k: v for k, v in vars(_params(mode, defaults, 1, 1)[0]).items()
+                                  if k in ("temperature", "top_p", "top_k", "min_p",
+                                           "repetition_penalty")}
+    for mode, prefix in (("greedy", ""), ("sampled", "sampled_")):
+        rows = result.get(mode, {})
+        if "batch1" in rows:
+            result[f"{prefix}speedup"] = rows["batch1"]["speedup"]
+        if "batch32" in rows:
+            result[f"{prefix}batch32_speedup"] = rows["batch32"]["speedup"]
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
@@ -75,9 +111,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--draft", default=None, help="DSpark draft directory (default: <model>/draft)")
     p.add_argument("--method", choices=("dspark", "ngram"), default="dspark")
-    p.add_argument("--k", type=int, default=7, help="drafts per step")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--k", type=int, default=7, help="most drafts per step")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="always verify k drafts (adaptive speculation off)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=4, help="requests at batch 1")
     p.add_argument("--batches", type=int, nargs="*", default=[8, 32])
+    p.add_argument("--modes", nargs="+", choices=("greedy", "sampled"),
+                   default=["greedy", "sampled"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", action="store_true")

@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Callable
+
+import torch
+
 from kdaserve.cache.spec import KDAStateSpec, LatentKVSpec
+from kdaserve.config import CacheConfig
+
+# Left for a step's activations on top of what is in use at planning time (one prefill chunk's
+# MoE and logits working set at --max-num-batched-tokens 2048 stays well below this).
+_ACTIVATION_RESERVE = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,19 @@ def fraction_budget(total_bytes: int, fraction: float, reserved_bytes: int) -> i
     return budget
 
 
+def cache_budget(cache: CacheConfig, device: torch.device,
+                 mem_info: Callable[[torch.device], tuple[int, int]] | None = None) -> int:
+    """The cache's byte budget: `gpu_memory_utilization` of a CUDA device's memory less what is
+    in use once the weights are loaded (vLLM's flag), else `cache_memory_bytes`. mem_info
+    returns (free, total) bytes (torch.cuda.mem_get_info by default)."""
+    if cache.gpu_memory_utilization is None or device.type != "cuda":
+        return cache.cache_memory_bytes
+    free, total = (mem_info or torch.cuda.mem_get_info)(device)
+    # what the weights, the runtime and other processes hold, and room for activations
+    in_use = total - free + _ACTIVATION_RESERVE
+    return fraction_budget(total, cache.gpu_memory_utilization, in_use)
+
+
 def plan_cache(latent: LatentKVSpec, state: KDAStateSpec, memory_bytes: int, max_num_seqs: int,
                *, num_blocks: int | None = None, num_state_slots: int | None = None,
                snapshot_bytes: int = 0, max_model_len: int | None = None) -> CachePlan:
@@ -92,7 +114,7 @@ def plan_cache(latent: LatentKVSpec, state: KDAStateSpec, memory_bytes: int, max
             f"cache memory {memory_bytes / 2**20:.1f} MiB is too small: {slots} state slots need "
             f"{slots * state.bytes_per_slot / 2**20:.1f} MiB and one MLA block "
             f"{block_bytes / 2**20:.3f} MiB (need >= {need / 2**20:.1f} MiB); raise --cache-memory "
-            "or lower --max-num-seqs"
+            "(--gpu-memory-utilization on CUDA) or lower --max-num-seqs"
         )
     return CachePlan(num_blocks, latent.block_size, slots, snapshots, latent.bytes_per_block,
                      state.bytes_per_slot, max_model_len)

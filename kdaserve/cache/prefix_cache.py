@@ -30,6 +30,19 @@ import xxhash
 ROOT_HASH = b"kdaserve-prefix-root"
 
 
+@dataclass(frozen=True)
+class PlacedKey:
+    """An extra key that covers tokens [start, end) (an image's placeholder run): it enters the
+    hash of each block it overlaps, so blocks before it stay shareable."""
+
+    key: str
+    start: int
+    end: int
+
+    def __str__(self) -> str:
+        return f"{self.key}@{self.start}:{self.end}"
+
+
 def hash_block(parent: bytes, tokens: list[int], extra: tuple = ()) -> bytes:
     """Stable 128-bit chained hash of one full block (never Python's hash())."""
     h = xxhash.xxh3_128()
@@ -45,15 +58,21 @@ def block_hashes(tokens: list[int], block_size: int, extra_keys: tuple = (),
                  cache_salt: str | None = None, start: list[bytes] | None = None) -> list[bytes]:
     """Hashes of every full block of `tokens`, extending `start` (already computed) in place.
 
-    Request-wide keys (image content hashes, the cache salt) enter the first block's hash, so
-    every later block of a prompt with another image or salt differs through the chain.
+    Request-wide keys (the cache salt, other keys) enter the first block's hash, so every later
+    block of a prompt with another salt differs through the chain. A PlacedKey (an image's
+    content hash over its placeholder run) enters the blocks it overlaps, and the chain carries
+    it on: blocks before the image stay shared with prompts that differ only in it.
     """
     out = start if start is not None else []
-    first_extra = tuple(extra_keys) + ((f"salt:{cache_salt}",) if cache_salt is not None else ())
+    placed = [k for k in extra_keys if isinstance(k, PlacedKey)]
+    first_extra = tuple(k for k in extra_keys if not isinstance(k, PlacedKey)) + (
+        (f"salt:{cache_salt}",) if cache_salt is not None else ())
     for i in range(len(out), len(tokens) // block_size):
         parent = out[-1] if out else ROOT_HASH
-        out.append(hash_block(parent, tokens[i * block_size:(i + 1) * block_size],
-                              first_extra if i == 0 else ()))
+        lo, hi = i * block_size, (i + 1) * block_size
+        extra = (first_extra if i == 0 else ()) + tuple(
+            k for k in placed if k.start < hi and lo < k.end)
+        out.append(hash_block(parent, tokens[lo:hi], extra))
     return out
 
 

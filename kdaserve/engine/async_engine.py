@@ -19,7 +19,7 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from kdaserve.config import EngineConfig
+from kdaserve.media import MediaItem, MediaWire
 from kdaserve.outputs import RequestDelta
 from kdaserve.request import SamplingParams
 
@@ -68,6 +69,7 @@ class AddCmd(msgspec.Struct, tag="add"):
     params: msgspec.Raw            # an encoded SamplingParams, decoded (validated) by the child
     priority: int = 0
     group: str | None = None       # fairness unit (one HTTP request's prompts share it)
+    media: list[MediaWire] = []    # images, their placeholder runs expanded in the prompt
 
 
 class AbortCmd(msgspec.Struct, tag="abort"):
@@ -132,6 +134,8 @@ class EngineStatsSnapshot(msgspec.Struct):
     spec_verifications: int = 0    # decode rows that verified drafts
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # adaptive speculation's decisions (kdaserve.engine.spec.adaptive.decisions); {} when off
+    spec_adaptive: dict[str, float] = {}
     # offload tiers: tier name -> counters (see kdaserve.engine.cache_ops.offload_stats)
     offload: dict[str, dict[str, float]] = {}
 
@@ -184,7 +188,7 @@ def _engine_process(config_msg: bytes, cmd_addr: str, out_addr: str, log_level: 
             raise SystemExit(1) from None
         plan = core.plan
         out.send(encoder.encode(EngineInfo(
-            max_model_len=core.max_model_len, vocab_size=core.model.config.vocab_size,
+            max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
             plan=plan.describe(), num_blocks=plan.num_blocks, block_size=plan.block_size,
             num_state_slots=plan.num_state_slots)))
         try:
@@ -193,6 +197,12 @@ def _engine_process(config_msg: bytes, cmd_addr: str, out_addr: str, log_level: 
             logger.error("engine loop failed:\n%s", traceback.format_exc())
             out.send(encoder.encode(Fatal(_describe(exc))))
             raise SystemExit(1) from None
+        try:      # a clean shutdown: the device cache goes to the offload tiers (disk persists)
+            core.close()
+        except Exception:
+            logger.exception("flushing the cache to the offload tiers at shutdown failed")
+        finally:
+            core.shutdown()          # worker processes of a parallel layout
     finally:
         cmds.close(linger=0)
         out.close(linger=5000)     # deliver the last message even if we exit right after
@@ -259,7 +269,8 @@ class _EngineLoop:
         try:
             params = msgspec.msgpack.decode(cmd.params, type=SamplingParams)
             self.core.add_request(cmd.request_id, cmd.prompt_token_ids, params,
-                                  priority=cmd.priority, group=cmd.group)
+                                  priority=cmd.priority, group=cmd.group,
+                                  media=[m.item() for m in cmd.media])
         except ValueError as exc:   # SamplingParamsError and msgspec.ValidationError included
             self._send(AddFailed(cmd.request_id, str(exc), invalid_input=True))
         except Exception as exc:
@@ -284,7 +295,10 @@ class _EngineLoop:
             spec_verifications=core.scheduler.num_verify_rows,
             spec_draft_tokens=core.scheduler.num_draft_tokens,
             spec_accepted_tokens=core.scheduler.num_accepted_tokens,
-            offload=offload_stats(cache.offload, core.runner.cache_ops))
+            spec_adaptive=(core.scheduler.spec_policy.decisions()
+                           if core.scheduler.spec_policy is not None else {}),
+            offload=(offload_stats(cache.offload, core.runner.cache_ops)
+                     if cache.offload is not None else {}))
 
 
 # ---- the client, in the server's event loop ---------------------------------------------------
@@ -356,7 +370,10 @@ class AsyncEngine:
         self._out.bind(out_addr)
         mp = multiprocessing.get_context("spawn")
         self._proc = mp.Process(
-            target=_engine_process, name="kdaserve-engine", daemon=True,
+            # a daemonic process may not start the workers of a parallel layout; those die
+            # with the engine process (PDEATHSIG), which exits when the server goes
+            target=_engine_process, name="kdaserve-engine",
+            daemon=self.config.parallel.executor == "uni",
             args=(self._encoder.encode(self.config), cmd_addr, out_addr, self.log_level))
         self._proc.start()
         self._exited = loop.create_future()
@@ -548,7 +565,8 @@ class AsyncEngine:
     # ---- requests --------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0,
-                       group: str | None = None) -> AsyncIterator[RequestDelta]:
+                       group: str | None = None, media: Sequence[MediaItem] = (),
+                       ) -> AsyncIterator[RequestDelta]:
         """Submit a request and yield its deltas until all `params.n` completions finished.
 
         Input errors surface as ValueError on the first iteration; leaving the loop early (or
@@ -572,7 +590,8 @@ class AsyncEngine:
         remaining = params.n
         try:
             self._send(AddCmd(request_id, list(prompt_token_ids),
-                              msgspec.Raw(self._encoder.encode(params)), priority, group))
+                              msgspec.Raw(self._encoder.encode(params)), priority, group,
+                              [MediaWire.of(m) for m in media]))
             while remaining:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):

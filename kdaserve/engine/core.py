@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,17 +12,22 @@ import torch
 
 from kdaserve.cache.identity import cache_layout, offload_identity
 from kdaserve.cache.manager import CacheManager
-from kdaserve.cache.planner import CachePlan, plan_cache
+from kdaserve.cache.planner import CachePlan, cache_budget, plan_cache
 from kdaserve.cache.spec import specs_for
 from kdaserve.config import EngineConfig, SchedulerConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.cache_ops import OffloadSetup, open_offload
+from kdaserve.engine.executor import Executor, ExecutorError
+from kdaserve.engine.executor.uniproc import UniProcExecutor
 from kdaserve.engine.runner import ModelRunner
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
 from kdaserve.engine.spec.proposer import NgramDrafts, Proposer
+from kdaserve.engine.step_message import StepMessages
+from kdaserve.media import MediaItem, check_media
 from kdaserve.model.base import HybridForCausalLM
 from kdaserve.model.loader import load_model
+from kdaserve.model.registry import load_config
 from kdaserve.ops.host_memory import tune_host_allocator
 from kdaserve.outputs import RequestDelta
 from kdaserve.request import Request, RequestStatus, SamplingParams, child_seed
@@ -64,43 +70,56 @@ class EngineCore:
         device = torch.device(config.device)
         if device.type == "cpu":
             tune_host_allocator()
-        chunk = config.kda_chunk_size or default_chunk_size(device)
-        # Snapshots sit on block boundaries, which must be KDA chunk boundaries (powers of 2).
-        chunk = min(chunk, config.cache.block_size)
-        if model is None:
-            model = load_model(config.model, dtype=config.dtype, device=str(device),
-                               chunk_size=chunk, progress=progress)
+        chunk = engine_chunk_size(config)
+        par = config.parallel
+        self.model: HybridForCausalLM | None = None     # None: the workers hold the model
+        if par.executor != "uni":
+            if model is not None:
+                raise ValueError("a multi-process layout loads the model in each worker from "
+                                 "config.model; pass no model object")
+            from kdaserve.distributed.layout import check_layout, rank_model_config
+
+            cfg = load_config(config.model)
+            check_layout(cfg, config)                 # refused here, before any process starts
+            rank_cfg = rank_model_config(cfg, par.tensor_parallel_size)
         else:
-            model.set_chunk_size(chunk)
-        self.model = model.fuse_for_inference()
-        rep = model.weight_report()
-        logger.info("kdaserve weights: %.1f MiB as loaded (%s)%s", rep["bytes"] / 2**20,
-                    model.config.architecture,
-                    f"; routed experts {rep['expert_bytes'] / 2**20:.1f} MiB, "
-                    f"{rep['expert_bytes_per_weight']:.4g} bytes per weight"
-                    f" ({model.config.experts_quantization or config.dtype})"
-                    if rep["expert_weights"] else "")
+            if model is None:
+                model = load_model(config.model, dtype=config.dtype, device=str(device),
+                                   chunk_size=chunk, progress=progress)
+            else:
+                model.set_chunk_size(chunk)
+            self.model = model.fuse_for_inference()
+            if par.moe_backend != "auto":
+                from kdaserve.model.moe_backends import set_moe_backend
+
+                set_moe_backend(model, par.moe_backend)
+            cfg = rank_cfg = model.config
+            self._log_weights(model, config)
+        self.model_config = cfg
         if tokenizer is None and config.model and _has_tokenizer(Path(config.model)):
             tokenizer = Tokenizer.from_pretrained(config.model)
         self.tokenizer = tokenizer
-        cfg = model.config
-        latent, state = specs_for(cfg, config.cache.block_size, config.dtype)
+        # caches are sized per rank: a tensor-parallel rank holds its heads' KDA states
+        latent, state = specs_for(rank_cfg, config.cache.block_size, config.dtype)
         sched = config.scheduler
         cc = config.cache
+        max_len = min(sched.max_model_len, cfg.max_position_embeddings)
+        if max_len != sched.max_model_len:
+            sched = SchedulerConfig(**{**sched.__dict__, "max_model_len": max_len})
+        memory = cache_budget(cc, device)
         snapshot_bytes = 0
         if cc.enable_prefix_caching:
             snapshot_bytes = cc.state_snapshot_budget_bytes
             if snapshot_bytes is None:
-                snapshot_bytes = cc.cache_memory_bytes // 4
+                snapshot_bytes = memory // 4
         self.plan: CachePlan = plan_cache(
-            latent, state, cc.cache_memory_bytes, sched.max_num_seqs,
+            latent, state, memory, sched.max_num_seqs,
             num_blocks=cc.num_blocks, num_state_slots=cc.num_state_slots,
-            snapshot_bytes=snapshot_bytes,
+            snapshot_bytes=snapshot_bytes, max_model_len=max_len,
         )
-        max_len = min(sched.max_model_len, cfg.max_position_embeddings)
-        if max_len != sched.max_model_len:
-            sched = SchedulerConfig(**{**sched.__dict__, "max_model_len": max_len})
         self.max_model_len = sched.max_model_len
+        if cc.offload_tiers and par.executor != "uni":
+            raise ValueError("offload tiers run with the in-process executor only (one rank)")
         tiers = open_tiers(config, cfg, latent, state, chunk, device)
         self.cache = CacheManager(
             self.plan.num_blocks, self.plan.block_size, self.plan.num_state_slots,
@@ -112,10 +131,17 @@ class EngineCore:
         spec = config.speculative
         if spec is not None and spec.adaptive:
             self.scheduler.spec_policy = AdaptiveSpeculation(spec.num_speculative_tokens)
-        self.runner = ModelRunner(model, self.plan, device, seed=config.seed,
-                                  proposer=build_proposer(config, model, device, self.plan),
-                                  stores=tiers.stores if tiers else None,
-                                  structured=StructuredOutputs(tokenizer, cfg.vocab_size))
+        structured = StructuredOutputs(tokenizer, cfg.vocab_size)
+        if par.executor == "uni":
+            self.executor: Executor = UniProcExecutor(ModelRunner(
+                model, self.plan, device, seed=config.seed,
+                proposer=build_proposer(config, model, device, self.plan),
+                stores=tiers.stores if tiers else None, structured=structured))
+        else:
+            from kdaserve.engine.executor.multiproc import MultiprocExecutor
+
+            self.executor = MultiprocExecutor(config, self.plan, structured)
+        self._messages = StepMessages()
         self.eos_ids = frozenset(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}
         self._children: dict[str, list[str]] = {}
@@ -126,19 +152,24 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    extra_keys: tuple = (), group: str | None = None) -> None:
-        """`group` is the fairness unit (default: this request with its n completions)."""
+                    extra_keys: tuple = (), group: str | None = None,
+                    media: Sequence[MediaItem] = ()) -> None:
+        """`group` is the fairness unit (default: this request with its n completions).
+        media: the prompt's images (their placeholder runs already expanded in the ids)."""
         if request_id in self._children:
             raise ValueError(f"duplicate request id {request_id!r}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
-        vocab = self.model.config.vocab_size
+        vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        if media:
+            self._check_media(media, prompt_token_ids)
+            extra_keys = tuple(extra_keys) + tuple(m.placed_key() for m in media)
         if params.guided is not None:    # compiled (and cached) now: a bad spec is a 400
-            self.runner.structured.validate(params.guided)
+            self.executor.validate_guided(params.guided)
         children = []
         for i in range(params.n):
             child_params = params
@@ -149,6 +180,7 @@ class EngineCore:
             req = Request(cid, list(prompt_token_ids), child_params, eos_token_ids=self.eos_ids,
                           priority=priority, arrival_time=arrival_time or time.monotonic(),
                           cache_salt=cache_salt, extra_keys=tuple(extra_keys),
+                          media=tuple(media),
                           group=group or request_id)
             self.scheduler.add_request(req)  # validates; the first failure raises before any
             children.append(cid)
@@ -159,6 +191,16 @@ class EngineCore:
                     child_params.stop, child_params.include_stop_str_in_output)
             self._tracked[cid] = _Tracked(request_id, i, detok)
         self._children[request_id] = children
+
+    def _check_media(self, media: Sequence[MediaItem], prompt: list[int]) -> None:
+        if self.model is None:
+            raise ValueError("images are not supported with a multi-process layout yet "
+                             "(--tensor-parallel-size/--expert-parallel-size 1 serves them)")
+        tower = getattr(self.model, "vision_tower", None)
+        if tower is None:
+            raise ValueError("this model has no vision tower; images are not supported")
+        check_media(media, prompt, self.model.config.media_placeholder_token_id,
+                    tower.cfg.merge_size)
 
     def abort(self, request_id: str) -> None:
         for cid in self._children.pop(request_id, []):
@@ -181,13 +223,34 @@ class EngineCore:
         """Copy the device prefix cache into the offload tiers now (see CacheManager.flush)."""
         ops = self.cache.flush(drop_device)
         if ops:
-            self.cache.settle(self.runner.cache_ops.run(ops))
-            self.runner.cache_ops.run(self.cache.take_ops())   # drops of failed entries
+            self.cache.settle(self.executor.run_cache_ops(ops))
+            self.executor.run_cache_ops(self.cache.take_ops())   # drops of failed entries
 
     def close(self) -> None:
         """Before the engine goes away: what the device cache holds goes to the offload tiers,
         so a restarted engine finds it in the disk tier."""
         self.flush_cache()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes, if any (the engine is unusable afterwards)."""
+        self.executor.shutdown()
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The in-process runner (the uni-process executor's)."""
+        runner = getattr(self.executor, "runner", None)
+        if runner is None:
+            raise AttributeError("the model runners live in worker processes")
+        return runner
+
+    def _log_weights(self, model: HybridForCausalLM, config: EngineConfig) -> None:
+        rep = model.weight_report()
+        logger.info("kdaserve weights: %.1f MiB as loaded (%s)%s", rep["bytes"] / 2**20,
+                    model.config.architecture,
+                    f"; routed experts {rep['expert_bytes'] / 2**20:.1f} MiB, "
+                    f"{rep['expert_bytes_per_weight']:.4g} bytes per weight"
+                    f" ({model.config.experts_quantization or config.dtype})"
+                    if rep["expert_weights"] else "")
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
@@ -198,6 +261,8 @@ class EngineCore:
         out = self.scheduler.schedule()
         try:
             deltas = self._run(out)
+        except ExecutorError:
+            raise                      # a worker is gone: fatal, not one request's failure
         except Exception as exc:
             return self._on_step_failure(out, exc)
         if len(out.sequences) == 1:
@@ -228,7 +293,7 @@ class EngineCore:
     def _run(self, out) -> list[RequestDelta]:
         requests = self.scheduler.requests
         start = time.perf_counter()
-        result = self.runner.execute(out, requests)
+        result = self.executor.execute(self._messages.attach(out, requests))
         policy = self.scheduler.spec_policy
         if policy is not None and not out.is_empty:   # what steps cost: the policy's data
             policy.cost.observe(out.num_tokens, len(result.drafts), time.perf_counter() - start)
@@ -260,6 +325,8 @@ class EngineCore:
 
     def _delta(self, req: Request) -> RequestDelta:
         tr = self._tracked[req.request_id]
+        prompt_lps = (req.prompt_logprobs or [None]) if tr.emitted_tokens == 0 and \
+            req.sampling_params.prompt_logprobs is not None else None
         new_ids = req.output_token_ids[tr.emitted_tokens:]
         new_lps = req.output_logprobs[tr.emitted_tokens:] if req.output_logprobs else None
         tr.emitted_tokens = len(req.output_token_ids)
@@ -281,7 +348,7 @@ class EngineCore:
         return RequestDelta(tr.parent, tr.index, new_ids, text, finished, reason,
                             req.stop_reason if finished else None, new_lps,
                             req.num_prompt_tokens, len(req.output_token_ids),
-                            req.num_cached_tokens)
+                            req.num_cached_tokens, prompt_logprobs=prompt_lps)
 
     def _final_delta(self, rid: str, reason: str, error: str | None = None) -> RequestDelta:
         tr = self._tracked[rid]
@@ -330,6 +397,12 @@ def build_proposer(config: EngineConfig, model: HybridForCausalLM,
 
     return DSparkProposer.from_config(spec, config, model, device, plan.num_blocks,
                                       plan.block_size)
+
+
+def engine_chunk_size(config: EngineConfig) -> int:
+    chunk = config.kda_chunk_size or default_chunk_size(torch.device(config.device))
+    # Snapshots sit on block boundaries, which must be KDA chunk boundaries (powers of 2).
+    return min(chunk, config.cache.block_size)
 
 
 def _has_tokenizer(path: Path) -> bool:

@@ -1,4 +1,6 @@
-"""Offline generation: `LLM(model=dir).generate(prompts, SamplingParams(...))`."""
+"""Offline generation: `LLM(model=dir).generate(prompts, SamplingParams(...))`; prompts may
+carry images (`{"prompt": ..., "multi_modal_data": {"image": PIL.Image}}`) and `LLM.chat`
+takes OpenAI-style messages with `image_url` parts."""
 
 from __future__ import annotations
 
@@ -9,10 +11,19 @@ from typing import Any, Union
 from tqdm.auto import tqdm
 
 from kdaserve.assets import default_model_path
-from kdaserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from kdaserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from kdaserve.engine.core import EngineCore
 from kdaserve.outputs import CompletionOutput, RequestOutput
+from kdaserve.image_io import ImageLimits, check_count, load_image
+from kdaserve.media import MediaItem
 from kdaserve.request import SamplingParams
+from kdaserve.vision_input import VisionInput, split_chat_images
 
 PromptType = Union[str, dict[str, Any], list[int]]
 
@@ -31,7 +42,11 @@ class LLM:
                  speculative_model: str | None = None, speculative_adaptive: bool = True,
                  offload: str | Sequence[str] | None = None,
                  offload_bytes: int | Sequence[int] | None = None,
-                 offload_dir: str | None = None) -> None:
+                 offload_dir: str | None = None,
+                 gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
+                 expert_parallel_size: int = 1, moe_backend: str = "auto",
+                 distributed_executor: str | None = None,
+                 num_threads: int | None = None) -> None:
         """`offload`: "host", "disk" or "host,disk" (evicted prefix-cache entries go there);
         `offload_bytes`: one cap, or one per tier; `offload_dir`: the disk tier's directory."""
         tiers = tuple(t.strip() for t in (offload.split(",") if isinstance(offload, str)
@@ -40,7 +55,13 @@ class LLM:
         path = str(model) if model is not None else str(default_model_path())
         self.config = EngineConfig(
             model=path, dtype=dtype, device=device, kda_chunk_size=kda_chunk_size, seed=seed,
+            num_threads=num_threads,
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                    expert_parallel_size=expert_parallel_size,
+                                    moe_backend=moe_backend,
+                                    distributed_executor=distributed_executor),
             cache=CacheConfig(block_size=block_size, cache_memory_bytes=cache_memory,
+                              gpu_memory_utilization=gpu_memory_utilization,
                               num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                               state_snapshot_budget_bytes=state_snapshot_budget,
                               state_snapshot_interval=state_snapshot_interval,
@@ -58,12 +79,37 @@ class LLM:
         )
         self.engine = EngineCore(self.config, progress=True)
         self.tokenizer = self.engine.tokenizer
+        self.vision = (VisionInput.for_model(path, self.tokenizer)
+                       if getattr(self.engine.model, "vision_tower", None) is not None else None)
+        self.image_limits = ImageLimits()
         self._ids = itertools.count()
 
     def close(self) -> None:
         """Hand what the device cache holds to the offload tiers (the disk tier keeps it for
         the next run). The engine stays usable."""
         self.engine.close()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (multi-process layouts); the LLM is unusable
+        afterwards."""
+        self.engine.shutdown()
+
+    def _prompt_media(self, prompt: PromptType) -> tuple[str | None, list[int], list[MediaItem]]:
+        text, ids = self._prompt_ids(prompt)
+        mm = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not mm:
+            return text, ids, []
+        if set(mm) - {"image"}:
+            raise ValueError(f"multi_modal_data: only 'image' is supported, got {sorted(mm)}")
+        images = mm["image"] if isinstance(mm["image"], (list, tuple)) else [mm["image"]]
+        if self.vision is None:
+            raise ValueError("this model has no vision tower (or its tokenizer no media "
+                             "placeholder); images are not supported")
+        check_count(len(images), self.image_limits)
+        if text is not None and self.vision.placeholder_id not in ids and len(images) == 1:
+            ids = [self.vision.placeholder_id] + ids      # one image, no placeholder: in front
+        ids, media = self.vision.expand(ids, images)
+        return text, ids, media
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -91,9 +137,9 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         order = []
         for prompt, sp in zip(prompts, params_list):
-            text, ids = self._prompt_ids(prompt)
+            text, ids, media = self._prompt_media(prompt)
             rid = str(next(self._ids))
-            self.engine.add_request(rid, ids, sp)
+            self.engine.add_request(rid, ids, sp, media=media)
             order.append(rid)
             results[rid] = RequestOutput(rid, text, ids, [
                 CompletionOutput(i, "", [], logprobs=[] if sp.logprobs is not None else None)
@@ -110,6 +156,8 @@ class LLM:
                     if comp.logprobs is not None and d.new_logprobs:
                         comp.logprobs.extend(d.new_logprobs)
                     out.num_cached_tokens = d.num_cached_tokens
+                    if d.prompt_logprobs is not None:
+                        out.prompt_logprobs = d.prompt_logprobs
                     if d.finished:
                         comp.finish_reason, comp.stop_reason = d.finish_reason, d.stop_reason
                         if d.error is not None:       # the engine failed this request only
@@ -126,3 +174,26 @@ class LLM:
         finally:
             bar.close()
         return [results[rid] for rid in order]
+
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             **template_kwargs: Any) -> list[RequestOutput]:
+        """OpenAI-style messages (one conversation, or a list of them); content may hold
+        `image_url` parts (data URLs, as the server takes them)."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[PromptType] = []
+        for conv in convs:
+            conv, refs = split_chat_images(conv, self.vision.marker if self.vision else None)
+            text = self.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, **template_kwargs)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+            if refs:
+                check_count(len(refs), self.image_limits)
+                prompt["multi_modal_data"] = {
+                    "image": [load_image(url, self.image_limits) for _, _, url in refs]}
+            prompts.append(prompt)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

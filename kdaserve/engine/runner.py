@@ -15,14 +15,16 @@ import torch
 
 from kdaserve.cache.planner import CachePlan
 from kdaserve.engine.cache_ops import CacheOpRunner, Store
+from kdaserve.engine.encoder_cache import EncoderCache, embed_with_media
+from kdaserve.engine.prompt_logprobs import plan_rows, score
 from kdaserve.engine.sampler import SamplingRow, sample
 from kdaserve.engine.spec.proposer import Proposal, ProposalInput, Proposer
 from kdaserve.engine.spec.rejection import VerifyRow, verify
+from kdaserve.engine.step_message import RunnerRequest, RunnerRequests
 from kdaserve.model.batch import HybridCache, build_forward_batch
 from kdaserve.model import fused_decode
 from kdaserve.model.base import HybridForCausalLM
 from kdaserve.outputs import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
-from kdaserve.request import Request
 
 if TYPE_CHECKING:
     from kdaserve.structured.manager import StructuredOutputs
@@ -38,7 +40,8 @@ class ModelRunner:
         self.structured = structured      # grammar masks (structured outputs)
         self.device = torch.device(device)
         self.cfg = model.config
-        self.cache = HybridCache.allocate(self.cfg, plan.num_blocks, plan.block_size,
+        # a tensor-parallel rank holds its own heads' states (model.rank_config)
+        self.cache = HybridCache.allocate(model.rank_config, plan.num_blocks, plan.block_size,
                                           plan.num_state_slots, model.dtype, self.device,
                                           num_snapshots=plan.num_snapshots)
         self.cache_ops = CacheOpRunner(self.cache, stores or {})   # offload tiers
@@ -47,11 +50,13 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._draft_probs: dict[str, torch.Tensor] = {}
         self._unseeded = torch.Generator().manual_seed(seed)
+        self.requests = RunnerRequests()     # what the step messages said of each request
         self.num_forward_tokens = 0
+        self.encoder_cache = EncoderCache()     # image embeddings by content hash
         # compiled single-token decode for few rows (built on first use; False: not available)
         self._fused: fused_decode.FusedDecoder | None | bool = None
 
-    def _generator(self, req: Request) -> torch.Generator:
+    def _generator(self, req: RunnerRequest) -> torch.Generator:
         seed = req.sampling_params.seed
         if seed is None:
             return self._unseeded
@@ -73,7 +78,10 @@ class ModelRunner:
         return decode + rest, len(decode)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """One step from its self-contained message (see kdaserve/engine/step_message.py)."""
+        self.requests.apply(out)
+        requests = self.requests
         for rid in out.finished:
             self._generators.pop(rid, None)
             self._draft_probs.pop(rid, None)
@@ -107,7 +115,11 @@ class ModelRunner:
             elif s.sample:
                 wanted.append(pos + n - 1)
             pos += n
-        fused = self._fused_decoder(seqs, num_decode)
+        prompt_rows = plan_rows(seqs, starts, requests)       # only requests that ask
+        n_sample = len(wanted)
+        for r in prompt_rows:
+            wanted.extend(r.at)
+        fused = self._fused_decoder(seqs, num_decode) if not prompt_rows else None
         fb = None if fused is not None else build_forward_batch(
             lens, [s.context_len for s in seqs], num_decode=num_decode,
             conv_kernel=self.cfg.conv_kernel_size, chunk_size=self.model.chunk_size,
@@ -121,15 +133,19 @@ class ModelRunner:
         capture = self.proposer.capture_layers if self.proposer is not None else ()
         # grammar masks are computed on a worker thread while the model runs
         masks = self.structured.prepare(seqs, requests) if self.structured is not None else None
-        if fused is not None:
+        if fused is not None:      # decode rows only: no media, no prompt logprobs
             logits = fused(ids, *fused_decode.step_inputs(seqs), self.cache,
                            [(b, sid) for b, _, sid in snaps])
             captured = []
         else:
-            logits, captured = self.model(ids, fb, capture_layers=capture)
+            embeds = (embed_with_media(self.model, ids, seqs, starts, self.encoder_cache)
+                      if any(s.media for s in seqs) else None)
+            logits, captured = self.model(ids, fb, capture_layers=capture, inputs_embeds=embeds)
+        prompt_lps = score(logits[n_sample:], prompt_rows) if prompt_rows else {}
+        logits = logits[:n_sample]
         sampled = self._sample(seqs, logits.cpu(), requests,
                                masks.result() if masks is not None else None)
-        if masks is not None:
+        if masks is not None and self.proposer is not None:   # drafts are checked at once
             self.structured.advance(sampled)
         valid = [len(sampled[s.request_id]) if s.num_draft_tokens else n
                  for s, n in zip(seqs, lens)]
@@ -144,7 +160,7 @@ class ModelRunner:
             drafts = self._keep_proposals(props)
         return ModelRunnerOutput(sampled=sampled, drafts=drafts,
                                  dropped_snapshots=dropped + lost_snaps,
-                                 cache_op_failures=failures)
+                                 cache_op_failures=failures, prompt_logprobs=prompt_lps)
 
     def _fused_decoder(self, seqs: list[ScheduledSequence], num_decode: int
                        ) -> fused_decode.FusedDecoder | None:
@@ -155,12 +171,12 @@ class ModelRunner:
             self._fused = fused_decode.fused_decoder(self.model, self.cache) or False
         return self._fused or None
 
-    def _sampling_row(self, req: Request) -> SamplingRow:
+    def _sampling_row(self, req: RunnerRequest) -> SamplingRow:
         return SamplingRow(req.request_id, req.sampling_params, req.prompt_token_ids,
                            req.output_token_ids, self._generator(req))
 
     def _sample(self, seqs: list[ScheduledSequence], logits: torch.Tensor,
-                requests: Mapping[str, Request],
+                requests: Mapping[str, RunnerRequest],
                 masks: Mapping[str, torch.Tensor] | None = None,
                 ) -> dict[str, list[SampledToken]]:
         """logits: the wanted rows in forward order (all positions of verify rows).

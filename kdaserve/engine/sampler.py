@@ -30,26 +30,93 @@ class SamplingRow:
     bitmask: torch.Tensor | None = None     # [W] int32: the tokens a grammar allows here
 
 
-def _penalise(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    pen = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty
-           or r.params.repetition_penalty != 1.0]
-    if not pen:
+def penalised(params: SamplingParams) -> bool:
+    return bool(params.presence_penalty or params.frequency_penalty
+                or params.repetition_penalty != 1.0)
+
+
+@dataclass
+class Penalties:
+    """Repetition, frequency and presence penalties of the penalised rows of a logits batch,
+    as [P, V] state: built once from each row's history, then advanced token by token (the
+    drafts of speculative decoding), so that penalising another position costs a few vector
+    ops instead of rebuilding its history. Repetition divides positive logits (multiplies
+    negative ones) of tokens seen in prompt or output; frequency and presence subtract
+    count-proportional and flat amounts for tokens of the output."""
+
+    index: torch.Tensor        # [P] the penalised rows' numbers in the logits batch
+    seen: torch.Tensor         # [P, V] bool
+    counts: torch.Tensor       # [P, V] float32
+    rep: torch.Tensor          # [P, 1]
+    freq: torch.Tensor         # [P, 1]
+    pres: torch.Tensor         # [P, 1]
+
+    @classmethod
+    def build(cls, rows: list[SamplingRow], vocab: int) -> Penalties | None:
+        pen = [i for i, r in enumerate(rows) if penalised(r.params)]
+        if not pen:
+            return None
+        counts = torch.zeros(len(pen), vocab)
+        seen = torch.zeros(len(pen), vocab, dtype=torch.bool)
+        for n, i in enumerate(pen):
+            out = torch.tensor(rows[i].output_token_ids, dtype=torch.long).clamp(max=vocab - 1)
+            counts[n] = torch.bincount(out, minlength=vocab).to(counts)
+            if rows[i].params.repetition_penalty != 1.0:
+                prompt = torch.tensor(rows[i].prompt_token_ids, dtype=torch.long)
+                seen[n, prompt.clamp(max=vocab - 1)] = True
+        seen |= counts > 0
+
+        def col(name: str) -> torch.Tensor:
+            return torch.tensor([[float(getattr(rows[i].params, name))] for i in pen])
+
+        return cls(torch.tensor(pen), seen, counts, col("repetition_penalty"),
+                   col("frequency_penalty"), col("presence_penalty"))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A penalised copy of logits [S, V] (float32)."""
+        logits = logits.clone()
+        sub = logits[self.index]
+        sub = torch.where(self.seen, torch.where(sub > 0, sub / self.rep, sub * self.rep), sub)
+        logits[self.index] = sub - (self.freq * self.counts
+                                    + self.pres * (self.counts > 0).to(sub))
         return logits
-    logits = logits.clone()
-    V = logits.shape[-1]
-    for i in pen:  # per penalised request: a few vector ops over V
-        p = rows[i].params
-        out = torch.tensor(rows[i].output_token_ids, dtype=torch.long)
-        counts = torch.bincount(out.clamp(max=V - 1), minlength=V).to(logits)
-        if p.repetition_penalty != 1.0:
-            seen = counts > 0
-            prompt = torch.tensor(rows[i].prompt_token_ids, dtype=torch.long).clamp(max=V - 1)
-            seen[prompt] = True
-            row = logits[i]
-            logits[i] = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty,
-                                                      row * p.repetition_penalty), row)
-        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits)
-    return logits
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """Each row of the batch appended tokens[row] to its output."""
+        t = tokens[self.index].clamp(max=self.counts.shape[-1] - 1)
+        rows = torch.arange(len(self.index))
+        self.counts[rows, t] += 1
+        self.seen[rows, t] = True
+
+    def positions(self, drafts: list[list[int]]) -> Penalties:
+        """The state at every verified position: row i becomes len(drafts[i]) + 1 rows, where
+        row j has also seen drafts[i][:j] (positions packed back to back, as in verify)."""
+        starts, pos = [], 0
+        for d in drafts:
+            starts.append(pos)
+            pos += len(d) + 1
+        idx, src, counts, seen = [], [], [], []
+        for n, i in enumerate(self.index.tolist()):
+            d = drafts[i]
+            k = len(d) + 1
+            extra = torch.zeros(k, self.counts.shape[-1])
+            if d:
+                hot = torch.zeros(len(d), self.counts.shape[-1])
+                hot[torch.arange(len(d)), torch.tensor(d).clamp(max=hot.shape[-1] - 1)] = 1
+                extra[1:] = hot.cumsum(0)
+            c = self.counts[n] + extra
+            counts.append(c)
+            seen.append(self.seen[n] | (extra > 0))
+            idx += range(starts[i], starts[i] + k)
+            src += [n] * k
+        s = torch.tensor(src)
+        return Penalties(torch.tensor(idx), torch.cat(seen), torch.cat(counts),
+                         self.rep[s], self.freq[s], self.pres[s])
+
+
+def _penalise(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    pen = Penalties.build(rows, logits.shape[-1])
+    return logits if pen is None else pen.apply(logits)
 
 
 def _constrain(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

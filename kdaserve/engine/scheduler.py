@@ -1,10 +1,13 @@
 """Decides how many tokens each request computes in a step. No tensors here.
 
-Running requests go first (decodes, then partial prefills, in admission order), then waiting
+Running requests go first (decodes, then partial prefills, each in admission order), then waiting
 requests are admitted in FCFS (or priority) order while the token budget, `max_num_seqs` and the
-cache allow. A prompt that does not fit the remaining budget is chunked. When the cache cannot
-hold a running request's next tokens, the most recently admitted request is preempted: its cache
-is freed and it is recomputed later from its prompt and the tokens it already produced.
+cache allow. A prompt that does not fit the remaining budget is chunked. A partial prefill leaves
+part of the budget (what waiting prompts need, at most half) for admissions, so a long prompt
+neither delays its neighbours' decode steps nor holds new requests back until it is done.
+When the cache cannot hold a running request's next tokens, the most recently admitted request
+is preempted (and leaves this step if already scheduled): its cache is freed and it is
+recomputed later from its prompt and the tokens it already produced.
 
 Fairness: requests belong to groups (an HTTP request's prompts and n completions share one).
 Waiting requests are admitted from the group with the fewest running sequences first, and when
@@ -22,6 +25,7 @@ from collections import Counter, deque
 
 from kdaserve.cache.manager import CacheManager
 from kdaserve.config import SchedulerConfig
+from kdaserve.engine.prompt_logprobs import record, wants_prompt_logprobs
 from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
 from kdaserve.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from kdaserve.request import Request, RequestStatus
@@ -106,31 +110,29 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = self._fair_share()
         self._plan_drafts()
-        i = 0
         drafts: dict[str, int] = {}
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
-            if n <= 0:
-                i += 1
+        # Decodes first, then partial prefills: a long prompt's chunks never take the budget
+        # its neighbours' next tokens need.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if budget <= 0:
+                break
+            if req.status == RequestStatus.PREEMPTED:     # earlier in this step
                 continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
+            if n > 1:
+                n = min(n, budget - self._reserve_for_waiting(budget))
             if n == 1 and req.spec_token_ids:
                 d = self._num_drafts(req, budget)
                 if d:
                     drafts[req.request_id] = d
                     n += d
-            while not self.cache.allocate(req.request_id, req.num_computed_tokens + n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    break
-            else:
+            ok, refund = self._allocate_or_preempt(req, n, scheduled, preempted, drafts)
+            budget += refund
+            if ok:
                 scheduled.append((req, n))
                 budget -= n
-                i += 1
-                continue
-            break  # req itself was preempted: it was the last running one
         if len(preempted) == self._fair_preempted:
             self._admit(scheduled, budget, chunk_cap)
         snaps: list[tuple[str, int, int]] = []
@@ -146,6 +148,38 @@ class Scheduler:
         return SchedulerOutput(sequences=seqs, preempted=preempted, finished=finished,
                                snapshot_requests=snaps, cache_ops=self.cache.take_ops(),
                                draft_limits=limits)
+
+    def _allocate_or_preempt(self, req: Request, n: int, scheduled: list[tuple[Request, int]],
+                             preempted: list[str], drafts: dict[str, int]) -> tuple[bool, int]:
+        """Room for req's next n tokens, preempting the newest running requests until it fits.
+        A victim already scheduled leaves this step; returns (req still runs, budget freed)."""
+        refund = 0
+        while not self.cache.allocate(req.request_id, req.num_computed_tokens + n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            drafts.pop(victim.request_id, None)
+            for j, (r, k) in enumerate(scheduled):
+                if r is victim:
+                    del scheduled[j]
+                    refund += k
+                    break
+            if victim is req:
+                return False, refund
+        return True, refund
+
+    def _reserve_for_waiting(self, budget: int) -> int:
+        """Budget a partial prefill leaves for admitting waiting requests (at most half the
+        step), so a short request arriving during a long prefill starts at the next step
+        instead of after the whole prompt. None when no slot is free to admit into."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return 0
+        need = 0
+        for req in self.waiting:
+            need += req.num_tokens - req.num_computed_tokens
+            if need >= budget // 2:
+                return budget // 2
+        return need
 
     def _fair_share(self) -> list[str]:
         """Preempt the newest sequence of the group holding the most slots when every slot is
@@ -171,7 +205,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting(counts)
             hit = None
-            if req.num_computed_tokens == 0:
+            if req.num_computed_tokens == 0 and not wants_prompt_logprobs(req):
                 hit = self.cache.find_hit(req.all_token_ids, req.extra_keys, req.cache_salt)
             computed = hit.num_tokens if hit is not None else req.num_computed_tokens
             n = min(req.num_tokens - computed, budget, chunk_cap)
@@ -295,6 +329,7 @@ class Scheduler:
             sample=start + n - num_drafts == req.num_tokens,
             restore_snapshot=self._restore.get(req.request_id),
             num_draft_tokens=num_drafts,
+            media=tuple(m for m in req.media if m.overlaps(start, start + n)),
         )
 
     # ---- after the model ran ----------------------------------------------------------------
@@ -323,6 +358,8 @@ class Scheduler:
                                             len(tokens) - 1)
             else:
                 req.num_computed_tokens += len(seq.token_ids)
+            if seq.request_id in result.prompt_logprobs:
+                record(req, *result.prompt_logprobs[seq.request_id])
             req.spec_token_ids = []
             if not seq.sample:
                 self._commit(req)

@@ -89,6 +89,12 @@ class HybridForCausalLM(nn.Module):
         return self
 
     @property
+    def rank_config(self) -> ModelConfig:
+        """The shapes this process holds: the config, or a tensor-parallel rank's share of its
+        heads (kdaserve/distributed/tensor_parallel.py sets it)."""
+        return getattr(self, "_rank_config", None) or self.config
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
@@ -118,11 +124,13 @@ class HybridForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, fb: ForwardBatch,
-        capture_layers: tuple[int, ...] = (),
+        capture_layers: tuple[int, ...] = (), inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """input_ids [T] packed as described by `fb`. Returns logits [S, vocab] (S = rows in
-        fb.logits_indices, or all T) and the hidden states after each layer in capture_layers."""
-        x, captured = self.run_layers(self.model.embed_tokens(input_ids), fb, capture_layers)
+        """input_ids [T] packed as described by `fb` (or their embeddings [T, H], images
+        already scattered in). Returns logits [S, vocab] (S = rows in fb.logits_indices, or all
+        T) and the hidden states after each layer in capture_layers."""
+        x = inputs_embeds if inputs_embeds is not None else self.model.embed_tokens(input_ids)
+        x, captured = self.run_layers(x, fb, capture_layers)
         if fb.logits_indices is not None:
             x = x[fb.logits_indices]
         return self.lm_head(self.model.norm(x)), captured

@@ -219,6 +219,8 @@ def fused_decoder(model: HybridForCausalLM, cache: HybridCache) -> FusedDecoder 
 
 def supports(model: HybridForCausalLM, cache: HybridCache) -> bool:
     cfg = model.config
+    if getattr(model, "_rank_config", None) is not None:
+        return False          # a parallel rank's share: its hooks all-reduce what fused skips
     if type(model).run_layers is not HybridForCausalLM.run_layers:
         return False          # K3's attention residuals mix the layer outputs differently
     dtype = model.dtype

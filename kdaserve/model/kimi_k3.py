@@ -1,7 +1,9 @@
 """Kimi K3's language model: the Kimi Linear skeleton with K3's blocks (SiTU, latent MXFP4
 MoE, full-rank KDA gate with lower-bounded decay, gated MLA: see their modules) and block
 attention-residuals in place of the residual stream (model/attn_res.py). Text weights sit under
-`language_model.` as in the released checkpoint; the vision tower is not built here.
+`language_model.` as in the released checkpoint. With a complete `vision_config` the MoonViT
+tower and projector sit beside it as `vision_tower` / `mm_projector` (model/vision/); the same
+class serves transformers' kimi_k25 layout (a kimi_linear text model under the tower).
 
 Speculative capture: with attention-residuals on, `capture_layers` returns the in-block running
 sum P after the layer (MLP output included), the stream the reference deployment feeds DSpark.
@@ -19,6 +21,7 @@ from kdaserve.model.attn_res import ResidualBank, attn_res_mix
 from kdaserve.model.base import DecoderLayer, HybridForCausalLM, build_layers
 from kdaserve.model.batch import ForwardBatch
 from kdaserve.model.layers import RMSNorm
+from kdaserve.model.vision.tower import build_vision, encode
 
 
 class KimiK3DecoderLayer(DecoderLayer):
@@ -76,6 +79,20 @@ class KimiK3ForConditionalGeneration(HybridForCausalLM):
         self.config = cfg
         self.chunk_size = chunk_size
         self.language_model = KimiK3LanguageModel(cfg, chunk_size)
+        vision = build_vision(cfg)
+        if vision is not None:
+            self.vision_tower, self.mm_projector = vision
+
+    def drop_vision(self) -> None:
+        """Serve text only (a checkpoint that ships no vision weights)."""
+        for name in ("vision_tower", "mm_projector"):
+            if hasattr(self, name):
+                delattr(self, name)
+
+    def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int]]
+                      ) -> list[torch.Tensor]:
+        """[tokens_i, hidden] text-space embeddings of each image (see model/vision)."""
+        return encode(self.vision_tower, self.mm_projector, pixels, grids)
 
     @property
     def model(self) -> KimiK3TextModel:  # type: ignore[override]

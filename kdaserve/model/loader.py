@@ -17,6 +17,8 @@ from tqdm.auto import tqdm
 
 from kdaserve.model.base import FP32_PARAM_SUFFIXES, HybridForCausalLM
 from kdaserve.model.registry import build_model, load_config
+from kdaserve.model.vision.hf_layout import HFLayoutConverter, is_hf_layout
+from kdaserve.model.vision.tower import has_vision, vision_config_of
 
 log = logging.getLogger("kdaserve")
 
@@ -37,9 +39,11 @@ _ALIASES = (
      r"\1_\2.weight"),
     (re.compile(r"\.block_sparse_moe\.e_score_correction_bias$"),
      ".block_sparse_moe.gate.e_score_correction_bias"),
+    # transformers 5.24's default kimi_k25 save misplaces the patch embedding
+    (re.compile(r"^vision_tower\.encoder\.patch_embed\."), "vision_tower.patch_embed."),
 )
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
-# Parts of a multimodal or MTP checkpoint this text model does not build (logged, not loaded).
+# Parts of a multimodal or MTP checkpoint a model may not build (logged, not loaded).
 _SKIPPED = re.compile(r"^(vision_tower|vision_model|mm_projector|multi_modal_projector)\.|"
                       r"^(language_model\.)?model\.mtp")
 # Routed experts are stored stacked in the model; the checkpoint names them one by one, as
@@ -49,6 +53,29 @@ _EXPERT = re.compile(r"^(.*\.block_sparse_moe)\.experts\.(\d+)\.(w1|w2|w3)\."
 _STACK_SUFFIX = {"weight": "", "weight_packed": "_packed", "weight_scale": "_scale"}
 # tensors whose checkpoint shape differs from the module's only by singleton dims
 _RESHAPEABLE = ("A_log", "dt_bias")
+
+
+def _read(h, name: str, want: tuple[int, ...] | None, shard, reshapeable: bool) -> torch.Tensor:
+    """The checkpoint tensor, or this rank's slice of it when the model holds a share: the one
+    dimension whose size differs is split evenly over the tensor-parallel ranks, and only that
+    slice is read from the file."""
+    if shard is None or shard.tp_size == 1 or want is None:
+        return h.get_tensor(name)
+    sl = h.get_slice(name)
+    full = tuple(sl.get_shape())
+    if full == want:
+        return h.get_tensor(name)
+    tp, r = shard.tp_size, shard.tp_rank
+    if len(full) != len(want) and reshapeable:          # A_log [H] vs [1,1,H,1]: tiny
+        t = h.get_tensor(name).reshape(-1)
+        n = t.numel() // tp
+        return t[r * n:(r + 1) * n]
+    diff = [d for d, (f, w) in enumerate(zip(full, want)) if f != w]
+    if len(full) != len(want) or len(diff) != 1 or full[diff[0]] != want[diff[0]] * tp:
+        raise CheckpointError(f"tensor '{name}' of shape {full} does not split into this "
+                              f"rank's {want} over {tp} ranks")
+    d, n = diff[0], want[diff[0]]
+    return sl[(slice(None),) * d + (slice(r * n, (r + 1) * n),)]
 
 
 def _expert_target(name: str) -> tuple[str, int, str] | None:
@@ -110,13 +137,20 @@ def _canonical(name: str, params: dict[str, torch.Tensor]) -> str:
 
 def load_model(
     path: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str = "cpu",
-    chunk_size: int = 16, progress: bool = True,
+    chunk_size: int = 16, progress: bool = True, parallel=None, moe_backend: str = "auto",
 ) -> HybridForCausalLM:
-    """Build the model from `path/config.json` and fill it from the safetensors files there."""
+    """Build the model from `path/config.json` and fill it from the safetensors files there.
+    `parallel` (a kdaserve.distributed ParallelContext): build this rank's share and read
+    only its slices of each tensor."""
     path = Path(path)
     cfg = load_config(path)
     with torch.device("meta"):
         model = build_model(cfg, chunk_size=chunk_size)
+        shard = None
+        if parallel is not None:
+            from kdaserve.distributed.tensor_parallel import shard_model
+
+            shard = shard_model(model, parallel, moe_backend)
     target = parse_dtype(dtype)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
@@ -129,58 +163,31 @@ def load_model(
     bar = tqdm(names, desc="Loading weights", unit="tensor", disable=not progress)
     filled: dict[str, set[tuple[int, str]]] = {}
     skipped = 0
-    for h, name in bar:
-        if _IGNORED.search(name):
+    vcfg = vision_config_of(cfg) if cfg.architecture == "kimi_k25" else None
+    hf_layout = HFLayoutConverter(vcfg.num_attention_heads) if vcfg is not None else None
+    for h, raw_name in bar:
+        if _IGNORED.search(raw_name):
             continue
-        if _SKIPPED.search(name):
-            skipped += 1
-            continue
-        expert = _expert_target(name)
-        key = expert[0] if expert else _canonical(name, params)
-        if key not in params:
-            raise CheckpointError(f"unexpected tensor '{name}' in checkpoint {path}")
-        t = h.get_tensor(name)
-        keep32 = key.endswith(FP32_PARAM_SUFFIXES)
-        dtype = params[key].dtype if not params[key].is_floating_point() else (
-            torch.float32 if keep32 else target)
-        if t.is_floating_point() != params[key].is_floating_point():
-            raise CheckpointError(f"tensor '{name}' is {t.dtype}, expected "
-                                  f"{params[key].dtype} (is the quantization_config right?)")
-        if expert is not None:
-            _, e, part = expert
-            if e >= params[key].shape[0]:
-                raise CheckpointError(f"tensor '{name}': expert {e} beyond num_experts")
-            if key not in loaded:
-                loaded[key] = torch.empty(params[key].shape, dtype=dtype, device=device)
-            dst = _expert_slice(loaded[key], e, part)
-            if tuple(t.shape) != tuple(dst.shape):
-                raise CheckpointError(
-                    f"tensor '{name}' has shape {tuple(t.shape)}, expected {tuple(dst.shape)} "
-                    "from config.json")
-            dst.copy_(t)
-            filled.setdefault(key, set()).add((e, part))
-            continue
-        want = tuple(params[key].shape)
-        if key.endswith(_RESHAPEABLE) and t.numel() == params[key].numel():
-            t = t.reshape(want)
-        if tuple(t.shape) != want:
-            raise CheckpointError(
-                f"tensor '{name}' has shape {tuple(t.shape)}, expected {want} from config.json"
-            )
-        loaded[key] = t.to(device=device, dtype=dtype)
-    for key, parts in filled.items():
-        stack = key.rsplit(".", 1)[1]
-        want = {(e, p) for e in range(params[key].shape[0])
-                for p in (("w2",) if stack.startswith("experts_w2") else ("w1", "w3"))}
-        if parts != want:
-            e, part = min(want - parts)
-            prefix = key.rsplit(".", 1)[0]
-            kind = ("weight_packed" if stack.endswith("_packed") else
-                    "weight_scale" if stack.endswith("_scale") else "weight")
-            raise CheckpointError(
-                f"checkpoint {path} lacks tensor '{prefix}.experts.{e}.{part}.{kind}'")
+        if hf_layout is not None and is_hf_layout(raw_name):
+            pieces = hf_layout.feed(raw_name, h.get_tensor(raw_name))
+        else:
+            pieces = [(raw_name, None)]
+        for name, t in pieces:
+            skipped += _load_one(name, t if t is not None else h, params, loaded, filled,
+                                 target, device, path, shard)
+    if hf_layout is not None:
+        try:
+            hf_layout.finish()
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {path}: {e}") from None
+    _check_experts(filled, params, path)
+    if has_vision(model) and not any(k.startswith("vision_tower.") for k in loaded):
+        log.info("kdaserve: %s has no vision weights; serving text only", path)
+        model.drop_vision()
+        params = {k: v for k, v in params.items()
+                  if not k.startswith(("vision_tower.", "mm_projector."))}
     if skipped:
-        log.info("kdaserve: %d vision/MTP tensors in %s are not part of the text model; "
+        log.info("kdaserve: %d vision/MTP tensors in %s are not part of the model; "
                  "not loaded", skipped, path)
     if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
         loaded["lm_head.weight"] = loaded.get("model.embed_tokens.weight")
@@ -192,6 +199,76 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def _load_one(name: str, src, params: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor],
+              filled: dict[str, set[tuple[int, str]]], target: torch.dtype, device: str,
+              path: Path, shard=None) -> int:
+    """Place one checkpoint tensor (`src`: the tensor, or the safetensors handle to read it
+    from) into `loaded`; returns 1 when it was skipped as not part of the model. With a
+    `shard` (a parallel layout), only this rank's experts and slices are read."""
+    if _SKIPPED.search(name) and _canonical(name, params) not in params:
+        return 1
+    expert = _expert_target(name)
+    key = expert[0] if expert else _canonical(name, params)
+    if key not in params:
+        raise CheckpointError(f"unexpected tensor '{name}' in checkpoint {path}")
+    if expert is not None and shard is not None:    # expert parallel: ours only
+        e_local = expert[1] - shard.expert_start
+        if not 0 <= e_local < shard.num_local_experts:
+            return 0
+        expert = (expert[0], e_local, expert[2])
+    if isinstance(src, torch.Tensor):
+        t = src
+    else:
+        want_shape = (tuple(params[key].shape) if expert is None else
+                      tuple(_expert_slice(params[key], expert[1], expert[2]).shape)
+                      if expert[1] < params[key].shape[0] else None)
+        t = _read(src, name, want_shape, shard, key.endswith(_RESHAPEABLE))
+    keep32 = key.endswith(FP32_PARAM_SUFFIXES)
+    dtype = params[key].dtype if not params[key].is_floating_point() else (
+        torch.float32 if keep32 else target)
+    if t.is_floating_point() != params[key].is_floating_point():
+        raise CheckpointError(f"tensor '{name}' is {t.dtype}, expected "
+                              f"{params[key].dtype} (is the quantization_config right?)")
+    if expert is not None:
+        _, e, part = expert
+        if e >= params[key].shape[0]:
+            raise CheckpointError(f"tensor '{name}': expert {e} beyond num_experts")
+        if key not in loaded:
+            loaded[key] = torch.empty(params[key].shape, dtype=dtype, device=device)
+        dst = _expert_slice(loaded[key], e, part)
+        if tuple(t.shape) != tuple(dst.shape):
+            raise CheckpointError(
+                f"tensor '{name}' has shape {tuple(t.shape)}, expected {tuple(dst.shape)} "
+                "from config.json")
+        dst.copy_(t)
+        filled.setdefault(key, set()).add((e, part))
+        return 0
+    want = tuple(params[key].shape)
+    if key.endswith(_RESHAPEABLE) and t.numel() == params[key].numel():
+        t = t.reshape(want)
+    if tuple(t.shape) != want:
+        raise CheckpointError(
+            f"tensor '{name}' has shape {tuple(t.shape)}, expected {want} from config.json"
+        )
+    loaded[key] = t.to(device=device, dtype=dtype)
+    return 0
+
+
+def _check_experts(filled: dict[str, set[tuple[int, str]]], params: dict[str, torch.Tensor],
+                   path: Path) -> None:
+    for key, parts in filled.items():
+        stack = key.rsplit(".", 1)[1]
+        want = {(e, p) for e in range(params[key].shape[0])
+                for p in (("w2",) if stack.startswith("experts_w2") else ("w1", "w3"))}
+        if parts != want:
+            e, part = min(want - parts)
+            prefix = key.rsplit(".", 1)[0]
+            kind = ("weight_packed" if stack.endswith("_packed") else
+                    "weight_scale" if stack.endswith("_scale") else "weight")
+            raise CheckpointError(
+                f"checkpoint {path} lacks tensor '{prefix}.experts.{e}.{part}.{kind}'")
 
 
 def save_model(model: HybridForCausalLM, out: str | os.PathLike,

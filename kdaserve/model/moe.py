@@ -163,10 +163,14 @@ class SparseMoE(nn.Module):
         h = self.act(h[..., : self.intermediate], h[..., self.intermediate:])
         return torch.bmm(h, w2.transpose(1, 2)) if batched else F.linear(h, w2)
 
+    # how the routed experts run (kdaserve/model/moe_backends.py); None: grouped (_routed)
+    routed_backend = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)                                    # [T,k]
         z = self.routed_expert_down_proj(x) if self.is_latent else x   # [T,W]
-        out = self._routed(z, weights, ids)
+        out = (self._routed(z, weights, ids) if self.routed_backend is None
+               else self.routed_backend(self, z, weights, ids))
         if self.is_latent:
             if self.routed_expert_norm is not None:
                 out = self.routed_expert_norm(out)

@@ -29,6 +29,9 @@ _ENTRIES = (
     ModelEntry("kimi_linear", ("KimiLinearForCausalLM",), KimiLinearForCausalLM, "target"),
     ModelEntry("kimi_k3", ("KimiK3ForConditionalGeneration", "KimiK3ForCausalLM"),
                KimiK3ForConditionalGeneration, "target"),
+    # transformers' Kimi K2.5 layout with a kimi_linear text model: same wrapper, same vision
+    ModelEntry("kimi_k25", ("Kimi_K25ForConditionalGeneration",),
+               KimiK3ForConditionalGeneration, "target"),
     ModelEntry("dspark_draft", ("DSparkDraft",), DSparkDraft, "draft"),
     ModelEntry("k3_dspark", ("K3DSparkModel", "KimiK3DSparkForCausalLM"), DSparkDraft, "draft"),
 )

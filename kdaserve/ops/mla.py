@@ -7,11 +7,14 @@ Vd value dim, T decode rows, NB pages, bs block size, W blocks per table.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 
+from kdaserve.ops import cpu_kernels
 from kdaserve.ops.online_softmax import (
     attention_lse,
     key_mask,
@@ -79,6 +82,9 @@ DENSE_MAX_DECODE_KEYS = 1 << 15
 PREFILL_TILE_BYTES = 8 << 20
 DECODE_TILE_BYTES = 32 << 20    # latents of one decode tile, when they must be gathered
 DECODE_SPLIT_TOKENS = 512       # keys per split-K partial
+# keys per partial of the compiled decode: a unit of work for one thread, and few partials
+# to merge (32 at 128k keys); fixed, so a row's result never depends on its batch
+DECODE_KERNEL_SPLIT_TOKENS = 4096
 
 
 def mla_prefill_blockwise(
@@ -131,7 +137,59 @@ def mla_decode_split_k(
     q_nope: torch.Tensor, q_pe: torch.Tensor, pages: torch.Tensor, blocks: torch.Tensor,
     kv_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """Absorbed decode over paged latents without gathering the whole context.
+    """Absorbed decode over paged latents without gathering the whole context: the compiled
+    CPU kernel where it applies (fp32 pages on CPU), else `mla_decode_split_k_torch`. Same
+    arguments and result."""
+    kernel = _paged_decode_kernel() if pages.device.type == "cpu" else None
+    if kernel is None or pages.dtype != torch.float32 or not pages.is_contiguous():
+        return mla_decode_split_k_torch(q_nope, q_pe, pages, blocks, kv_lens, w_uk, w_uv, scale)
+    t, h, _ = q_nope.shape
+    dc = w_uk.shape[-1]
+    q_lat = torch.einsum("thn,hnc->thc", q_nope.float(), w_uk.float())
+    qa = (torch.cat([q_lat, q_pe.float()], -1) * scale).contiguous()      # [T,H,Dc+R]
+    o = kernel(pages, blocks, kv_lens, qa)                                 # [T,H,Dc+R]
+    return torch.einsum("thc,hvc->thv", o[..., :dc].to(q_nope.dtype), w_uv)
+
+
+@cache
+def _paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
+    """csrc/mla_cpu.c's fused paged decode, or None (no compiler, disabled, build failed)."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn = cpu_kernels._c_function("mla_cpu.c", "mla_decode_paged",
+                                 [i64, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64,
+                                  ptr, ptr])
+    if fn is None:
+        return None
+
+    def run(pages: torch.Tensor, blocks: torch.Tensor, kv_lens: torch.Tensor,
+            qa: torch.Tensor) -> torch.Tensor:
+        """pages [NB,bs,D] fp32, blocks [T,W], kv_lens [T], qa [T,H,D] scaled -> o [T,H,D]."""
+        t, h, d = qa.shape
+        bs = pages.shape[1]
+        split = max(1, DECODE_KERNEL_SPLIT_TOKENS // bs) * bs
+        assert bs <= 1024 and pages.shape[2] == d
+        num_splits = max(1, -(-int(kv_lens.max()) // split))
+        blocks_ = blocks.to(torch.int64).contiguous()
+        lens_ = kv_lens.to(torch.int64).contiguous()
+        o = torch.empty(t * num_splits, h, d)
+        lse = torch.empty(t * num_splits, h)
+        cpu_kernels._split_rows(
+            fn, t * num_splits, int(lens_.sum()) * h, ctypes.c_void_p(pages.data_ptr()), bs, d,
+            ctypes.c_void_p(blocks_.data_ptr()), blocks_.shape[1],
+            ctypes.c_void_p(lens_.data_ptr()), ctypes.c_void_p(qa.data_ptr()), h, split,
+            num_splits, ctypes.c_void_p(o.data_ptr()), ctypes.c_void_p(lse.data_ptr()))
+        if num_splits == 1:
+            return o
+        return merge_partials(o.view(t, num_splits, h, d), lse.view(t, num_splits, h), 1)[0]
+
+    return run
+
+
+def mla_decode_split_k_torch(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, pages: torch.Tensor, blocks: torch.Tensor,
+    kv_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Absorbed decode over paged latents without gathering the whole context (torch).
 
     q_nope [T,H,N], q_pe [T,H,R] (one query per row), pages [NB,bs,Dc+R], blocks [T,W] each row's
     block table, kv_lens [T] keys each row sees; w_uk [H,N,Dc], w_uv [H,Vd,Dc]. Keys are read a

@@ -31,6 +31,7 @@ from kdaserve.server.errors import (
     engine_error,
     install_error_handlers,
 )
+from kdaserve.image_io import ImageError, ImageLimits, check_count, load_image
 from kdaserve.server.guards import ServerLimits, check_sequences, check_text, check_token_ids
 from kdaserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from kdaserve.server.middleware import DEFAULT_MAX_BODY_BYTES, AuthMiddleware, BodyLimitMiddleware
@@ -76,6 +77,7 @@ from kdaserve.server.runs import (
 )
 from kdaserve.structured.compiler import validate as validate_grammar
 from kdaserve.tokenizer import Tokenizer
+from kdaserve.vision_input import VisionInput, split_chat_images
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "APIError", "OpenAIServing", "build_app"]
 
@@ -86,8 +88,11 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                  max_model_len: int, defaults: Mapping[str, Any], metrics: ServerMetrics,
                  limits: ServerLimits | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, vision: VisionInput | None = None,
+                 image_limits: ImageLimits | None = None) -> None:
         self.engine = engine
+        self.vision = vision                    # None: a text-only model
+        self.image_limits = image_limits or ImageLimits()
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         # special tokens' text: dropped from what parsers leave (they need them kept to see
@@ -126,6 +131,27 @@ class OpenAIServing:
             raise APIError(400, str(exc), param="messages") from None
         check_text(text, "messages", self.max_model_len, self.limits)
         return text
+
+    async def _chat_images(self, messages: list[dict[str, Any]]
+                           ) -> tuple[list[dict[str, Any]], list[Any]]:
+        """image_url parts -> the model's image marker in the text, and the decoded images
+        (each refusal a 400 that names the limit)."""
+        try:
+            messages, refs = split_chat_images(
+                messages, self.vision.marker if self.vision is not None else None)
+            if not refs:
+                return messages, []
+            check_count(len(refs), self.image_limits)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        images = []
+        for i, j, url in refs:
+            try:
+                images.append(await self._off_loop(load_image, url, self.image_limits))
+            except ImageError as exc:
+                raise APIError(400, f"messages[{i}].content[{j}]: {exc}",
+                               param="messages", code="invalid_image") from None
+        return messages, images
 
     # ---- shared ---------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -248,26 +274,36 @@ class OpenAIServing:
             return prompt.text
         return self.tokenizer.decode(prompt.token_ids)
 
-    def _completion_logprobs(self, token_ids: list[int], lps: list[dict[int, float]],
-                             offset: int, as_ids: bool) -> tuple[CompletionLogprobs, int]:
-        out = CompletionLogprobs()
+    def _completion_logprobs(self, token_ids: list[int], lps: list[dict[int, float] | None],
+                             offset: int, as_ids: bool, out: CompletionLogprobs | None = None,
+                             ) -> tuple[CompletionLogprobs, int]:
+        """Appends to `out` (a new one if None). An entry None (the prompt's first token,
+        which nothing predicts) gives a None logprob, as in OpenAI's echo."""
+        out = out if out is not None else CompletionLogprobs()
         for tid, entry in zip(token_ids, lps):
             text = self.token_text(tid, as_ids)
             out.tokens.append(text)
-            out.token_logprobs.append(entry.get(tid))
-            out.top_logprobs.append({self.token_text(t, as_ids): lp for t, lp in entry.items()})
+            out.token_logprobs.append(entry.get(tid) if entry is not None else None)
+            out.top_logprobs.append(None if entry is None else
+                                    {self.token_text(t, as_ids): lp for t, lp in entry.items()})
             out.text_offset.append(offset)
             offset += len(text)
         return out, offset
 
+    def _echo_logprobs(self, prompt: Prompt, lps: list[dict[int, float] | None] | None,
+                       as_ids: bool) -> tuple[CompletionLogprobs, int]:
+        """The prompt's tokens with their logprobs (echo with logprobs)."""
+        return self._completion_logprobs(prompt.token_ids, lps or [None], 0, as_ids)
+
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported", param="echo")
         prompts = await self._completion_prompts(req.prompt, req.n)
         max_tokens = req.max_tokens if req.max_tokens is not None else self.defaults.get(
             "max_tokens", 16)
         params = self._params(req, max_tokens, req.logprobs)
+        echo_lps = req.echo and req.logprobs is not None
+        if echo_lps:          # the prompt's logits are computed for this request only
+            params.prompt_logprobs = req.logprobs
         for p in prompts:
             self._check_fits(len(p.token_ids), max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -281,8 +317,11 @@ class OpenAIServing:
             for j, c in enumerate(outs):
                 lp = None
                 if req.logprobs is not None:
+                    as_ids = req.return_tokens_as_token_ids
+                    head, _ = self._echo_logprobs(run.prompt, c.prompt_logprobs, as_ids) \
+                        if echo_lps else (None, 0)
                     lp, _ = self._completion_logprobs(c.token_ids, c.logprobs, len(prefix),
-                                                      req.return_tokens_as_token_ids)
+                                                      as_ids, head)
                 choices.append(CompletionChoice(
                     index=i * run.n + j, text=prefix + c.text, logprobs=lp,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
@@ -304,8 +343,10 @@ class OpenAIServing:
                                         choices=choices, usage=usage))
 
         deltas = merge(runs)
+        # with logprobs the echo waits for the prompt's logprobs (in the first delta)
+        echo_lps = req.echo and req.logprobs is not None
         try:
-            if req.echo:
+            if req.echo and not echo_lps:
                 for i, run in enumerate(runs):
                     text = self._echo_text(run.prompt)
                     for j in range(n):
@@ -314,6 +355,12 @@ class OpenAIServing:
             async for i, d in deltas:
                 index = i * n + d.index
                 generated += len(d.new_token_ids)
+                if echo_lps and d.prompt_logprobs is not None:
+                    text = self._echo_text(runs[i].prompt)
+                    lp, _ = self._echo_logprobs(runs[i].prompt, d.prompt_logprobs,
+                                                req.return_tokens_as_token_ids)
+                    offsets[index] = len(text)
+                    yield chunk([CompletionChoice(index=index, text=text, logprobs=lp)])
                 lp = None
                 if req.logprobs is not None and d.new_token_ids:
                     lp, offsets[index] = self._completion_logprobs(
@@ -357,9 +404,16 @@ class OpenAIServing:
             plan = plan_chat(req, self.tool_call_parser, self.reasoning_parser)
         except ValueError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0].rstrip(":")) from None
-        text = await self.render_chat(req.messages, req.add_generation_prompt,
+        messages, images = await self._chat_images(req.messages)
+        text = await self.render_chat(messages, req.add_generation_prompt,
                                       **plan.template_kwargs)
         prompt = Prompt(await self.encode(text, "messages", add_special_tokens=False), text)
+        if images:
+            try:
+                ids, media = await self._off_loop(self.vision.expand, prompt.token_ids, images)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="messages") from None
+            prompt = Prompt(ids, text, media)
         if not prompt.token_ids:
             raise APIError(400, "the rendered messages have no tokens", param="messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -483,14 +537,16 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_name: str,
               generation_defaults: Mapping[str, Any] | None = None,
               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None,
               public_metrics: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, vision: VisionInput | None = None,
+              image_limits: ImageLimits | None = None) -> FastAPI:
     """`generation_defaults` (SamplingParams names) fill fields a request leaves out. With an
     API key every endpoint but /health needs it; `public_metrics` exempts /metrics too."""
     metrics = metrics or ServerMetrics()
     limits = limits or ServerLimits()
     serving = OpenAIServing(engine, tokenizer, served_model_name, max_model_len,
                             generation_defaults or {}, metrics, limits,
-                            tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+                            tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                            vision=vision, image_limits=image_limits)
     app = FastAPI(title="kdaserve", docs_url=None, redoc_url=None)
     app.state.serving = serving
     app.state.metrics = metrics

@@ -18,7 +18,8 @@ from typing import Any
 import uvicorn
 
 from kdaserve.assets import DEMO_MODEL_DIR, default_model_path
-from kdaserve.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
+from kdaserve.config import (MOE_BACKENDS, CacheConfig, EngineConfig, ModelConfig,
+                             ParallelConfig, SchedulerConfig,
                              SpeculativeConfig)
 from kdaserve.engine.async_engine import (
     DEFAULT_MAX_QUEUED_TOKENS,
@@ -29,7 +30,9 @@ from kdaserve.engine.async_engine import (
 from kdaserve.generation_defaults import generation_defaults
 from kdaserve.request import SamplingParams
 from kdaserve.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+from kdaserve.image_io import ImageLimits
 from kdaserve.server.guards import ServerLimits
+from kdaserve.vision_input import VisionInput
 from kdaserve.server.lifecycle import DrainingServer
 from kdaserve.server.reasoning import REASONING_FORMATS
 from kdaserve.server.tool_parsers import TOOL_PARSERS
@@ -97,6 +100,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-memory", type=parse_size, default="512MiB",
                    help="memory for MLA pages and KDA state slots, e.g. 256MiB, 1GiB or bytes "
                         "(default: 512MiB)")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
+                   help="on CUDA, size the cache as this fraction of the GPU's memory less what "
+                        "is in use after loading the weights, e.g. 0.9 (--cache-memory is "
+                        "used on CPU)")
     p.add_argument("--block-size", type=_positive_int, default=16,
                    help="tokens per MLA cache block, a power of two (default: %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
@@ -125,6 +132,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running streams get to finish before they are "
                         "ended with an error event (default: %(default)s)")
+    p.add_argument("--max-image-bytes", type=parse_size, default=ImageLimits.max_bytes,
+                   help="largest encoded image accepted, e.g. 20MiB (default: %(default)s)")
+    p.add_argument("--max-image-pixels", type=_positive_int, default=ImageLimits.max_pixels,
+                   help="most pixels (width x height) of one image; larger ones, decompression "
+                        "bombs included, are refused from their header (default: %(default)s)")
+    p.add_argument("--max-images-per-request", type=_positive_int,
+                   default=ImageLimits.max_images,
+                   help="most images in one chat request (default: %(default)s)")
+    p.add_argument("--allow-image-urls", default=None, metavar="HOST,...",
+                   help="fetch http(s) image URLs from these hosts ('.example.com' matches "
+                        "its subdomains); by default only inline data URLs are accepted")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set; "
                         "/health stays open)")
@@ -162,6 +180,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="choose the drafts verified per request and step from measured "
                         "acceptance and step cost, speculation off where it does not pay "
                         "(default: on)")
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                   help="ranks that shard attention heads, MLPs and the vocabulary, one "
+                        "process each (docs/parallelism.md; default: %(default)s)")
+    p.add_argument("--expert-parallel-size", type=_positive_int, default=1,
+                   help="ranks the routed experts are partitioned over (1 or equal to "
+                        "--tensor-parallel-size; default: %(default)s)")
+    p.add_argument("--moe-backend", choices=MOE_BACKENDS, default="auto",
+                   help="how routed experts run; auto picks by topology and logs why "
+                        "(default: %(default)s)")
+    p.add_argument("--distributed-executor", choices=("uni", "mp"), default=None,
+                   help="in-process (one rank) or one spawned process per rank (default: uni "
+                        "for one rank, else mp)")
     p.add_argument("--torch-threads", type=_positive_int, default=None,
                    help="torch intra-op threads of the engine process (default: torch's)")
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
@@ -201,6 +231,16 @@ def _snapshot_budget(text: str) -> float | int:
     return parse_size(text)
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def _offload_tiers(text: str) -> tuple[str, ...]:
     tiers = tuple(t.strip() for t in text.split(",") if t.strip())
     if tiers not in (("host",), ("disk",), ("host", "disk")):
@@ -221,6 +261,7 @@ def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
         kda_chunk_size=args.kda_chunk_size, seed=args.seed,
         num_threads=getattr(args, "torch_threads", None),
         cache=CacheConfig(block_size=args.block_size, cache_memory_bytes=args.cache_memory,
+                          gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
                           enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
                           state_snapshot_budget_bytes=budget,
                           state_snapshot_interval=getattr(args, "state_snapshot_interval", 512),
@@ -235,6 +276,11 @@ def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
                                       draft_model=args.speculative_model,
                                       adaptive=getattr(args, "speculative_adaptive", True))
         if getattr(args, "speculative_method", None) else None,
+        parallel=ParallelConfig(
+            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+            expert_parallel_size=getattr(args, "expert_parallel_size", 1),
+            moe_backend=getattr(args, "moe_backend", "auto"),
+            distributed_executor=getattr(args, "distributed_executor", None)),
     )
 
 
@@ -280,11 +326,21 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Toke
             request_timeout_s=args.request_timeout or None,
             health_timeout_s=args.health_timeout, shutdown_timeout_s=args.shutdown_timeout,
             max_token_bytes=tokenizer.max_token_bytes())
+        hosts = tuple(h.strip() for h in (args.allow_image_urls or "").split(",") if h.strip())
+        image_limits = ImageLimits(
+            max_bytes=args.max_image_bytes, max_pixels=args.max_image_pixels,
+            max_images=args.max_images_per_request, allow_remote=bool(hosts),
+            allowed_hosts=hosts)
+        vision = VisionInput.for_model(config.model, tokenizer)
+        if vision is not None:
+            logger.info("vision: images accepted (placeholder %r, %d pixel patches)",
+                        vision.placeholder, vision.processor.patch_size)
         app = build_app(engine, tokenizer, name, info.max_model_len, api_key=args.api_key,
                         max_body_bytes=args.max_body_size, generation_defaults=defaults,
                         limits=limits, public_metrics=args.public_metrics,
                         tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser)
+                        reasoning_parser=args.reasoning_parser, vision=vision,
+                        image_limits=image_limits)
         server = DrainingServer(uvicorn.Config(
             app, host=args.host, port=args.port, log_config=None, lifespan="off",
             log_level=args.log_level, timeout_graceful_shutdown=5),

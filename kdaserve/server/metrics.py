@@ -77,6 +77,24 @@ _TIER_METRICS = (
      "Writes that failed (disk full, unwritable): the entry is dropped.", True),
 )
 
+# Adaptive speculation's decisions: (metric name, key, help, counter?)
+_SPEC_METRICS = (
+    ("kdaserve:spec_decode_adaptive_steps", "adaptive_steps",
+     "Decode steps adaptive speculation planned.", True),
+    ("kdaserve:spec_decode_steps_speculating", "steps_speculating",
+     "Planned steps that verified at least one draft.", True),
+    ("kdaserve:spec_decode_drafts_planned", "drafts_planned",
+     "Drafts planned for verification (divide by adaptive_steps: drafts per step).", True),
+    ("kdaserve:spec_decode_drafts_per_step", "last_drafts",
+     "Drafts the last step verified, over all requests.", False),
+    ("kdaserve:spec_decode_requests_speculating", "last_requests_speculating",
+     "Requests the last step gave at least one draft.", False),
+    ("kdaserve:spec_decode_enabled", "enabled",
+     "1 when the last step speculated, 0 when adaptive speculation turned it off.", False),
+    ("kdaserve:spec_decode_acceptance_estimate", "mean_acceptance_estimate",
+     "Mean per-request draft acceptance the policy estimates (running requests).", False),
+)
+
 
 class _EngineCollector(Collector):
     def __init__(self) -> None:
@@ -93,6 +111,15 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=float(snap[key]))
         for name, key, doc in _COUNTERS:
             yield CounterMetricFamily(name, doc, value=float(snap[key]))
+        drafted = float(snap.get("spec_draft_tokens", 0))
+        yield GaugeMetricFamily(
+            "kdaserve:spec_decode_acceptance_rate",
+            "Accepted / proposed draft tokens since start (0 before any draft).",
+            value=float(snap.get("spec_accepted_tokens", 0)) / drafted if drafted else 0.0)
+        adaptive = snap.get("spec_adaptive") or {}
+        for name, key, doc, counter in _SPEC_METRICS if adaptive else ():
+            kind = CounterMetricFamily if counter else GaugeMetricFamily
+            yield kind(name, doc, value=float(adaptive.get(key, 0)))
         tiers = snap.get("offload") or {}
         if tiers:
             for name, key, doc, counter in _TIER_METRICS:

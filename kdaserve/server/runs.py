@@ -105,6 +105,7 @@ class EventStream(StreamingResponse):
 class Prompt:
     token_ids: list[int]
     text: str | None = None
+    media: list = field(default_factory=list)     # MediaItems (kdaserve/media.py)
 
 
 @dataclass
@@ -114,8 +115,11 @@ class Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, d: RequestDelta) -> None:
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.text += d.new_text
         self.token_ids += d.new_token_ids
         self.logprobs += d.new_logprobs or []
@@ -134,7 +138,8 @@ class Run:
         self.prompt = prompt
         self.n = params.n
         self.request_id = request_id
-        self._gen = engine.generate(request_id, prompt.token_ids, params, group=group)
+        self._gen = engine.generate(request_id, prompt.token_ids, params, group=group,
+                                    media=prompt.media)
         self._first: RequestDelta | None = None
         self._timer = timer
         self._reasons: list[str] = []

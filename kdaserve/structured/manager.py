@@ -1,10 +1,12 @@
 """Structured outputs in the engine process: compile specs (cached), keep each request's
 matcher, compute a step's masks while the model runs, advance matchers with sampled tokens.
 
-Masks for a step are known before its forward pass (every matcher has consumed the tokens
-sampled so far; a verify row's drafts come with the schedule), so `prepare` computes them
-on a worker thread (llguidance releases the GIL) while torch runs the model, and the sampler
-waits only for what is left. A verify row gets one mask per position, computed along its
+Masks for a step are known before its forward pass (the tokens sampled so far and a verify
+row's drafts come with the schedule), so `prepare` computes them on a worker thread
+(llguidance releases the GIL) while torch runs the model, and the sampler waits only for what
+is left. The matchers consume the last step's tokens in that same job, before the masks: off
+the critical path too. Only speculation needs them consumed at once (`advance`), to check the
+next drafts against the grammar. A verify row gets one mask per position, computed along its
 drafts and rolled back (llguidance's draft-aware batch call), so a draft the grammar refuses
 is never accepted and positions after it stay unconstrained (they are never used).
 
@@ -88,6 +90,7 @@ class StructuredOutputs:
             self._pending.exception()
             self._pending = None
         rows: list[tuple[str, RequestGrammar, list[int]]] = []
+        syncs: list[tuple[RequestGrammar, int, list[int]]] = []
         for s in seqs:
             req = requests.get(s.request_id)
             if req is None or not (s.sample or s.num_draft_tokens):
@@ -95,14 +98,18 @@ class StructuredOutputs:
             st = self._state(req)
             if st is None:
                 continue
-            st.sync(req.output_token_ids)
+            out = req.output_token_ids   # no job is running: num_tokens is settled
+            syncs.append((st, len(out), out[st.num_tokens:]))
             rows.append((s.request_id, st, list(s.token_ids[1:]) if s.num_draft_tokens else []))
         if not rows:
             return None
-        self._pending = self._pool.submit(self._masks, rows)
+        self._pending = self._pool.submit(self._masks, rows, syncs)
         return self._pending
 
-    def _masks(self, rows: list[tuple[str, RequestGrammar, list[int]]]) -> dict[str, torch.Tensor]:
+    def _masks(self, rows: list[tuple[str, RequestGrammar, list[int]]],
+               syncs: list[tuple[RequestGrammar, int, list[int]]] = ()) -> dict[str, torch.Tensor]:
+        for st, n, unseen in syncs:
+            st.sync_to(n, unseen)
         total = sum(len(d) + 1 for _, _, d in rows)
         out = bitmask.allocate(total, self.vocab_size)          # [sum P, W], all allowed
         plain: list[tuple[llg.LLMatcher, int]] = []
@@ -132,7 +139,9 @@ class StructuredOutputs:
                 as_bytes[:, e // 8] |= 1 << (e % 8)
 
     def advance(self, sampled: Mapping[str, list[SampledToken]]) -> None:
-        """Feed each constrained request its new tokens (accepted drafts + the last one)."""
+        """Feed each constrained request its new tokens (accepted drafts + the last one) now,
+        for `trim_drafts`; without speculation the next `prepare` does it off the critical
+        path."""
         for rid, tokens in sampled.items():
             st = self._grammars.get(rid)
             if st is not None:

@@ -24,15 +24,20 @@ class RequestGrammar:
         self.done = False            # the grammar finished (EOS taken) or failed: EOS only
 
     def sync(self, output_ids: Sequence[int]) -> None:
+        self.sync_to(len(output_ids), output_ids[self.num_tokens:])
+
+    def sync_to(self, num_output: int, unseen: Sequence[int]) -> None:
+        """Sync to a request of num_output output tokens whose ids past the consumed ones are
+        `unseen` (a copy taken on the engine thread, so this may run on another)."""
         if self.done:
             return
-        if len(output_ids) < self.num_tokens:
-            back = self.num_tokens - len(output_ids)
+        if num_output < self.num_tokens:
+            back = self.num_tokens - num_output
             if not self.matcher.rollback(back):
                 self._fail("rollback failed")
                 return
-            self.num_tokens = len(output_ids)
-        self.accept(output_ids[self.num_tokens:])
+            self.num_tokens = num_output
+        self.accept(unseen)
 
     def accept(self, tokens: Sequence[int]) -> None:
         """Consume sampled tokens (the sampler only picks allowed ones, so a refusal means

@@ -1,15 +1,19 @@
-"""`kdaserve extract-hidden` and `kdaserve train-draft`: the DSpark draft's training loop.
+"""`kdaserve train-draft`: the DSpark draft distilled from the target's distributions.
 
-extract-hidden runs the serving engine over a corpus: prompts cut from the text are continued
-greedily by the target (the draft must predict what the target says, not the corpus), then the
-target's prefill over prompt + continuation captures the hidden states after the draft's
-`target_layer_ids`. Shards are safetensors: input_ids [S, L] int32, hidden [S, L, n*H] bf16.
+The data comes from `kdaserve extract-hidden` (train/draft_data.py): sequences the target itself
+continued, greedily and sampled, with the hidden states the draft reads and the target's final
+hidden states. The target stays frozen; its embedding and LM head are shared. Each step takes
+random block anchors per sequence: a block's k queries (anchor token + k-1 masks) see the context
+before the anchor and predict the k tokens after it (the Markov bias teacher-forced on the true
+previous token, which is what the verifier conditions on once that token is accepted).
 
-train-draft fits the draft on those shards with the target frozen (its embedding and LM head are
-shared): random block anchors per sequence, a block's k queries (anchor token + k-1 masks) see
-the context before the anchor, and predict the k tokens after it (the Markov bias teacher-forced
-on the true previous token). A held-out split reports the acceptance a greedy verifier would
-give: mean accepted drafts per block, and per-draft acceptance.
+The loss is distillation, not next-token cross-entropy: at every query position the target's
+distribution p = softmax(lm_head(final) / T) is recomputed from the stored final hidden state, and
+the draft's q = softmax(z / T) is fitted to it by KL(p || q), averaged over a mix of temperatures
+(low ones weigh the argmax, what greedy verification accepts; 0.8-1.0 weigh the body of the
+distribution, what sampled verification accepts: a draft is kept with probability Σ min(p, q)).
+Held-out figures: greedy agreement (argmax q = argmax p) and, at the serving temperature, the
+expected sampled acceptance Σ min(p, q), each as mean accepted drafts per block.
 """
 
 from __future__ import annotations
@@ -17,189 +21,177 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from kdaserve.model.batch import build_forward_batch
 from kdaserve.model.dspark import DraftConfig, training_mask
 from kdaserve.model.loader import load_model
 from kdaserve.model.registry import build_draft
 
-
-def default_layers(num_layers: int, n: int = 3) -> tuple[int, ...]:
-    """n target layers spread from shallow to the last (0-based)."""
-    return tuple(sorted({round(1 + i * (num_layers - 2) / max(1, n - 1)) for i in range(n)}))
+DEFAULT_TEMPERATURES = (0.3, 0.8, 1.0)
 
 
-# ---- extraction ---------------------------------------------------------------------------------
-def extract_hidden(model: str, data: str, out: str, *, layers: tuple[int, ...] | None = None,
-                   prompt_len: int = 32, generate: int = 224, max_seqs: int = 512,
-                   shard_size: int = 128, batch: int = 16, seed: int = 0) -> dict:
-    from kdaserve import LLM, SamplingParams
-
-    llm = LLM(model, max_num_seqs=64, enable_prefix_caching=False, cache_memory=512 << 20,
-              max_model_len=prompt_len + generate + 8)
-    target = llm.engine.model
-    layers = layers or default_layers(target.config.num_hidden_layers)
-    ids = llm.tokenizer.encode(Path(data).read_text(encoding="utf-8"), add_special_tokens=False)
-    starts = list(range(0, len(ids) - prompt_len, prompt_len))
-    random.Random(seed).shuffle(starts)
-    prompts = [ids[s:s + prompt_len] for s in starts[:max_seqs]]
-    if generate:
-        sp = SamplingParams(temperature=0.0, max_tokens=generate, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
-        seqs = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs)]
-    else:
-        seqs = prompts
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    n_shards = 0
-    buf_ids, buf_h = [], []
-    bar = tqdm(total=len(seqs), desc="Extracting hidden states", unit="seq")
-    with torch.inference_mode():
-        for i in range(0, len(seqs), batch):
-            chunk = torch.tensor(seqs[i:i + batch])
-            b, n = chunk.shape
-            fb = build_forward_batch([n] * b, conv_kernel=target.config.conv_kernel_size,
-                                     chunk_size=target.chunk_size, logits_indices=[0])
-            _, captured = target(chunk.reshape(-1), fb, capture_layers=layers)
-            buf_ids.append(chunk.to(torch.int32))
-            buf_h.append(torch.cat(captured, -1).view(b, n, -1).to(torch.bfloat16))
-            bar.update(b)
-            if sum(x.shape[0] for x in buf_ids) >= shard_size or i + batch >= len(seqs):
-                save_file({"input_ids": torch.cat(buf_ids), "hidden": torch.cat(buf_h)},
-                          str(out_dir / f"shard-{n_shards:05d}.safetensors"))
-                n_shards += 1
-                buf_ids, buf_h = [], []
-    bar.close()
-    meta = {"target_layer_ids": list(layers), "hidden_size": target.config.hidden_size,
-            "num_sequences": len(seqs), "sequence_length": len(seqs[0]) if seqs else 0,
-            "prompt_len": prompt_len, "generated": generate, "shards": n_shards}
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
-
-
-# ---- training -----------------------------------------------------------------------------------
-def _load_shards(hidden_dir: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def _load_shards(hidden_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
     meta = json.loads((hidden_dir / "meta.json").read_text())
-    ids, hid = [], []
+    parts: dict[str, list[torch.Tensor]] = {"input_ids": [], "hidden": [], "final": []}
     for f in sorted(hidden_dir.glob("shard-*.safetensors")):
         t = load_file(str(f))
-        ids.append(t["input_ids"].long())
-        hid.append(t["hidden"])
-    if not ids:
+        if "final" not in t:
+            raise ValueError(f"{f} has no final hidden states (written by an older "
+                             "extract-hidden): extract again")
+        for k in parts:
+            parts[k].append(t[k])
+    if not parts["input_ids"]:
         raise FileNotFoundError(f"no shard-*.safetensors in {hidden_dir}")
-    return torch.cat(ids), torch.cat(hid), meta
+    data = {k: torch.cat(v) for k, v in parts.items()}
+    data["input_ids"] = data["input_ids"].long()
+    return data, meta
 
 
-def _block_loss(draft: nn.Module, embed, lm_head, ids: torch.Tensor, hidden: torch.Tensor,
-                anchors: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy of the k drafts after each anchor; also the logits' argmax hits [B,A,k]."""
+@dataclass
+class BlockLogits:
+    """One batch of blocks: the draft's logits z_d and the target's z_t, [B, A*k, V]."""
+
+    draft: torch.Tensor
+    target: torch.Tensor
+    block: int
+
+
+def _block_logits(draft: nn.Module, embed, lm_head, data: dict[str, torch.Tensor],
+                  anchors: torch.Tensor, k: int) -> BlockLogits:
+    ids, hidden, final = data["input_ids"], data["hidden"], data["final"]
     b, n = ids.shape
     pos = torch.arange(n).expand(b, n)
     lat = draft.context_latents(hidden.reshape(b * n, -1).float(), pos.reshape(-1))
     ctx = [x.view(b, n, -1) for x in lat]
-    offs = torch.arange(k)
-    q_pos = (anchors[..., None] + offs).reshape(b, -1)                     # [B,A*k]
-    first = embed(ids.gather(1, anchors))                                  # [B,A,H]
-    mask = training_mask(n, anchors, k)
-    h = draft.block_hidden(first, q_pos, ctx, mask, k)                    # [B,A*k,H]
-    target = ids.gather(1, q_pos + 1)                                      # next tokens
-    prev = ids.gather(1, q_pos)                                            # teacher-forced
-    logits = lm_head(h).float() + draft.markov_bias(prev).float()
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-    return loss, (logits.argmax(-1) == target).view(b, -1, k)
+    q_pos = (anchors[..., None] + torch.arange(k)).reshape(b, -1)              # [B,A*k]
+    first = embed(ids.gather(1, anchors))                                      # [B,A,H]
+    h = draft.block_hidden(first, q_pos, ctx, training_mask(n, anchors, k), k)  # [B,A*k,H]
+    prev = ids.gather(1, q_pos)                                                # teacher-forced
+    z_d = lm_head(h).float() + draft.markov_bias(prev).float()
+    with torch.no_grad():
+        f = final.gather(1, q_pos[..., None].expand(-1, -1, final.shape[-1]))
+        z_t = lm_head(f.to(lm_head.weight.dtype)).float()
+    return BlockLogits(z_d, z_t, k)
 
 
-def acceptance(hits: torch.Tensor) -> tuple[float, float]:
-    """hits [..., k] -> (mean leading accepted drafts per block, accepted / proposed)."""
-    lead = hits.long().cumprod(-1).sum(-1).float()
-    return float(lead.mean()), float(lead.mean() / hits.shape[-1])
+def distill_loss(z: BlockLogits, temperatures: tuple[float, ...]) -> torch.Tensor:
+    """Mean over temperatures of KL(softmax(z_t/T) || softmax(z_d/T)) per position."""
+    loss = z.draft.new_zeros(())
+    for t in temperatures:
+        logp = F.log_softmax(z.target / t, -1)
+        logq = F.log_softmax(z.draft / t, -1)
+        loss = loss + (logp.exp() * (logp - logq)).sum(-1).mean()
+    return loss / len(temperatures)
+
+
+@torch.no_grad()
+def block_acceptance(z: BlockLogits, temperature: float) -> dict[str, float]:
+    """Held-out acceptance per block: greedy (argmax agreement up to the first miss) and
+    sampled at `temperature` (a draft stands with probability Σ min(p, q); expected leading
+    accepted drafts Σ_j Π_{i≤j} α_i)."""
+    hits = (z.draft.argmax(-1) == z.target.argmax(-1)).view(*z.draft.shape[:1], -1, z.block)
+    alpha = torch.minimum(F.softmax(z.target / temperature, -1),
+                          F.softmax(z.draft / temperature, -1)).sum(-1)
+    alpha = alpha.view(*z.draft.shape[:1], -1, z.block)
+    greedy = hits.float().cumprod(-1).sum(-1).mean()
+    sampled = alpha.cumprod(-1).sum(-1).mean()
+    return {"mean_accepted": float(greedy), "acceptance_rate": float(greedy / z.block),
+            "sampled_mean_accepted": float(sampled),
+            "sampled_acceptance_rate": float(sampled / z.block),
+            "sampled_first_draft": float(alpha[..., 0].mean())}
+
+
+def _slice(data: dict[str, torch.Tensor], idx) -> dict[str, torch.Tensor]:
+    return {k: v[idx] for k, v in data.items()}
 
 
 def train_draft(model: str, hidden: str, out: str, *, steps: int = 2000, batch: int = 8,
                 anchors: int = 16, block: int = 8, lr: float = 2e-3, num_layers: int = 1,
-                heldout: float = 0.05, seed: int = 0, device: str = "cpu") -> dict:
+                heldout: float = 0.05, seed: int = 0, device: str = "cpu",
+                temperatures: tuple[float, ...] = DEFAULT_TEMPERATURES,
+                serving_temperature: float = 0.8) -> dict:
     torch.manual_seed(seed)
     target = load_model(model, dtype="float32", device=device)
     for p in target.parameters():
         p.requires_grad_(False)
-    ids, hid, meta = _load_shards(Path(hidden))
+    data, meta = _load_shards(Path(hidden))
     tc = target.config
     cfg = DraftConfig(hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
-                      target_layer_ids=tuple(meta["target_layer_ids"]), num_hidden_layers=num_layers,
+                      target_layer_ids=tuple(meta["target_layer_ids"]),
+                      num_hidden_layers=num_layers,
                       num_attention_heads=tc.num_attention_heads, kv_lora_rank=tc.kv_lora_rank,
                       qk_nope_head_dim=tc.qk_nope_head_dim, qk_rope_head_dim=tc.qk_rope_head_dim,
                       v_head_dim=tc.v_head_dim, intermediate_size=2 * tc.hidden_size,
                       block_size=block, rope_theta=tc.rope_theta, rms_norm_eps=tc.rms_norm_eps)
     draft = build_draft(cfg).to(device)
-    n_eval = max(1, int(len(ids) * heldout))
-    ev_ids, ev_hid, tr_ids, tr_hid = ids[:n_eval], hid[:n_eval], ids[n_eval:], hid[n_eval:]
-    n = ids.shape[1]
+    total = len(data["input_ids"])
+    n_eval = max(1, int(total * heldout))
+    ev, tr = _slice(data, slice(0, n_eval)), _slice(data, slice(n_eval, total))
+    n = data["input_ids"].shape[1]
     lo = meta.get("prompt_len", 1) if meta.get("generated") else 1
     opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (
+        1 + math.cos(math.pi * min(s, steps) / steps)))
     embed, lm_head = target.model.embed_tokens, target.lm_head
     g = torch.Generator().manual_seed(seed)
     bar = tqdm(range(steps), desc="Training draft", unit="step")
+    loss = torch.zeros(())
     for step in bar:
-        pick = torch.randint(0, len(tr_ids), (batch,), generator=g)
+        pick = torch.randint(0, total - n_eval, (batch,), generator=g)
         anc = torch.randint(max(1, lo - 1), n - block - 1, (batch, anchors), generator=g)
-        loss, hits = _block_loss(draft, embed, lm_head, tr_ids[pick], tr_hid[pick], anc, block)
+        z = _block_logits(draft, embed, lm_head, _slice(tr, pick), anc, block)
+        loss = distill_loss(z, temperatures)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
         sched.step()
         if step % 20 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc_len=f"{acceptance(hits)[0]:.2f}")
+            acc = block_acceptance(z, serving_temperature)
+            bar.set_postfix(loss=f"{loss.item():.3f}", greedy=f"{acc['mean_accepted']:.2f}",
+                            sampled=f"{acc['sampled_mean_accepted']:.2f}")
     bar.close()
     draft.eval()
-    with torch.no_grad():
-        ge = torch.Generator().manual_seed(seed + 1)
-        anc = torch.randint(max(1, lo - 1), n - block - 1, (len(ev_ids), anchors), generator=ge)
-        ev_loss, ev_hits = _block_loss(draft, embed, lm_head, ev_ids, ev_hid, anc, block)
-    mean_acc, rate = acceptance(ev_hits)
+    ev_report = _evaluate(draft, embed, lm_head, ev, n, lo, anchors, block, temperatures,
+                          serving_temperature, seed + 1)
     draft.save_pretrained(out)
-    report = {"steps": steps, "train_loss": loss.item(), "heldout_loss": ev_loss.item(),
-              "heldout_mean_accepted": mean_acc, "heldout_acceptance_rate": rate,
+    report = {"steps": steps, "train_loss": loss.item(), "loss": "kl_distillation",
+              "temperatures": list(temperatures), "serving_temperature": serving_temperature,
+              **{f"heldout_{k}": v for k, v in ev_report.items()},
               "block_size": block, "target_layer_ids": list(cfg.target_layer_ids),
-              "parameters": sum(p.numel() for p in draft.parameters())}
+              "parameters": sum(p.numel() for p in draft.parameters()),
+              "data": {k: meta.get(k) for k in ("num_sequences", "sequence_length",
+                                                 "temperatures", "top_p", "corpus")}}
     (Path(out) / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
+@torch.no_grad()
+def _evaluate(draft, embed, lm_head, ev: dict[str, torch.Tensor], n: int, lo: int, anchors: int,
+              block: int, temperatures: tuple[float, ...], serving_temperature: float,
+              seed: int, chunk: int = 8) -> dict[str, float]:
+    ge = torch.Generator().manual_seed(seed)
+    num = len(ev["input_ids"])
+    anc = torch.randint(max(1, lo - 1), n - block - 1, (num, anchors), generator=ge)
+    sums: dict[str, float] = {}
+    for i in range(0, num, chunk):
+        z = _block_logits(draft, embed, lm_head, _slice(ev, slice(i, i + chunk)),
+                          anc[i:i + chunk], block)
+        w = len(z.draft) / num
+        for k, v in {"loss": float(distill_loss(z, temperatures)),
+                     **block_acceptance(z, serving_temperature)}.items():
+            sums[k] = sums.get(k, 0.0) + v * w
+    return sums
+
+
 # ---- CLI ----------------------------------------------------------------------------------------
-def add_extract_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="target model directory (default: the demo)")
-    p.add_argument("--data", required=True, help="UTF-8 text file to cut prompts from")
-    p.add_argument("--out", required=True, help="directory for the safetensors shards")
-    p.add_argument("--layers", default=None,
-                   help="comma-separated 0-based target layers (default: 3 spread to the last)")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--generate", type=int, default=224,
-                   help="tokens the target generates after each prompt (0: corpus text only)")
-    p.add_argument("--max-seqs", type=int, default=512)
-
-
-def run_extract(args: argparse.Namespace) -> int:
-    from kdaserve.assets import default_model_path
-
-    layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
-    meta = extract_hidden(args.model or str(default_model_path()), args.data, args.out,
-                          layers=layers, prompt_len=args.prompt_len, generate=args.generate,
-                          max_seqs=args.max_seqs)
-    print(json.dumps(meta))
-    return 0
-
-
 def add_train_draft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target model directory (default: the demo)")
     p.add_argument("--hidden", required=True, help="directory written by extract-hidden")
@@ -209,6 +201,10 @@ def add_train_draft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=8, help="query positions per draft block")
     p.add_argument("--layers", type=int, default=1, help="draft decoder layers")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--temperatures", default=",".join(str(t) for t in DEFAULT_TEMPERATURES),
+                   help="distillation temperatures (the KL loss is averaged over them)")
+    p.add_argument("--serving-temperature", type=float, default=0.8,
+                   help="temperature of the held-out sampled-acceptance estimate")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -217,6 +213,8 @@ def run_train_draft(args: argparse.Namespace) -> int:
 
     report = train_draft(args.model or str(default_model_path()), args.hidden, args.out,
                          steps=args.steps, batch=args.batch, block=args.block_size,
-                         num_layers=args.layers, lr=args.lr, device=args.device)
+                         num_layers=args.layers, lr=args.lr, device=args.device,
+                         temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+                         serving_temperature=args.serving_temperature)
     print(json.dumps(report))
     return 0

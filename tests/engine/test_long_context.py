@@ -13,9 +13,9 @@ import torch
 from tiny_models import random_model, tiny_config
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.cache.planner import fraction_budget, plan_cache
+from kdaserve.cache.planner import cache_budget, fraction_budget, plan_cache
 from kdaserve.cache.spec import specs_for
-from kdaserve.config import ModelConfig
+from kdaserve.config import CacheConfig, ConfigError, ModelConfig
 from kdaserve.model.loader import save_model
 
 LONG, SHORT, CHUNK, NEW = 65536, 16384, 4096, 6
@@ -96,9 +96,9 @@ def test_long_prompt_does_not_starve_short_requests(model_dir):
     per_step: list[dict[str, int]] = []
     execute = eng.runner.execute
 
-    def spy(out, requests):
+    def spy(out):
         per_step.append({s.request_id: len(s.token_ids) for s in out.sequences})
-        return execute(out, requests)
+        return execute(out)
 
     eng.runner.execute = spy
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -116,9 +116,6 @@ def test_long_prompt_does_not_starve_short_requests(model_dir):
     assert all(s["short-b"] == 1 for s in prefill[1:])
 
 
-@pytest.mark.xfail(strict=False, reason="scheduler.py schedules running requests in admission "
-                   "order: without long_prefill_token_threshold a long prefill takes the whole "
-                   "step budget and a request arriving meanwhile waits for all of it")
 def test_default_budget_admits_a_short_request_during_a_long_prefill(model_dir):
     llm = LLM(str(model_dir), max_num_batched_tokens=256, max_model_len=MAX_MODEL_LEN)
     eng = llm.engine
@@ -128,6 +125,45 @@ def test_default_budget_admits_a_short_request_during_a_long_prefill(model_dir):
     eng.step()
     assert eng.scheduler.requests["long"].num_computed_tokens < 2400
     assert "short" in {r.request_id for r in eng.scheduler.running}
+
+
+def test_default_budget_keeps_decodes_running_between_long_prefill_chunks(model_dir):
+    """No long_prefill_token_threshold: decodes go before partial prefills, and a partial
+    prefill leaves room to admit a request that arrives meanwhile."""
+    llm = LLM(str(model_dir), max_num_batched_tokens=256, max_model_len=MAX_MODEL_LEN)
+    eng = llm.engine
+    per_step: list[dict[str, int]] = []
+    execute = eng.runner.execute
+
+    def spy(out):
+        per_step.append({s.request_id: len(s.token_ids) for s in out.sequences})
+        return execute(out)
+
+    eng.runner.execute = spy
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    got: dict[str, list[int]] = {"short-a": [], "short-b": []}
+
+    def step():
+        for d in eng.step():
+            got.setdefault(d.request_id, []).extend(d.new_token_ids)
+
+    eng.add_request("short-a", [5, 6, 7], greedy)
+    step()
+    eng.add_request("long", list(range(3, 63)) * 40, SamplingParams(max_tokens=1))
+    step()                           # the long prompt is admitted: its first chunk
+    eng.add_request("short-b", [8, 9], greedy)
+    while eng.has_unfinished():
+        step()
+    prefill = [s for s in per_step if s.get("long", 0) > 1]
+    assert sum(s["long"] for s in prefill) == 2400
+    assert len(prefill) == -(-(2400 - 255 - 253) // 254) + 2     # chunks: 255, 253, 254...
+    assert all(s["short-a"] == 1 for s in prefill)
+    assert prefill[1]["short-b"] == 2                 # admitted at the chunk after its arrival
+    assert all(s["short-b"] == 1 for s in prefill[2:])
+    assert all(sum(s.values()) <= 256 for s in per_step)
+    alone = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}],
+                         greedy, use_tqdm=False)
+    assert [got["short-a"], got["short-b"]] == [o.outputs[0].token_ids for o in alone]
 
 
 def test_planner_says_what_fits_at_1m_context():
@@ -146,3 +182,24 @@ def test_planner_says_what_fits_at_1m_context():
     assert fraction_budget(80 << 30, 0.9, 20 << 30) == int((80 << 30) * 0.9) - (20 << 30)
     with pytest.raises(ValueError):
         fraction_budget(16 << 30, 0.5, 10 << 30)
+
+
+def test_gpu_memory_utilization_sizes_the_cache_on_cuda_only():
+    cc = CacheConfig(cache_memory_bytes=1 << 30, gpu_memory_utilization=0.9)
+    info = lambda device: (60 << 30, 80 << 30)      # noqa: E731 - 20 GiB in use (weights)
+    want = int((80 << 30) * 0.9) - (20 << 30) - (2 << 30)     # less an activation reserve
+    assert cache_budget(cc, torch.device("cuda", 0), info) == want
+    assert cache_budget(cc, torch.device("cpu"), info) == 1 << 30    # --cache-memory on CPU
+    assert cache_budget(CacheConfig(cache_memory_bytes=1 << 30), torch.device("cuda"), info) \
+        == 1 << 30
+    with pytest.raises(ValueError, match="raise the fraction"):
+        cache_budget(CacheConfig(gpu_memory_utilization=0.2), torch.device("cuda"), info)
+    with pytest.raises(ConfigError):
+        CacheConfig(gpu_memory_utilization=1.5)
+
+
+def test_engine_plans_at_the_clamped_max_model_len(model_dir):
+    llm = LLM(str(model_dir), max_model_len=4 * MAX_MODEL_LEN, cache_memory=64 << 20)
+    plan = llm.engine.plan
+    assert plan.max_model_len == llm.engine.max_model_len == MAX_MODEL_LEN   # the model's limit
+    assert f"max_model_len {plan.max_model_len} tokens" in plan.describe()

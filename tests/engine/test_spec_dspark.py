@@ -97,7 +97,8 @@ def test_bundled_draft_identical_and_accepts():
 
 
 def test_extract_and_train_draft_smoke(tmp_path):
-    from kdaserve.train.draft import extract_hidden, train_draft
+    from kdaserve.train.draft import train_draft
+    from kdaserve.train.draft_data import extract_hidden
 
     text = tmp_path / "corpus.txt"
     text.write_text("ROMEO:\nBut soft, what light through yonder window breaks?\n" * 20)

@@ -47,13 +47,28 @@ ALPHA = 1e-3        # goodness of fit: pass when the p-value is above this (fixe
 POWER = 1e-6        # negative controls must fall below this
 
 
-def _target(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
-    """The distribution a plain sample would use, computed independently of the package."""
+def _target(logits: torch.Tensor, temperature: float, top_k: int,
+            top_p: float = 1.0) -> torch.Tensor:
+    """The distribution a plain sample would use, computed independently of the package:
+    top-k, or top-p (the smallest set of most likely tokens whose mass reaches top_p)."""
     z = logits.double() / temperature
     if top_k:
         kth = z.topk(top_k, -1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
-    return z.softmax(-1)
+    p = z.softmax(-1)
+    if top_p < 1:
+        for row in p:
+            keep, mass = [], 0.0
+            for i in row.argsort(descending=True).tolist():
+                if mass >= top_p:
+                    break
+                keep.append(i)
+                mass += float(row[i])
+            cut = torch.ones_like(row, dtype=torch.bool)
+            cut[keep] = False
+            row[cut] = 0
+            row /= row.sum()
+    return p
 
 
 def _chi2_pvalue(tokens: list[int], p: torch.Tensor) -> float:
@@ -92,11 +107,12 @@ def _at(outs: list[list[int]], j: int) -> list[int]:
     return [o[j] for o in outs if len(o) > j]
 
 
-@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 4)])
-def test_random_draft_keeps_target_distribution(temperature, top_k):
+@pytest.mark.parametrize("temperature,top_k,top_p",
+                         [(1.0, 0, 1.0), (0.7, 4, 1.0), (0.5, 0, 0.9), (1.3, 0, 0.75)])
+def test_random_draft_keeps_target_distribution(temperature, top_k, top_p):
     n = 20_000
-    params = SamplingParams(temperature=temperature, top_k=top_k)
-    p = _target(LOGITS, temperature, top_k)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    p = _target(LOGITS, temperature, top_k, top_p)
     g = torch.Generator().manual_seed(11)
     drafts = torch.stack([torch.multinomial(Q[j], n, replacement=True, generator=g)
                           for j in range(K)])                              # [K, N] d_j ~ q_j

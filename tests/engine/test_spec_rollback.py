@@ -24,6 +24,7 @@ from tiny_models import random_model, tiny_config
 
 from kdaserve.cache.planner import CachePlan
 from kdaserve.engine.runner import ModelRunner
+from kdaserve.engine.step_message import StepMessages
 from kdaserve.model.batch import HybridCache, build_forward_batch
 from kdaserve.ops.kda import kda_chunk, kda_recurrent
 from kdaserve.outputs import ScheduledSequence, SchedulerOutput
@@ -229,10 +230,11 @@ def test_runner_rolls_back_to_last_accepted(model, accepts):
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (12, 7, 9, 5)]
     ks = (3, 2)
     runner = ModelRunner(model, CachePlan(4 * PER + 1, BS, 5, 0, 0, 0))
+    msgs = StepMessages()       # rank 0's side of the step message
     greedy = SamplingParams(temperature=0.0)
     reqs = {f"r{i}": Request(f"r{i}", p, greedy) for i, p in enumerate(prompts)}
-    first = runner.execute(SchedulerOutput([_seq(f"r{i}", prompts[i], 0, i) for i in range(3)]),
-                           reqs)
+    first = runner.execute(msgs.attach(
+        SchedulerOutput([_seq(f"r{i}", prompts[i], 0, i) for i in range(3)]), reqs))
     refs = []
     for i in range(3):
         t0 = first.sampled[f"r{i}"][0].token_id
@@ -252,7 +254,7 @@ def test_runner_rolls_back_to_last_accepted(model, accepts):
         last = reqs[f"r{i}"].output_token_ids[-1]
         seqs.append(_seq(f"r{i}", [last] + drafts, len(prompts[i]), i, drafts=k))
     seqs.append(_seq("r2", reqs["r2"].output_token_ids[-1:], len(prompts[2]), 2))
-    out = runner.execute(SchedulerOutput(seqs), reqs)
+    out = runner.execute(msgs.attach(SchedulerOutput(seqs), reqs))
 
     n_pre = [len(p) + 1 for p in prompts[:3]]          # the slot held prompt + t0 before
     for i in range(2):
@@ -272,7 +274,7 @@ def test_runner_rolls_back_to_last_accepted(model, accepts):
         a = accepts[i]
         reqs[f"r{i}"].output_token_ids.extend(chains[i][:a + 1])
         seqs.append(_seq(f"r{i}", chains[i][a:a + 1], n_pre[i] + a, i))
-    out = runner.execute(SchedulerOutput(seqs), reqs)
+    out = runner.execute(msgs.attach(SchedulerOutput(seqs), reqs))
     for i in range(2):
         a = accepts[i]
         assert [t.token_id for t in out.sampled[f"r{i}"]] == [chains[i][a + 1]]

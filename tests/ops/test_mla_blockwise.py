@@ -37,6 +37,7 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(mla, "PREFILL_TILE_BYTES", 1)
     monkeypatch.setattr(mla, "DECODE_TILE_BYTES", 1)
     monkeypatch.setattr(mla, "DECODE_SPLIT_TOKENS", 2 * BS)
+    monkeypatch.setattr(mla, "DECODE_KERNEL_SPLIT_TOKENS", 2 * BS)
 
 
 def _weights(g: torch.Generator) -> torch.Tensor:
@@ -131,10 +132,17 @@ def test_prefill_blockwise_without_cache_is_causal_attention(backend):
                                rtol=1e-4)
 
 
+@pytest.mark.parametrize("decode", ["kernel", "torch"])
 @pytest.mark.parametrize("tiles", ["one", "many"])
-def test_split_k_decode_equals_absorbed_reference(backend, tiles, request):
+def test_split_k_decode_equals_absorbed_reference(backend, tiles, decode, request,
+                                                  monkeypatch):
+    """Both split-K decodes: the compiled paged kernel (csrc/mla_cpu.c) and the torch one."""
     if tiles == "many":
         request.getfixturevalue("small_tiles")
+    if decode == "torch":
+        monkeypatch.setattr(mla, "_paged_decode_kernel", lambda: None)
+    elif mla._paged_decode_kernel() is None:
+        pytest.skip("no C compiler: the torch split-K is the only one")
     g = torch.Generator().manual_seed(4)
     w = _weights(g)
     lens = [1, 37, 200, 65, 8]

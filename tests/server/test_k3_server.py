@@ -63,7 +63,8 @@ def test_k3_text_and_chat_over_http(k3_text_dir, tmp_path):
 
 def test_draft_training_on_k3_target(k3_text_dir, tmp_path):
     from kdaserve.model.registry import load_draft
-    from kdaserve.train.draft import extract_hidden, train_draft
+    from kdaserve.train.draft import train_draft
+    from kdaserve.train.draft_data import extract_hidden
 
     text = tmp_path / "corpus.txt"
     text.write_text("hello world 你好 hell world hello " * 30)

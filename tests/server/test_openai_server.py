@@ -258,6 +258,34 @@ def test_echo(client, model_name):
     assert "".join(c.choices[0].text for c in chunks) == PROMPT + plain
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, model_name, llm, tokenizer):
+    """echo + logprobs: the prompt's tokens come first with their logprobs (the first None),
+    equal to the offline engine's prompt_logprobs (tested there against a full forward)."""
+    ids = tokenizer.encode(PROMPT, add_special_tokens=True)
+    with torch_threads(1):
+        ref = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
+                                                  logprobs=2, prompt_logprobs=2),
+                           use_tqdm=False)[0]
+    gen = ref.outputs[0].token_ids
+    resp = complete(client, model_name, echo=True, logprobs=2, max_tokens=3, ignore_eos=True,
+                    return_tokens_as_token_ids=True)
+    lp = resp.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in ids + gen]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [ref.prompt_logprobs[i][t] for i, t in enumerate(ids) if i] + [
+        d[t] for d, t in zip(ref.outputs[0].logprobs, gen)]
+    assert lp.token_logprobs[1:] == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert all(len(top) >= 2 for top in lp.top_logprobs[1:])
+    assert resp.choices[0].text.startswith(PROMPT)
+    chunks = list(complete(client, model_name, echo=True, logprobs=2, max_tokens=3,
+                           ignore_eos=True, stream=True, return_tokens_as_token_ids=True))
+    assert chunks[0].choices[0].text == PROMPT
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
 def test_completion_logprobs_match_offline(client, model_name, llm):
     resp = complete(client, model_name, logprobs=2, max_tokens=5, ignore_eos=True,
                     return_token_ids=True, return_tokens_as_token_ids=True)

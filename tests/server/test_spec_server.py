@@ -52,3 +52,10 @@ def test_speculative_server_is_identical(method, reference, tmp_path):
     accepted = after["kdaserve:spec_decode_num_accepted_tokens_total"]
     assert after["kdaserve:spec_decode_num_verifications_total"] > 0
     assert drafted > 0 and 0 < accepted <= drafted
+    # what adaptive speculation decided
+    assert after["kdaserve:spec_decode_acceptance_rate"] == pytest.approx(accepted / drafted)
+    steps = after["kdaserve:spec_decode_adaptive_steps_total"]
+    assert 0 < after["kdaserve:spec_decode_steps_speculating_total"] <= steps
+    assert after["kdaserve:spec_decode_drafts_planned_total"] > 0
+    assert after["kdaserve:spec_decode_enabled"] in (0.0, 1.0)
+    assert 0.0 <= after["kdaserve:spec_decode_acceptance_estimate"] <= 1.0

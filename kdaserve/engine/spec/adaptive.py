@@ -90,6 +90,8 @@ class AdaptiveSpeculation:
     steps: int = 0
     steps_speculating: int = 0
     drafts_planned: int = 0
+    last_drafts: int = 0           # drafts the last plan verifies, over all requests
+    last_speculating: int = 0      # requests the last plan gave k > 0
 
     def record(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verification: `accepted` of `drafted` drafts stood (a prefix of them)."""
@@ -137,7 +139,18 @@ class AdaptiveSpeculation:
         planned = sum(out.values())
         self.drafts_planned += planned
         self.steps_speculating += planned > 0
+        self.last_drafts = planned
+        self.last_speculating = sum(1 for k in out.values() if k)
         return out
+
+    def decisions(self) -> dict[str, float]:
+        """What it decided, for /metrics: counters since start and the last plan's state."""
+        return {"adaptive_steps": self.steps, "steps_speculating": self.steps_speculating,
+                "drafts_planned": self.drafts_planned, "last_drafts": self.last_drafts,
+                "last_requests_speculating": self.last_speculating,
+                "enabled": 1.0 if self.last_drafts else 0.0,
+                "mean_acceptance_estimate": (sum(self.alpha.values()) / len(self.alpha)
+                                             if self.alpha else self.prior_acceptance)}
 
     @staticmethod
     def _best_k(alpha: float, avail: int, ratio: float, b: float, c: float) -> int:

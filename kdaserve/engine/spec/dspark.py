@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kdaserve.config import EngineConfig, SpeculativeConfig
-from kdaserve.engine.sampler import SamplingRow, _penalise
+from kdaserve.engine.sampler import Penalties, SamplingRow
 from kdaserve.engine.spec.proposer import Proposal, ProposalInput
 from kdaserve.engine.spec.rejection import _draw, target_probs
 from kdaserve.model.base import HybridForCausalLM
@@ -110,14 +110,12 @@ class DSparkProposer:
         probs = torch.empty(len(random), k, logits.shape[-1]) if random else None
         prev = prev.cpu()
         logits = logits.cpu()
-        penalised = any(r.params.presence_penalty or r.params.frequency_penalty
-                        or r.params.repetition_penalty != 1.0 for r in rows)
+        # built once from each row's history, then advanced by each draft (not rebuilt per position)
+        pen = Penalties.build(rows, logits.shape[-1])
         for j in range(k):
             lj = logits[:, j] + self.draft.markov_bias(prev).float().cpu()
-            if penalised:
-                lj = _penalise(lj, [SamplingRow(r.request_id, r.params, r.prompt_token_ids,
-                                                r.output_token_ids + tokens[i, :j].tolist(),
-                                                r.generator) for i, r in enumerate(rows)])
+            if pen is not None:
+                lj = pen.apply(lj)
             tok = lj.argmax(-1)
             if random:
                 q = target_probs(lj[random], [rows[i] for i in random])
@@ -125,6 +123,8 @@ class DSparkProposer:
                 for n, i in enumerate(random):
                     tok[i] = _draw(q[n], rows[i].generator)
             tokens[:, j] = tok
+            if pen is not None and j + 1 < k:
+                pen.advance(tok)
             prev = tok
         out = {}
         where = {i: n for n, i in enumerate(random)}

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kdaserve.engine.sampler import SamplingRow, _constrain, _filter, _penalise, _top_logprobs
+from kdaserve.engine.sampler import (Penalties, SamplingRow, _constrain, _filter,
+                                     _top_logprobs)
 from kdaserve.outputs import SampledToken
 
 
@@ -53,7 +54,10 @@ def verify(logits: torch.Tensor, rows: list[VerifyRow]) -> list[list[SampledToke
                             None if v.bitmasks is None else v.bitmasks[j])
                 for v in rows for j in range(len(v.drafts) + 1)]
     # a grammar's mask at position j assumes drafts < j accepted: used only if they are
-    logits = _constrain(_penalise(logits, pos_rows), pos_rows)
+    pen = Penalties.build([v.row for v in rows], logits.shape[-1])
+    if pen is not None:  # each position's history: the row's, then the drafts before it
+        logits = pen.positions([v.drafts for v in rows]).apply(logits)
+    logits = _constrain(logits, pos_rows)
     greedy = logits.argmax(-1).tolist()
     random_pos = [i for i, r in enumerate(pos_rows) if r.params.temperature > 0]
     probs = {}

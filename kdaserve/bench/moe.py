@@ -1,0 +1,206 @@
+"""`kdaserve bench moe`: the MoE backends side by side on one layer (64 experts, top-8 by
+default), and the parallel layouts' greedy equality and step time against one process.
+
+Backends at 1, 32 and 256 tokens: `reference` and `grouped` in this process, `tp_sharded` and
+`ep_all2all` on 2 gloo ranks (each rank's time; on a shared 2-core machine this measures the
+communication overhead, not a speedup). Every backend's output is checked against
+`reference` on the same inputs. Times: best of `--repeats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from kdaserve.config import ModelConfig
+from kdaserve.distributed.parallel_state import ParallelContext
+from kdaserve.model.moe import SparseMoE
+from kdaserve.model.moe_backends import BACKENDS, configure_moe
+
+TOKENS = (1, 32, 256)
+
+
+def moe_config(experts: int = 64, top_k: int = 8, hidden: int = 256, inter: int = 128,
+               shared: int = 1) -> ModelConfig:
+    return ModelConfig.from_dict(dict(
+        vocab_size=64, hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=inter,
+        num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=16, q_lora_rank=None,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        linear_attn_config={"kda_layers": [1], "full_attn_layers": [2], "num_heads": 2,
+                            "head_dim": 8, "short_conv_kernel_size": 4},
+        num_experts=experts, num_experts_per_token=top_k, num_shared_experts=shared,
+        first_k_dense_replace=0, routed_scaling_factor=1.0))
+
+
+def random_moe(cfg: ModelConfig, seed: int = 0) -> SparseMoE:
+    torch.manual_seed(seed)
+    moe = SparseMoE(cfg)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.05)
+    return moe.eval()
+
+
+def rank_share(full: SparseMoE, backend: str, ctx) -> SparseMoE:
+    """This rank's module for `backend`: its experts (ep) or its slice of every expert (tp),
+    cut from the full weights as the loader would read them."""
+    moe = copy.deepcopy(full)
+    start, n = configure_moe(moe, ctx, backend)
+    i, i_full = moe.intermediate, full.intermediate
+    r = ctx.tp_rank
+    w13, w2 = full.experts_w13.detach(), full.experts_w2.detach()
+    with torch.no_grad():
+        if backend == "tp_sharded":
+            w1, w3 = w13[:, :i_full], w13[:, i_full:]
+            moe.experts_w13.copy_(torch.cat([w1[:, r * i:(r + 1) * i], w3[:, r * i:(r + 1) * i]],
+                                            1))
+            moe.experts_w2.copy_(w2[:, :, r * i:(r + 1) * i])
+        else:
+            moe.experts_w13.copy_(w13[start:start + n])
+            moe.experts_w2.copy_(w2[start:start + n])
+    return moe
+
+
+def routings(T: int, E: int, k: int, seed: int = 0) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Named (x-free) routings of T tokens: random, with experts that get nothing, and one
+    expert that every token picks. Returns name -> (weights [T,k], ids [T,k])."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    ids = torch.rand(T, E, generator=g).argsort(-1)[:, :k]
+    out["random"] = ids
+    half = torch.rand(T, E // 2, generator=g).argsort(-1)[:, :k]       # upper half idle
+    out["idle_experts"] = half
+    rest = torch.rand(T, E - 1, generator=g).argsort(-1)[:, : k - 1] + 1
+    out["one_expert_all"] = torch.cat([torch.zeros(T, 1, dtype=torch.long), rest], 1)
+    return {name: (torch.rand(T, k, generator=g) + 0.1, i) for name, i in out.items()}
+
+
+def _best_s(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def compare_on_ranks(ctx, raw: dict, backends: list[str], tokens: list[int], repeats: int,
+                     out_path: str) -> None:
+    """On each rank: every backend's output vs `reference` (full module, this process) on
+    every routing and token count; times. Rank 0 writes {backend: {T: ...}} to out_path."""
+    cfg = ModelConfig.from_dict(raw)
+    full = random_moe(cfg)
+    E, k, W = cfg.num_experts, cfg.num_experts_per_token, cfg.expert_width
+    res: dict = {}
+    for name in backends:
+        moe = rank_share(full, name, ctx)
+        fn = BACKENDS[name]
+        for T in tokens:
+            x = torch.randn(T, W, generator=torch.Generator().manual_seed(T))
+            err = 0.0
+            for w, ids in routings(T, E, k, seed=T).values():
+                want = BACKENDS["reference"](full, x, w, ids)
+                err = max(err, (fn(moe, x, w, ids) - want).abs().max().item())
+            w, ids = routings(T, E, k, seed=T)["random"]
+            secs = _best_s(lambda: fn(moe, x, w, ids), repeats)
+            res.setdefault(name, {})[str(T)] = {"max_abs_err": err, "step_s": secs,
+                                                "tokens_per_s": T / secs}
+    if ctx.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(res, f)
+
+
+def _layout_runs(repeats: int) -> dict:
+    """Greedy tokens and decode step time of TP=2 and EP=2 against one process (tiny random
+    Kimi Linear, 2 spawned gloo workers each)."""
+    from kdaserve.engine.llm import LLM
+    from kdaserve.model.loader import save_model
+    from kdaserve.model.random_init import init_random
+    from kdaserve.model.registry import build_model
+    from kdaserve.request import SamplingParams
+
+    cfg = moe_config(experts=16, top_k=4, hidden=64, inter=32)
+    d = tempfile.mkdtemp(prefix="kdaserve-bench-moe-")
+    torch.manual_seed(0)
+    save_model(init_random(build_model(cfg, chunk_size=8), 0).eval(), d)
+    p = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": [5, 6, 7] * 9}]
+    out = {}
+    for name, kw in (("one", {}), ("tp2", {"tensor_parallel_size": 2}),
+                     ("ep2", {"expert_parallel_size": 2})):
+        llm = LLM(d, num_threads=1, max_model_len=256, cache_memory=8 << 20, **kw)
+        try:
+            toks = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+            best = float("inf")
+            for _ in range(repeats):
+                for i, pr in enumerate(prompts):
+                    llm.engine.add_request(f"t{_}-{i}", pr["prompt_token_ids"], p)
+                llm.engine.step()                    # the prefill step
+                t, n = time.perf_counter(), 0
+                while llm.engine.has_unfinished():
+                    llm.engine.step()
+                    n += 1
+                best = min(best, (time.perf_counter() - t) / max(n, 1))
+        finally:
+            llm.shutdown()
+        out[name] = {"tokens": toks, "decode_step_s": best}
+    return {
+        "tp2_identical": out["tp2"]["tokens"] == out["one"]["tokens"],
+        "ep2_identical": out["ep2"]["tokens"] == out["one"]["tokens"],
+        "decode_step_s": {k: round(v["decode_step_s"], 5) for k, v in out.items()},
+        "tp2_step_vs_one": out["tp2"]["decode_step_s"] / out["one"]["decode_step_s"],
+        "ep2_step_vs_one": out["ep2"]["decode_step_s"] / out["one"]["decode_step_s"],
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-layouts", action="store_true",
+                   help="skip the TP=2 / EP=2 engine runs (greedy equality, step time)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kdaserve.distributed.launch import run_ranks
+
+    torch.set_num_threads(1)
+    cfg = moe_config(args.experts, args.top_k, args.hidden, args.intermediate)
+    raw = cfg.to_hf_dict()
+    with tempfile.TemporaryDirectory() as tmp:
+        one = os.path.join(tmp, "one.json")
+        compare_on_ranks(ParallelContext(0, 1, 1, 1), raw, ["reference", "grouped"], list(TOKENS),
+                         args.repeats, one)
+        two = os.path.join(tmp, "two.json")
+        run_ranks(compare_on_ranks, 2, (raw, ["tp_sharded"], list(TOKENS), args.repeats,
+                                        two + ".tp"), tp=2)
+        run_ranks(compare_on_ranks, 2, (raw, ["ep_all2all"], list(TOKENS), args.repeats,
+                                        two + ".ep"), ep=2)
+        backends = json.load(open(one))
+        backends.update(json.load(open(two + ".tp")))
+        backends.update(json.load(open(two + ".ep")))
+    ref256, grp256 = backends["reference"]["256"], backends["grouped"]["256"]
+    result = {
+        "experts": args.experts, "top_k": args.top_k, "hidden": args.hidden,
+        "intermediate": args.intermediate, "threads": 1,
+        "backends": {b: {t: {"tokens_per_s": round(v["tokens_per_s"], 1),
+                             "max_abs_err_vs_reference": v["max_abs_err"]}
+                         for t, v in per.items()} for b, per in backends.items()},
+        "grouped_vs_reference": grp256["tokens_per_s"] / ref256["tokens_per_s"],
+        "pp2_identical": None,     # pipeline parallelism is not built (docs/parallelism.md)
+        "load": os.getloadavg()[0],
+    }
+    if not args.no_layouts:
+        result.update(_layout_runs(args.repeats))
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0

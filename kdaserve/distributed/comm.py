@@ -1,0 +1,35 @@
+"""The collectives the model uses, each a no-op when the group has one rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def all_reduce_(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum over the ranks, in place (the result is the same on every rank)."""
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def all_gather_cat(t: torch.Tensor, world: int, dim: int = -1, group=None) -> torch.Tensor:
+    """Equal-shaped shards of every rank, concatenated along `dim` in rank order."""
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim)
+
+
+def all_to_all_rows(t: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                    group=None) -> torch.Tensor:
+    """Rows [N, ...] split by `send_counts` go to ranks 0..; returns what the ranks sent here,
+    in rank order ([sum recv_counts, ...])."""
+    out = t.new_empty((sum(recv_counts),) + tuple(t.shape[1:]))
+    dist.all_to_all_single(out, t.contiguous(), recv_counts, send_counts, group=group)
+    return out
+
+
+def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
+    """counts [world] (what this rank sends to each) -> what each rank sends to this one."""
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out

@@ -1,0 +1,72 @@
+"""Which layouts a model admits, and what one rank holds of it. Checked in the engine core
+before any worker starts, so a bad layout is a clear startup error, never a crash in a rank."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from kdaserve.config import ConfigError, EngineConfig, ModelConfig
+
+
+def _divides(what: str, n: int, size: int, flag: str) -> None:
+    if n % size:
+        raise ConfigError(f"{flag} {size} does not divide the model's {what} ({n})")
+
+
+def available_ranks(device: str) -> int:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.device_count()
+    return os.cpu_count() or 1
+
+
+def check_layout(cfg: ModelConfig, config: EngineConfig) -> None:
+    par = config.parallel
+    tp, ep = par.tensor_parallel_size, par.expert_parallel_size
+    have = available_ranks(config.device)
+    if par.world_size > have:
+        where = "GPUs" if config.device.startswith("cuda") else "CPU cores"
+        raise ConfigError(f"the layout needs {par.world_size} ranks but this machine has "
+                          f"{have} {where}")
+    if tp > 1:
+        flag = "--tensor-parallel-size"
+        if cfg.kda_layers:
+            _divides("KDA heads", cfg.kda_num_heads, tp, flag)
+        if cfg.mla_layers:
+            _divides("MLA heads", cfg.num_attention_heads, tp, flag)
+        _divides("vocabulary", cfg.vocab_size, tp, flag)
+        if any(not cfg.is_moe(i) for i in range(cfg.num_hidden_layers)):
+            _divides("dense MLP width", cfg.intermediate_size, tp, flag)
+        if cfg.moe_layers and cfg.num_shared_experts:
+            _divides("shared experts' width", cfg.moe_intermediate_size * cfg.num_shared_experts,
+                     tp, flag)
+        if cfg.moe_layers and ep == 1:
+            _divides("expert width", cfg.moe_intermediate_size, tp, flag)
+        spec = config.speculative
+        if spec is not None and spec.method == "dspark":
+            raise ConfigError("DSpark drafts read the full embedding table; with "
+                              "--tensor-parallel-size > 1 use --speculative-method ngram")
+    if ep > 1:
+        if not cfg.moe_layers:
+            raise ConfigError("--expert-parallel-size needs a model with routed experts")
+        _divides("routed experts", cfg.num_experts, ep, "--expert-parallel-size")
+    backend = par.moe_backend
+    if backend == "ep_all2all" and ep == 1:
+        raise ConfigError("--moe-backend ep_all2all needs --expert-parallel-size > 1")
+    if backend in ("reference", "grouped") and (ep > 1 or tp > 1) and cfg.moe_layers:
+        raise ConfigError(f"--moe-backend {backend} runs every expert on one rank; with "
+                          "several ranks use tp_sharded, ep_all2all or auto")
+    if backend == "tp_sharded" and ep > 1:
+        raise ConfigError("--moe-backend tp_sharded shards every expert; it does not combine "
+                          "with --expert-parallel-size")
+
+
+def rank_model_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The shapes one rank's caches hold: its share of the KDA and MLA heads (MLA latents are
+    per token, not per head: replicated)."""
+    if tp == 1:
+        return cfg
+    return replace(cfg, kda_num_heads=cfg.kda_num_heads // tp,
+                   num_attention_heads=cfg.num_attention_heads // tp)

@@ -1,0 +1,160 @@
+"""One worker process per rank (torch.multiprocessing spawn). The engine core sends each step
+to rank 0 over a pipe; rank 0 broadcasts it to the other ranks through torch.distributed and
+answers with its `ModelRunnerOutput`. Every wait on a worker also watches all workers' exit
+sentinels, so a worker that dies ends the engine with a clear error in bounded time."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+
+import torch.multiprocessing as tmp
+
+from kdaserve.cache.ops import CacheOp, OpFailure
+from kdaserve.config import EngineConfig
+from kdaserve.engine.executor.base import Executor, ExecutorError
+from kdaserve.engine.executor.worker import worker_main
+from kdaserve.outputs import ModelRunnerOutput, SchedulerOutput
+from kdaserve.structured.manager import StructuredOutputs
+from kdaserve.structured.spec import GuidedDecoding
+
+logger = logging.getLogger("kdaserve")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(procs: list, conns: list[Connection], grace_s: float = 5.0) -> None:
+    """Ask rank 0 to stop everyone, then terminate, then kill whatever is left."""
+    try:
+        if procs and procs[0].is_alive():
+            conns[0].send(("shutdown",))
+    except (OSError, BrokenPipeError, ValueError):
+        pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+    for c in conns:
+        c.close()
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, plan, structured: StructuredOutputs,
+                 startup_timeout_s: float = 900.0) -> None:
+        self._structured = structured    # grammars are validated here, compiled again per rank
+        par = config.parallel
+        self.world_size = par.world_size
+        self.timeout_s = par.worker_timeout_s
+        ctx = tmp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.procs, self.conns = [], []
+        level = logging.getLogger("kdaserve").getEffectiveLevel()
+        for rank in range(self.world_size):
+            ours, theirs = ctx.Pipe()
+            p = ctx.Process(target=worker_main, name=f"kdaserve-worker-{rank}", daemon=True,
+                            args=(rank, self.world_size, init_method, config, plan, theirs,
+                                  os.getpid(), level))
+            p.start()
+            theirs.close()
+            self.procs.append(p)
+            self.conns.append(ours)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+        self._closed = False
+        try:
+            for rank in range(self.world_size):
+                kind, detail = self._recv(rank, startup_timeout_s, "starting")
+                if kind != "ready":
+                    raise ExecutorError(f"a worker failed to start: {detail}")
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("kdaserve: %d worker processes ready (pids %s)", self.world_size,
+                    [p.pid for p in self.procs])
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def _dead(self) -> str | None:
+        gone = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
+        if not gone:
+            return None
+        return ", ".join(f"rank {r} exited with code {c}" for r, c in gone)
+
+    def _recv(self, rank: int, timeout_s: float, doing: str):
+        if self._closed:
+            raise ExecutorError("the executor is shut down")
+        conn = self.conns[rank]
+        deadline = time.monotonic() + timeout_s
+        sentinels = [p.sentinel for p in self.procs]
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.shutdown()
+                raise ExecutorError(f"worker rank {rank} did not answer within {timeout_s:.0f} s "
+                                    f"while {doing}")
+            ready = wait([conn, *sentinels], timeout=min(left, 1.0))
+            if conn in ready:
+                try:
+                    return conn.recv()
+                except EOFError:
+                    pass          # it died: the sentinels say how
+            if ready:
+                time.sleep(0.05)   # let the exit code settle
+                dead = self._dead()
+                if dead is not None:
+                    self.shutdown()
+                    raise ExecutorError(f"a worker process died while {doing}: {dead}")
+
+    def _call(self, msg: tuple, doing: str):
+        if self._closed:
+            raise ExecutorError("the executor is shut down")
+        dead = self._dead()
+        if dead is not None:
+            self.shutdown()
+            raise ExecutorError(f"a worker process died: {dead}")
+        try:
+            self.conns[0].send(msg)
+        except (BrokenPipeError, OSError) as exc:
+            self.shutdown()
+            raise ExecutorError(f"cannot reach worker rank 0 ({exc})") from None
+        kind, value = self._recv(0, self.timeout_s, doing)
+        if kind == "ok":
+            return value
+        if kind == "error":        # one rank alone: the step failed, the worker goes on
+            raise value
+        self.shutdown()
+        raise ExecutorError(f"a worker failed while {doing}: {value}")
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call(("execute", out), "running a step")
+
+    def run_cache_ops(self, ops: list[CacheOp]) -> list[OpFailure]:
+        return self._call(("cache_ops", ops), "running cache operations")
+
+    def num_forward_tokens(self) -> int:
+        return self._call(("num_forward_tokens",), "reporting")
+
+    def validate_guided(self, guided: GuidedDecoding) -> None:
+        self._structured.validate(guided)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer()

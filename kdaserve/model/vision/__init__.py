@@ -1,0 +1,1 @@
+"""The Kimi vision path: MoonViT encoder, patch merger + projector, image preprocessing."""
