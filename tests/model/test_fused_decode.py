@@ -103,7 +103,7 @@ def test_bf16_step_matches_fp32_forward_of_the_rounded_weights(gate, experts):
     model = random_model(cfg, seed=7).fuse_for_inference().to_dtype(torch.bfloat16)
     for layer in model.model.layers:
         if isinstance(layer.ffn, SparseMoE) and experts == "checkpoint":
-            for name in ("experts_w13", "experts_w2"):   # the layout a bf16 load keeps
+            for name in ("experts_w13", "experts_w2"):   # the checkpoint layout, also read
                 w = getattr(layer.ffn, name)
                 setattr(layer.ffn, name, nn.Parameter(w.detach().contiguous(),
                                                       requires_grad=False))
@@ -191,6 +191,9 @@ def test_engine_bf16_greedy_same_as_fp32(monkeypatch):
         assert isinstance(fused, FusedDecoder) == (mode == "1")
         if mode == "1":
             assert fused.wdtype == torch.bfloat16
+            moe = [layer.ffn for layer in llm.engine.runner.model.model.layers
+                   if isinstance(layer.ffn, SparseMoE)]
+            assert moe and all(m.experts_w13.transpose(1, 2).is_contiguous() for m in moe)
         llm.close()
     for want, got in zip(outs["float32"], outs["bfloat16"]):
         assert got.token_ids == want.token_ids

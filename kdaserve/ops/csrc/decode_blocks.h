@@ -256,7 +256,7 @@ void NAME(mlp_decode_block)(int64_t B, int64_t Hd, int64_t I, float *x, const fl
 /* A sparse MoE feed-forward for B rows: sigmoid router over E experts with a selection-only
  * bias, top-k (ties to the lower id), optional renormalisation, routed scaling; SiLU-GLU
  * experts w13 [E, 2I, Hd] (gate | up), w2 [E, Hd, I], or with `transposed` stored as
- * [E, Hd, 2I] and [E, I, Hd] (the CPU fp32 layout, SparseMoE.transpose_expert_storage); shared
+ * [E, Hd, 2I] and [E, I, Hd] (the CPU layout, SparseMoE.transpose_expert_storage); shared
  * (sh_gate/sh_up [Is, Hd], sh_down [Hd, Is]) or NULL. scratch: at least
  * 3*Hd + 2*E + 3*I + 3*Is floats. */
 void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t K, float *x,
