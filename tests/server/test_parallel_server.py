@@ -19,7 +19,8 @@ PROMPTS = ["The king and the queen", "Once upon a time", "Speak, for I"]
 MAX_TOKENS = 12
 # Explicit penalties on both sides: the server would otherwise apply the demo's
 # generation_config.json defaults (repetition_penalty 1.1), which LLM(...) does not.
-SAMPLING = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.1)
+SAMPLING = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "repetition_penalty": 1.1}
 
 
 def _proc_fields(pid: int) -> list[str] | None:
