@@ -3,8 +3,9 @@ default), and the parallel layouts' greedy equality and step time against one pr
 
 Backends at 1, 32 and 256 tokens (`--tokens`): `reference` and `grouped` in this process,
 `tp_sharded` and `ep_all2all` on 2 gloo ranks (each rank's time; on a shared 2-core machine
-this measures the communication overhead, not a speedup); ratios at the largest count. Every backend's output is checked against
-`reference` on the same inputs. Times: best of `--repeats`.
+this measures the communication overhead, not a speedup); ratios at the largest count.
+Every backend's output is checked against `reference` on the same inputs. Times: best of
+`--repeats`.
 """
 
 from __future__ import annotations
@@ -119,8 +120,8 @@ def compare_on_ranks(ctx, raw: dict, backends: list[str], tokens: list[int], rep
 
 
 def _layout_runs(repeats: int, max_tokens: int = 32) -> dict:
-    """Greedy tokens and decode step time of TP=2 and EP=2 against one process (tiny random
-    Kimi Linear, 2 spawned gloo workers each)."""
+    """Greedy tokens and decode step time of TP=2, EP=2 and DP=2 x EP=2 against one process
+    (tiny random Kimi Linear, 2 spawned gloo workers each)."""
     from kdaserve.engine.llm import LLM
     from kdaserve.model.loader import save_model
     from kdaserve.model.random_init import init_random
@@ -135,7 +136,8 @@ def _layout_runs(repeats: int, max_tokens: int = 32) -> dict:
     prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": [5, 6, 7] * 9}]
     out = {}
     for name, kw in (("one", {}), ("tp2", {"tensor_parallel_size": 2}),
-                     ("ep2", {"expert_parallel_size": 2})):
+                     ("ep2", {"expert_parallel_size": 2}),
+                     ("dp2_ep2", {"data_parallel_size": 2, "expert_parallel_size": 2})):
         llm = LLM(d, num_threads=1, max_model_len=256, cache_memory=8 << 20, **kw)
         try:
             toks = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
@@ -155,9 +157,12 @@ def _layout_runs(repeats: int, max_tokens: int = 32) -> dict:
     return {
         "tp2_identical": out["tp2"]["tokens"] == out["one"]["tokens"],
         "ep2_identical": out["ep2"]["tokens"] == out["one"]["tokens"],
+        "dp2_ep2_identical": out["dp2_ep2"]["tokens"] == out["one"]["tokens"],
         "decode_step_s": {k: round(v["decode_step_s"], 5) for k, v in out.items()},
         "tp2_step_vs_one": out["tp2"]["decode_step_s"] / out["one"]["decode_step_s"],
         "ep2_step_vs_one": out["ep2"]["decode_step_s"] / out["one"]["decode_step_s"],
+        "dp2_ep2_step_vs_one": (out["dp2_ep2"]["decode_step_s"]
+                                / out["one"]["decode_step_s"]),
     }
 
 
@@ -173,7 +178,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout-tokens", type=int, default=32,
                    help="greedy tokens per prompt in the TP=2 / EP=2 engine runs")
     p.add_argument("--no-layouts", action="store_true",
-                   help="skip the TP=2 / EP=2 engine runs (greedy equality, step time)")
+                   help="skip the TP=2 / EP=2 / DP=2xEP=2 engine runs (greedy equality, "
+                        "step time)")
 
 
 def run(args: argparse.Namespace) -> int:

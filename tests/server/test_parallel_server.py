@@ -1,5 +1,6 @@
-"""The real server with --tensor-parallel-size 2 (the bundled demo model, 2 gloo workers under
-the engine process): greedy completions through the `openai` client, one at a time, concurrent
+"""The real server with --tensor-parallel-size 2, and with --data-parallel-size 2
+--expert-parallel-size 2 (the bundled demo model, 2 gloo workers under the engine process):
+greedy completions through the `openai` client, one at a time, concurrent
 and streamed, equal one process's offline output token for token, and a SIGTERM leaves no
 process behind."""
 
@@ -10,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
+import pytest
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.assets import DEMO_MODEL_DIR
@@ -54,11 +56,15 @@ def _offline() -> list[tuple[str, list[int]]]:
     return [(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in outs]
 
 
-def test_tp2_server_matches_offline(tmp_path):
+@pytest.mark.parametrize("layout", [
+    ("--tensor-parallel-size", "2"),
+    ("--data-parallel-size", "2", "--expert-parallel-size", "2"),
+], ids=["tp2", "dp2-ep2"])
+def test_parallel_server_matches_offline(tmp_path, layout):
     offline = _offline()
     srv = start_server(DEMO_MODEL_DIR, tmp_path / "server.log", "--torch-threads", "1",
-                       "--tensor-parallel-size", "2", "--cache-memory", "64MiB",
-                       "--max-model-len", "512", "--log-level", "info")
+                       *layout, "--cache-memory", "64MiB", "--max-model-len", "512",
+                       "--log-level", "info")
     try:
         workers = _children(srv.engine_pid())
         client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0,
