@@ -52,9 +52,12 @@ def _params(mode: str, defaults: dict, n: int, max_tokens: int) -> list[Sampling
 
 def measure(base: LLM, spec: LLM, prompts: list[str], params: list[SamplingParams],
             batch: int, greedy: bool) -> dict:
+    steps0 = base.engine.stats.steps
     t_base, n_base, ids_base = _timed(base, prompts, params, batch)
-    before = _counters(spec)
+    steps_base = base.engine.stats.steps - steps0
+    before, steps0 = _counters(spec), spec.engine.stats.steps
     t_spec, n_spec, ids_spec = _timed(spec, prompts, params, batch)
+    steps_spec = spec.engine.stats.steps - steps0
     drafted, accepted, rows = (a - b for a, b in zip(_counters(spec), before))
     base_rate, spec_rate = n_base / t_base, n_spec / t_spec
     out = {
@@ -63,6 +66,9 @@ def measure(base: LLM, spec: LLM, prompts: list[str], params: list[SamplingParam
         "mean_accepted_tokens": round((accepted + rows) / rows, 3) if rows else 1.0,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
         "drafted": drafted, "accepted": accepted, "verifications": rows,
+        # what one engine step costs: sampled vs greedy, speculating vs not
+        "baseline_step_ms": round(1000 * t_base / max(steps_base, 1), 3),
+        "spec_step_ms": round(1000 * t_spec / max(steps_spec, 1), 3),
     }
     if greedy:
         out["identical"] = ids_base == ids_spec

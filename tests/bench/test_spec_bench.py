@@ -21,7 +21,8 @@ def test_bench_spec_prints_greedy_and_sampled_rows(capsys):
     for mode in ("greedy", "sampled"):
         for batch in ("batch1", "batch32"):
             row = out[mode][batch]
-            assert {"speedup", "acceptance_rate", "mean_accepted_tokens"} <= set(row)
+            assert {"speedup", "acceptance_rate", "mean_accepted_tokens", "baseline_step_ms",
+                    "spec_step_ms"} <= set(row)
             assert 0.0 <= row["acceptance_rate"] <= 1.0 and row["mean_accepted_tokens"] >= 1.0
     assert out["greedy"]["batch1"]["identical"] and out["greedy"]["batch32"]["identical"]
     assert "identical" not in out["sampled"]["batch1"]

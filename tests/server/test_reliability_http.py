@@ -187,8 +187,9 @@ def test_sigterm_drains_streams(tiny_model_dir, tmp_path):
     """SIGTERM: a short stream finishes normally, new requests get 503 with Retry-After, a
     long stream is ended with a shutting_down error event after --shutdown-timeout, and the
     server exits 0."""
+    # the long stream must outlast the timeout however fast decoding gets: 60k tokens
     srv = start_server(tiny_model_dir, tmp_path / "drain.log", "--torch-threads", "1",
-                       "--shutdown-timeout", "3")
+                       "--shutdown-timeout", "3", "--max-model-len", "65536")
     client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
     model = client.models.list().data[0].id
 
@@ -206,7 +207,7 @@ def test_sigterm_drains_streams(tiny_model_dir, tmp_path):
 
     async def scenario():
         async with httpx.AsyncClient(base_url=srv.base_url, timeout=120) as c:
-            long = asyncio.ensure_future(stream(c, 4000))
+            long = asyncio.ensure_future(stream(c, 60000))
             await started.wait()
             short = asyncio.ensure_future(stream(c, 40))
             await asyncio.sleep(0.3)
