@@ -105,18 +105,20 @@ def _generate(path: str, **layout):
         outs = llm.generate(FIRST, [GREEDY, short]) + llm.generate(LATER, GREEDY)
         placed = getattr(llm.engine.executor, "_placement", None)
         placed = placed.placed if placed is not None else None
+        computed = llm.engine.executor.num_forward_tokens()
     finally:
         llm.shutdown()
-    return outs, placed
+    return outs, placed, computed
 
 
 @pytest.mark.parametrize("model", ["kimi_linear", "k3"])
 def test_dp2_ep2_matches_one_process(request, model):
     path = request.getfixturevalue(model)
-    one, _ = _generate(path)
-    many, placed = _generate(path, data_parallel_size=2, expert_parallel_size=2)
+    one, _, computed_one = _generate(path)
+    many, placed, computed = _generate(path, data_parallel_size=2, expert_parallel_size=2)
     assert one[-1].num_cached_tokens >= 32          # the prefix hit happened
     assert placed == [2, 3]                          # both ranks ran requests
+    assert computed == computed_one                  # the ranks' shares add up
     _assert_same(one, many)
 
 

@@ -105,6 +105,10 @@ def _loop(rank: int, world_size: int, runner, conn: Connection, data_parallel: b
                 result = runner.cache_ops.run(msg[1])
             elif kind == "num_forward_tokens":
                 result = runner.num_forward_tokens
+                if data_parallel:            # each rank computed its own requests' tokens
+                    total = torch.tensor([result], dtype=torch.long)
+                    dist.all_reduce(total)
+                    result = int(total.item())
             else:
                 raise ValueError(f"unknown worker message {kind!r}")
         except Exception as exc:        # noqa: BLE001
