@@ -133,14 +133,19 @@ class ModelRunner:
         capture = self.proposer.capture_layers if self.proposer is not None else ()
         # grammar masks are computed on a worker thread while the model runs
         masks = self.structured.prepare(seqs, requests) if self.structured is not None else None
-        if fused is not None:      # decode rows only: no media, no prompt logprobs
-            logits = fused(ids, *fused_decode.step_inputs(seqs), self.cache,
-                           [(b, sid) for b, _, sid in snaps])
+        if fused is not None:      # decode rows only: no drafts, media or prompt logprobs
             captured = []
+            positions, state_slots, table = fused_decode.step_inputs(seqs)
+            logits = fused(ids, positions, state_slots, table, self.cache,
+                           [(b, sid) for b, _, sid in snaps], capture, captured)
+            bs = self.cache.block_size
+            cache_slots = table.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
         else:
             embeds = (embed_with_media(self.model, ids, seqs, starts, self.encoder_cache)
                       if any(s.media for s in seqs) else None)
             logits, captured = self.model(ids, fb, capture_layers=capture, inputs_embeds=embeds)
+            positions = fb.positions
+            cache_slots = fb.mla.slot_mapping
         prompt_lps = score(logits[n_sample:], prompt_rows) if prompt_rows else {}
         logits = logits[:n_sample]
         sampled = self._sample(seqs, logits.cpu(), requests,
@@ -156,7 +161,7 @@ class ModelRunner:
             rows = {rid: self._sampling_row(requests[rid]) for rid in sampled}
             props = self.proposer.propose(ProposalInput(
                 seqs, valid, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()},
-                requests, fb, hidden, rows, out.draft_limits))
+                requests, positions, cache_slots, hidden, rows, out.draft_limits))
             drafts = self._keep_proposals(props)
         return ModelRunnerOutput(sampled=sampled, drafts=drafts,
                                  dropped_snapshots=dropped + lost_snaps,
@@ -164,8 +169,9 @@ class ModelRunner:
 
     def _fused_decoder(self, seqs: list[ScheduledSequence], num_decode: int
                        ) -> fused_decode.FusedDecoder | None:
-        if self._fused is False or self.proposer is not None or not fused_decode.applies(
-                seqs, num_decode):
+        # a step that verifies drafts takes the torch forward; a plain decode step of a
+        # speculating engine (adaptive speculation chose k = 0) may take this path
+        if self._fused is False or not fused_decode.applies(seqs, num_decode):
             return None
         if self._fused is None or not self._fused.still_valid():
             self._fused = fused_decode.fused_decoder(self.model, self.cache) or False

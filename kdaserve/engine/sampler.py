@@ -196,17 +196,37 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
     min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float32)
     if bool((top_k < V).any()) or bool((top_p < 1).any()):
-        sorted_logits, order = logits.sort(-1, descending=True)
-        rank = torch.arange(V)[None]
-        drop = rank >= top_k[:, None]
-        probs = sorted_logits.softmax(-1)
-        before = probs.cumsum(-1) - probs                 # mass strictly above this token
-        drop |= before >= top_p[:, None]
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+        logits = _top_k_top_p(logits, top_k, top_p)
     if bool((min_p > 0).any()):
         probs = logits.softmax(-1)
         limit = probs.max(-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < limit, float("-inf"))
     return logits
+
+
+# candidates looked at before sorting the whole vocabulary (a full sort of 163,840 logits per
+# row is the sampled step's largest cost; the nucleus at usual temperatures is far smaller)
+TOP_CANDIDATES = 256
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                 ) -> torch.Tensor:
+    """Keeps each row's top_k tokens and its nucleus: the tokens whose strictly larger tokens
+    hold less than top_p of the mass. Exact: from the best TOP_CANDIDATES when, for every row,
+    those already hold top_p of the mass or include all top_k; otherwise a full sort."""
+    V = logits.shape[-1]
+    K = min(V, TOP_CANDIDATES)
+    vals, order = logits.topk(K, -1)
+    # as softmax computes it (max subtracted, then normalised), so boundaries agree with the sort
+    mx = vals[:, :1]
+    probs = (vals - mx).exp() / (logits - mx).exp().sum(-1, keepdim=True)
+    if K < V and not bool(((probs.sum(-1) >= top_p) | (top_k <= K)).all()):
+        vals, order = logits.sort(-1, descending=True)
+        probs = vals.softmax(-1)
+    rank = torch.arange(vals.shape[-1])[None]
+    drop = rank >= top_k[:, None]
+    before = probs.cumsum(-1) - probs                 # mass strictly above this token
+    drop |= before >= top_p[:, None]
+    drop[:, 0] = False
+    return torch.full_like(logits, float("-inf")).scatter(1, order, vals.masked_fill(
+        drop, float("-inf")))

@@ -13,7 +13,7 @@ from kdaserve.model.kda import KimiDeltaAttention
 from kdaserve.model.layers import MLP, RMSNorm
 from kdaserve.model.mla import MultiHeadLatentAttention
 from kdaserve.model.moe import SparseMoE
-from kdaserve.ops.cpu_kernels import moe_experts_kernel
+from kdaserve.ops.cpu_kernels import decode_block_kernels, moe_experts_kernel
 
 # Parameters kept in fp32 whatever the model dtype (as transformers does).
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "gate.weight", "e_score_correction_bias")
@@ -69,16 +69,16 @@ class HybridForCausalLM(nn.Module):
 
     def fuse_for_inference(self) -> HybridForCausalLM:
         """Inference layouts: fuse projections that read the same input (see
-        KimiDeltaAttention); on CPU, experts stored transposed for the compiled kernel (see
-        SparseMoE)."""
+        KimiDeltaAttention); on CPU, experts stored transposed for the compiled kernels (see
+        SparseMoE): fp32 for the ragged-group kernel, bf16 for the fused decode blocks, which
+        read 48-wide experts ~1.5x faster that way (docs/benchmarks.md)."""
         for layer in self.model.layers:
             if isinstance(layer.self_attn, KimiDeltaAttention):
                 layer.self_attn.fuse_input_projections()
             moe = getattr(layer, "block_sparse_moe", None)
             if (moe is not None and not moe.quantized
                     and moe.experts_w13.device.type == "cpu"
-                    and moe.experts_w13.dtype == torch.float32
-                    and moe_experts_kernel() is not None):
+                    and _transposed_experts_read(moe.experts_w13.dtype)):
                 moe.transpose_expert_storage()
         return self
 
@@ -142,3 +142,10 @@ class HybridForCausalLM(nn.Module):
                                  chunk_size=self.chunk_size, device=input_ids.device)
         logits, _ = self.forward(input_ids.reshape(-1), fb)
         return logits.view(b, l_, -1)
+
+
+def _transposed_experts_read(dtype: torch.dtype) -> bool:
+    """Whether a compiled CPU kernel reads experts of this dtype in the transposed layout."""
+    if dtype == torch.float32:
+        return moe_experts_kernel() is not None
+    return dtype == torch.bfloat16 and decode_block_kernels("bf16") is not None

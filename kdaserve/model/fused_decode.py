@@ -2,9 +2,13 @@
 per token mixer and per feed-forward (ops/csrc/decode_cpu.c), instead of ~40 torch ops and
 their Python per layer.
 
-It serves the common case only: Kimi Linear layers in fp32 on CPU (KDA with either gate, MLA
-with q_proj and no rope or output gate, SiLU dense MLP or sigmoid-routed MoE with plain
-top-k and unquantized, non-latent experts) and rows that each carry one token with context.
+It serves the common case only: Kimi Linear layers on CPU (KDA with either gate, MLA with
+q_proj and no rope or output gate, SiLU dense MLP or sigmoid-routed MoE with plain top-k and
+unquantized, non-latent experts) and rows that each carry one token with context. Weights
+and cache are fp32, or bf16 (--dtype bfloat16: read as the model keeps them, activations and
+sums in fp32, so closer to the fp32 model than the torch bf16 forward, which rounds every
+op's output; on the bundled model's test prompts it decodes the fp32 greedy tokens, the torch
+bf16 forward does not).
 Everything else (prefill, drafts, snapshots, other dtypes or variants) takes the model's
 forward, which stays the reference: tests/model/test_fused_decode.py checks logits and greedy
 tokens against it. `fused_decoder(model)` returns None where the path does not apply;
@@ -51,6 +55,7 @@ class FusedDecoder:
     def __init__(self, model: HybridForCausalLM, kernels) -> None:
         self.model = model
         self.k = kernels
+        self.wdtype = model.dtype          # matrices stay in it; vectors are taken in fp32
         cfg = model.config
         self.hidden = cfg.hidden_size
         self._keep: list[torch.Tensor] = []      # tensors whose memory the calls read
@@ -63,12 +68,22 @@ class FusedDecoder:
             mixer, ffn = self._mixer(layer), self._ffn(layer)
             scratch = max(scratch, mixer[2], ffn[2])
             self.layers.append((mixer, ffn))
+        self.head = self._head()
         self.scratch = torch.empty(scratch + 1024, dtype=torch.float32)
 
     def _t(self, t: torch.Tensor) -> ctypes.c_void_p:
+        """A vector (norm weight, bias) or fp32-kept matrix (router), as fp32."""
         t = t.detach()
         if not _f32(t):
             t = t.float().contiguous()
+        self._keep.append(t)
+        return _p(t)
+
+    def _w(self, t: torch.Tensor) -> ctypes.c_void_p:
+        """A weight matrix in the model's dtype, read in place when contiguous."""
+        t = t.detach()
+        if t.dtype != self.wdtype or not t.is_contiguous():
+            t = t.to(self.wdtype).contiguous()
         self._keep.append(t)
         return _p(t)
 
@@ -87,14 +102,14 @@ class FusedDecoder:
             lb = attn.gate_lower_bound
             static = dict(
                 head=(_I(hd), _I(H), _I(D), _I(G), _I(taps)),
-                norm=(self._t(norm.weight), _F(norm.eps), self._t(w_in)),
-                conv=(self._t(attn._conv_weight_t()), self._t(attn.f_b_proj.weight),
+                norm=(self._t(norm.weight), _F(norm.eps), self._w(w_in)),
+                conv=(self._t(attn._conv_weight_t()), self._w(attn.f_b_proj.weight),
                       self._t(attn.dt_bias), self._t(attn.A_log.detach().view(H).exp()),
                       _F(0.0 if lb is None else lb), _I(lb is not None),
-                      self._t(attn.g_b_proj.weight) if not attn.full_rank_gate
+                      self._w(attn.g_b_proj.weight) if not attn.full_rank_gate
                       else ctypes.c_void_p(None),
                       self._t(attn.o_norm.weight), _F(attn.o_norm.eps),
-                      self._t(attn.o_proj.weight), _F(D ** -0.5)),
+                      self._w(attn.o_proj.weight), _F(D ** -0.5)),
                 index=attn.kda_index)
             P = 3 * H * D + D + G + H
             return ("kda", static, hd + P + 6 * H * D + 3 * D)
@@ -102,11 +117,11 @@ class FusedDecoder:
         Dc, Vd = attn.kv_lora_rank, attn.v_dim
         static = dict(
             head=(_I(hd), _I(H), _I(N), _I(R), _I(Dc), _I(Vd)),
-            weights=(self._t(norm.weight), _F(norm.eps), self._t(attn.q_proj.weight),
-                     self._t(attn.kv_a_proj_with_mqa.weight),
+            weights=(self._t(norm.weight), _F(norm.eps), self._w(attn.q_proj.weight),
+                     self._w(attn.kv_a_proj_with_mqa.weight),
                      self._t(attn.kv_a_layernorm.weight), _F(attn.kv_a_layernorm.eps),
-                     self._t(attn.kv_b_proj.weight)),
-            tail=(self._t(attn.o_proj.weight), _F(attn.scale)),
+                     self._w(attn.kv_b_proj.weight)),
+            tail=(self._w(attn.o_proj.weight), _F(attn.scale)),
             index=attn.mla_index)
         return ("mla", static, hd + H * (N + R) + 2 * (Dc + R) + H * Dc + H * Vd)
 
@@ -116,8 +131,8 @@ class FusedDecoder:
         if isinstance(ffn, MLP):
             i = ffn.gate_proj.weight.shape[0]
             args = (_I(hd), _I(i), None, self._t(norm.weight), _F(norm.eps),
-                    self._t(ffn.gate_proj.weight), self._t(ffn.up_proj.weight),
-                    self._t(ffn.down_proj.weight))
+                    self._w(ffn.gate_proj.weight), self._w(ffn.up_proj.weight),
+                    self._w(ffn.down_proj.weight))
             return ("mlp", args, 3 * hd + 3 * i)
         sh = ffn.shared_experts
         i_s = sh.gate_proj.weight.shape[0] if sh is not None else 0
@@ -125,18 +140,30 @@ class FusedDecoder:
         r = ffn.gate
         args = (_I(hd), _I(E), _I(inter), _I(r.top_k), None, self._t(norm.weight), _F(norm.eps),
                 self._t(r.weight), self._t(r.e_score_correction_bias), _I(r.renormalize),
-                _F(r.scaling), self._t(ffn.experts_w13.transpose(1, 2)),
-                self._t(ffn.experts_w2.transpose(1, 2)),
-                self._t(sh.gate_proj.weight) if sh is not None else ctypes.c_void_p(None),
-                self._t(sh.up_proj.weight) if sh is not None else ctypes.c_void_p(None),
-                self._t(sh.down_proj.weight) if sh is not None else ctypes.c_void_p(None),
+                _F(r.scaling), *self._experts(ffn),
+                self._w(sh.gate_proj.weight) if sh is not None else ctypes.c_void_p(None),
+                self._w(sh.up_proj.weight) if sh is not None else ctypes.c_void_p(None),
+                self._w(sh.down_proj.weight) if sh is not None else ctypes.c_void_p(None),
                 _I(i_s))
         return ("moe", args, 4 * hd + 2 * E + 3 * inter + 3 * i_s)
+
+    def _head(self) -> tuple:
+        m = self.model
+        norm = m.model.norm
+        return (_I(self.hidden), _I(m.lm_head.weight.shape[0]), self._t(norm.weight),
+                _F(norm.eps), self._w(m.lm_head.weight))
 
     def _fingerprint(self) -> tuple:
         """Pointers of the embedding, the head and each layer's input norm: a reload or a
         dtype change replaces them all (checking every parameter would cost ~1 ms a step)."""
         return tuple((p.data_ptr(), p.dtype) for p in self._witness_params)
+
+    def _experts(self, ffn: SparseMoE) -> tuple:
+        """(w13, w2, transposed): the stacks read in place, in whichever layout they are."""
+        w13t, w2t = ffn.experts_w13.transpose(1, 2), ffn.experts_w2.transpose(1, 2)
+        if w13t.is_contiguous() and w2t.is_contiguous():
+            return self._w(w13t), self._w(w2t), _I(1)
+        return self._w(ffn.experts_w13), self._w(ffn.experts_w2), _I(0)
 
     def still_valid(self) -> bool:
         return self._fingerprint() == self._witness
@@ -144,11 +171,14 @@ class FusedDecoder:
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_table: torch.Tensor, cache: HybridCache,
-                 snapshots: list[tuple[int, int]] = ()) -> torch.Tensor:
+                 snapshots: list[tuple[int, int]] = (), capture: tuple[int, ...] = (),
+                 captured: list[torch.Tensor] | None = None) -> torch.Tensor:
         """ids, positions, slots [B] int64; block_table [B, width] int64 (contiguous).
         Writes the rows' KDA states, conv windows and MLA latents into the cache and returns
         the logits [B, vocab]. snapshots: (row, snapshot id) pairs whose state after this
-        token is saved (a decode row can only snapshot its final state)."""
+        token is saved (a decode row can only snapshot its final state). The stream after
+        each layer in `capture` is appended to `captured` (a speculative draft's context),
+        as the torch forward's capture_layers."""
         model = self.model
         x = model.model.embed_tokens(ids).float().contiguous()
         B = _I(x.shape[0])
@@ -157,7 +187,7 @@ class FusedDecoder:
         width = _I(block_table.shape[1])
         bs = _I(cache.block_size)
         k = self.k
-        for (kind, st, _), (fkind, fargs, _) in self.layers:
+        for li, ((kind, st, _), (fkind, fargs, _)) in enumerate(self.layers):
             if kind == "kda":
                 i = st["index"]
                 k.kda(B, *st["head"], xp, *st["norm"], _p(cache.kda_conv[i]),
@@ -170,6 +200,8 @@ class FusedDecoder:
                 k.mlp(B, *fargs[:2], xp, *fargs[3:], sp)
             else:
                 k.moe(B, *fargs[:4], xp, *fargs[5:], sp)
+            if li in capture and captured is not None:
+                captured.append(x.clone())
         if snapshots and cache.snap_states:
             src = slots[[r for r, _ in snapshots]]
             dest = torch.tensor([d for _, d in snapshots], dtype=torch.long)
@@ -177,14 +209,16 @@ class FusedDecoder:
                                         cache.snap_conv):
                 sst.index_copy_(0, dest, st[src])
                 scv.index_copy_(0, dest, cv[src].to(scv.dtype))
-        return model.lm_head(model.model.norm(x))
+        logits = torch.empty(x.shape[0], self.head[1].value, dtype=torch.float32)
+        k.head(B, *self.head[:2], xp, *self.head[2:], _p(logits), sp)
+        return logits
 
 
 def fused_decoder(model: HybridForCausalLM, cache: HybridCache) -> FusedDecoder | None:
     """A FusedDecoder for this model and cache, or None where the path does not apply."""
     if os.environ.get("KDASERVE_FUSED_DECODE", "1") == "0" or not supports(model, cache):
         return None
-    kernels = decode_block_kernels()
+    kernels = decode_block_kernels("f32" if model.dtype == torch.float32 else "bf16")
     return FusedDecoder(model, kernels) if kernels is not None else None
 
 
@@ -194,9 +228,11 @@ def supports(model: HybridForCausalLM, cache: HybridCache) -> bool:
         return False          # a parallel rank's share: its hooks all-reduce what fused skips
     if type(model).run_layers is not HybridForCausalLM.run_layers:
         return False          # K3's attention residuals mix the layer outputs differently
-    if model.dtype != torch.float32 or model.model.embed_tokens.weight.device.type != "cpu":
+    dtype = model.dtype
+    if dtype not in (torch.float32, torch.bfloat16) or \
+            model.model.embed_tokens.weight.device.type != "cpu":
         return False
-    if any(t.dtype != torch.float32 for t in cache.mla_pages + cache.kda_conv):
+    if any(t.dtype != dtype for t in cache.mla_pages + cache.kda_conv):
         return False
     for layer in model.model.layers:
         if not isinstance(layer, DecoderLayer):

@@ -298,19 +298,21 @@ def moe_experts_mxfp4_kernel() -> MoEExperts | None:
 
 
 @cache
-def decode_block_kernels():
-    """The fused single-token decode blocks of csrc/decode_cpu.c (kda, mla, mlp, moe), or None.
-    Called with ctypes objects built once per model (kdaserve.model.fused_decode), so no
-    argument types are declared: each call converts nothing."""
+def decode_block_kernels(weights: str = "f32"):
+    """The fused single-token decode blocks of csrc/decode_cpu.c (kda, mla, mlp, moe, head) for
+    fp32 ("f32") or bf16 ("bf16") weights and cache, or None. Called with ctypes objects built
+    once per model (kdaserve.model.fused_decode), so no argument types are declared: each call
+    converts nothing."""
     lib = _library("decode_cpu.c")
     if lib is None:
         return None
     from types import SimpleNamespace
 
     fns = {}
-    for key, name in (("kda", "kda_decode_block"), ("mla", "mla_decode_block"),
-                      ("mlp", "mlp_decode_block"), ("moe", "moe_decode_block")):
-        fn = getattr(lib, name)
+    for key in ("kda", "mla", "mlp", "moe"):
+        fn = getattr(lib, f"{key}_decode_block_{weights}")
         fn.restype = None
         fns[key] = fn
+    fns["head"] = getattr(lib, f"head_block_{weights}")
+    fns["head"].restype = None
     return SimpleNamespace(**fns)

@@ -65,3 +65,36 @@ def test_seeded_generation_reproducible_across_batches(hf_checkpoint):
                          + [SamplingParams(temperature=0.7, max_tokens=5)], use_tqdm=False)
     assert mixed[2].outputs[0].token_ids == alone
     assert llm.engine.cache.all_free()
+
+
+def _top_k_top_p_by_full_sort(logits, top_k, top_p):
+    """The reference: sort the whole vocabulary."""
+    V = logits.shape[-1]
+    vals, order = logits.sort(-1, descending=True)
+    drop = torch.arange(V)[None] >= top_k[:, None]
+    probs = vals.softmax(-1)
+    drop |= probs.cumsum(-1) - probs >= top_p[:, None]
+    drop[:, 0] = False
+    return torch.full_like(logits, float("-inf")).scatter(1, order, vals.masked_fill(
+        drop, float("-inf")))
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])     # flat rows need the full sort
+def test_top_k_top_p_matches_a_full_sort(scale):
+    from kdaserve.engine.sampler import _top_k_top_p
+
+    g = torch.Generator().manual_seed(int(scale * 10))
+    V = 2000
+    logits = torch.randn(6, V, generator=g) * scale
+    top_k = torch.tensor([V, 40, V, 300, 5, V])
+    top_p = torch.tensor([0.95, 1.0, 0.5, 0.9, 0.99, 0.999])
+    got = _top_k_top_p(logits, top_k, top_p)
+    want = _top_k_top_p_by_full_sort(logits, top_k, top_p)
+    # a token whose mass-above sits within rounding of top_p may go either way
+    probs = logits.softmax(-1)
+    above = (probs[:, None, :] > probs[:, :, None]).float() @ probs[:, :, None]
+    edge = (above[..., 0] - top_p[:, None]).abs() < 1e-5
+    differ = torch.isfinite(got) != torch.isfinite(want)
+    assert not (differ & ~edge).any()
+    same = torch.isfinite(got) & torch.isfinite(want)
+    assert torch.equal(got[same], want[same])

@@ -20,10 +20,11 @@ def test_cost_model_recovers_coefficients():
     rng = random.Random(0)
     for _ in range(200):
         t, r = rng.randint(1, 64), rng.randint(0, 8)
-        m.observe(t, r, 0.008 + 5e-5 * t + 1e-3 * r)
-    a, b, c = m.coefficients()
+        v = rng.random() < 0.5
+        m.observe(t, r, 0.008 + 5e-5 * t + 1e-3 * r + 3e-3 * v, verifies=v)
+    a, b, c, d = m.coefficients()
     assert a == pytest.approx(0.008, rel=0.05) and b == pytest.approx(5e-5, rel=0.05)
-    assert c == pytest.approx(1e-3, rel=0.05)
+    assert c == pytest.approx(1e-3, rel=0.05) and d == pytest.approx(3e-3, rel=0.05)
 
 
 def test_decisions_follow_acceptance():
@@ -33,7 +34,9 @@ def test_decisions_follow_acceptance():
         p.record("good", 7, 7)
     plans = [p.plan({"bad": 7, "good": 7}, 2) for _ in range(32)]
     assert all(pl["good"] == 7 for pl in plans)
-    assert sum(pl["bad"] for pl in plans) == 2          # one probe every 16 steps
+    # one probe every 16 steps, each spanning two plans: its draft proposed, then verified
+    probes = [i for i, pl in enumerate(plans) if pl["bad"]]
+    assert probes == [15, 16] and all(plans[i]["bad"] == 1 for i in probes)
 
 
 def test_bad_draft_turns_speculation_off(hf_checkpoint, tmp_path):
@@ -61,3 +64,34 @@ def test_bad_draft_turns_speculation_off(hf_checkpoint, tmp_path):
     assert engine.scheduler.num_accepted_tokens <= 2
     assert engine.scheduler.num_draft_tokens < fixed_engine.scheduler.num_draft_tokens / 3
     assert policy.steps_speculating < policy.steps / 2
+
+
+def _costly_verify_policy() -> AdaptiveSpeculation:
+    """Plain steps take 2 ms (a fused decode path); any verifying step pays 10 ms more."""
+    p = AdaptiveSpeculation(7)
+    p.cost.warmup = 0
+    for _ in range(64):
+        p.cost.observe(1, 0, 0.002)
+        p.cost.observe(8, 1, 0.002 + 0.010 + 7 * 5e-5 + 2e-4, verifies=True)
+        p.cost.observe(2, 1, 0.002 + 0.010 + 5e-5 + 2e-4, verifies=True)
+    return p
+
+
+@pytest.mark.parametrize("accepted, speculates", [(4, False), (7, True)])
+def test_a_verifying_steps_fixed_cost_must_be_repaid(accepted, speculates):
+    p = _costly_verify_policy()
+    for _ in range(40):
+        p.record("r", 7, accepted)
+    plan = p.plan({"r": 7}, 1)
+    assert (plan["r"] > 0) == speculates
+
+
+def test_probes_stay_within_their_budget():
+    p = _costly_verify_policy()
+    for _ in range(40):
+        p.record("r", 7, 0)
+    plans = [p.plan({"r": 7}, 1) for _ in range(2000)]
+    verifying = sum(1 for pl in plans if pl["r"])
+    a, b, c, d = p.cost.coefficients()
+    # every probe step pays the verifying step's fixed cost: at most 2% of the plain time
+    assert 0 < verifying * (d + b + c) <= 0.02 * 2000 * (a + b) + (d + b + c)

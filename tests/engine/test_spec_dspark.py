@@ -110,3 +110,32 @@ def test_extract_and_train_draft_smoke(tmp_path):
     assert json.loads((tmp_path / "d" / "config.json").read_text())["block_size"] == 4
     assert 0.0 <= report["heldout_acceptance_rate"] <= 1.0
     DSparkDraft.from_pretrained(tmp_path / "d")
+
+
+def test_deferred_context_matches_writing_it_each_step(hf_checkpoint, tmp_path):
+    """Context held back while no request drafts, then projected at once, leaves the draft's
+    pages as writing each step's at once would: a slot written twice keeps the later write."""
+    from kdaserve.engine.spec.dspark import DSparkProposer
+    from kdaserve.model.loader import load_model
+    from kdaserve.model.registry import load_draft
+
+    path, _ = hf_checkpoint
+    target = load_model(path, progress=False)
+    draft = load_draft(_random_draft(path, tmp_path / "draft", block=4))
+    draft.bind_target(target.model.embed_tokens.weight)
+    lazy = DSparkProposer(draft, target, 3, num_blocks=6, block_size=4, device=torch.device("cpu"))
+    eager = DSparkProposer(draft, target, 3, num_blocks=6, block_size=4, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    width = draft.config.hidden_size * len(draft.config.target_layer_ids)
+    for dest in ([0, 1, 2], [3, 9], [1, 2, 20], [9]):     # slots 1, 2 and 9 are rewritten
+        step = (torch.randn(len(dest), width, generator=g), torch.tensor(dest) + 5,
+                torch.tensor(dest))
+        lazy._pending.append(step)
+        eager._pending.append(step)
+        with torch.inference_mode():
+            eager._ingest()
+    with torch.inference_mode():
+        lazy._ingest()
+    for a, b in zip(lazy.pages, eager.pages):     # one matmul over all rows vs one per step
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert lazy.pages[0].view(-1, lazy.pages[0].shape[-1])[20].abs().sum() > 0

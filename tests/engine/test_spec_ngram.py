@@ -66,7 +66,8 @@ def test_ngram_drafts_look_at_prompt_output_and_new_tokens():
     drafts = NgramDrafts(3, 2, 4)
     assert drafts.capture_layers == ()
     inp = ProposalInput(seqs=[], num_valid=[], new_tokens={"a": [2], "b": [8], "c": [8]},
-                        requests={"a": a, "b": b, "c": c}, fb=None, hidden=None, sampling={})
+                        requests={"a": a, "b": b, "c": c}, positions=torch.zeros(0),
+                        cache_slots=torch.zeros(0), hidden=None, sampling={})
     out = drafts.propose(inp)
     assert set(out) == {"a", "b"}                                 # no match for c: no entry
     assert out["a"].tokens == [3, 1, 2] and out["a"].probs is None

@@ -1,17 +1,22 @@
 """Adaptive speculation: how many drafts each request verifies, chosen per step from that
 request's measured acceptance and from what a step costs on this machine, measured online.
 
-Cost model: a step takes S = a + b·tokens + c·drafting_rows seconds (a: fixed per-step work,
-b: per token in the forward, c: per request the drafter runs for), fit by least squares over the
+Cost model: a step takes S = a + b·tokens + c·drafting_rows + d·[it verifies drafts] seconds
+(a: fixed per-step work, b: per token in the forward, c: per request the drafter runs for,
+d: what leaving the plain decode path costs: on CPU a step without drafts may take the fused
+single-token kernels, a verifying step takes the torch forward), fit by least squares over the
 last steps. Gain model: request r accepts each draft with probability α_r (an exponential
-moving average of its verified drafts, counted as Bernoulli trials up to the first rejection),
-so drafting k yields Σ_{j≤k} α_r^j extra tokens in expectation.
+moving average of its verified drafts, counted as Bernoulli trials up to the first rejection;
+a new request starts from the engine-wide average), so drafting k yields Σ_{j≤k} α_r^j extra
+tokens in expectation.
 
 A step produces N tokens in S seconds; one more draft for r at depth j adds α_r^j tokens and
-b seconds (plus c for r's first draft). It pays iff it raises N/S, i.e. iff gain / cost >
-N / S. Each request takes the k that maximises Σ_{j≤k} α^j − (N/S)·(c·[k>0] + b·k); k = 0
-turns speculation off for it. A request whose k is 0 is probed with one draft every
-`probe_every` steps, so a better stretch of text is noticed. No tensors here.
+b seconds (plus c for r's first draft). It pays iff it raises N/S. Each request takes the k
+that maximises Σ_{j≤k} α^j − (N/S)·(c·[k>0] + b·k); then the whole plan is kept only if its
+N/S, d included, beats the plan without drafts. k = 0 turns speculation off for a request.
+Requests that stopped speculating are probed with one draft now and then, so a better stretch
+of text is noticed, but probes are paid from a budget: at most `probe_share` of the predicted
+step time, so that a draft that never pays costs at most that much. No tensors here.
 """
 
 from __future__ import annotations
@@ -19,61 +24,84 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+FEATURES = 4          # 1, tokens, drafting rows, verifies
+
 
 @dataclass
 class StepCostModel:
-    """Online least squares of step seconds on (1, tokens, drafting rows), lightly pulled
-    towards a prior so that it is defined from the first step."""
+    """Online least squares of step seconds on (1, tokens, drafting rows, verifies), lightly
+    pulled towards a prior so that it is defined from the first step. The normal equations
+    are kept as running sums over the window (a sample leaving it is subtracted), so a fit
+    costs one 4x4 solve, not a pass over the window: it runs every step."""
 
     window: int = 512
-    prior: tuple[float, float, float] = (5e-3, 5e-5, 2e-4)
-    samples: deque = field(default_factory=lambda: deque(maxlen=512))
+    prior: tuple[float, ...] = (5e-3, 5e-5, 2e-4, 0.0)
     warmup: int = 3            # the first steps build kernels and caches: not typical
     seen: int = 0
+    samples: deque = field(default_factory=deque)
+    # preconditioning: tokens are ~100x the other regressors
+    _scale: tuple[float, ...] = (1.0, 100.0, 1.0, 1.0)
+    _xx: list = field(default_factory=lambda: [[0.0] * FEATURES for _ in range(FEATURES)])
+    _xy: list = field(default_factory=lambda: [0.0] * FEATURES)
+    _fit: tuple[float, ...] | None = None
 
-    def observe(self, tokens: int, drafting_rows: int, seconds: float) -> None:
+    def predict(self, tokens: float, drafting_rows: float, verifies: bool) -> float:
+        a, b, c, d = self.coefficients()
+        return a + b * tokens + c * drafting_rows + (d if verifies else 0.0)
+
+    def observe(self, tokens: int, drafting_rows: int, seconds: float,
+                verifies: bool = False) -> None:
         self.seen += 1
         if seconds <= 0 or self.seen <= self.warmup:
             return
         if len(self.samples) >= 8:            # a pause (GC, another process) is not a cost
-            a, b, c = self.coefficients()
-            seconds = min(seconds, 4.0 * (a + b * tokens + c * drafting_rows))
-        self.samples.append((1.0, float(tokens), float(drafting_rows), seconds))
+            seconds = min(seconds, 4.0 * self.predict(tokens, drafting_rows, verifies))
+        row = (1.0, float(tokens), float(drafting_rows), float(verifies), seconds)
+        self.samples.append(row)
+        self._add(row, 1.0)
+        if len(self.samples) > self.window:
+            self._add(self.samples.popleft(), -1.0)
+        self._fit = None
 
-    def coefficients(self) -> tuple[float, float, float]:
-        """(a, b, c), each >= 0 (a tiny floor keeps ratios finite)."""
-        n = len(self.samples)
-        lam = 1.0        # ridge weight, in units of one step
-        # normal equations (X'X + lam·I) w = X'y + lam·prior, 3x3, solved by Cramer's rule
-        scale = (1.0, 100.0, 1.0)     # tokens are ~100x the other regressors: precondition
-        m = [[lam if i == j else 0.0 for j in range(3)] for i in range(3)]
-        v = [lam * p * s for p, s in zip(self.prior, scale)]      # the prior, scaled too
-        for row in self.samples:
-            x = [row[i] / scale[i] for i in range(3)]
-            for i in range(3):
-                v[i] += x[i] * row[3]
-                for j in range(3):
-                    m[i][j] += x[i] * x[j]
-        w = _solve3(m, v) if n else None
-        if w is None:
-            return self.prior
-        return tuple(max(w[i] / scale[i], 1e-7) for i in range(3))   # type: ignore[return-value]
+    def _add(self, row: tuple[float, ...], sign: float) -> None:
+        x = [row[i] / self._scale[i] for i in range(FEATURES)]
+        for i in range(FEATURES):
+            self._xy[i] += sign * x[i] * row[FEATURES]
+            for j in range(FEATURES):
+                self._xx[i][j] += sign * x[i] * x[j]
+
+    def coefficients(self) -> tuple[float, float, float, float]:
+        """(a, b, c, d), each >= 0 (a tiny floor keeps ratios finite; d may be 0)."""
+        if not self.samples:
+            return tuple(self.prior)          # type: ignore[return-value]
+        if self._fit is None:
+            lam = 1.0        # ridge weight, in units of one step
+            m = [[self._xx[i][j] + (lam if i == j else 0.0) for j in range(FEATURES)]
+                 for i in range(FEATURES)]
+            v = [self._xy[i] + lam * self.prior[i] * self._scale[i] for i in range(FEATURES)]
+            w = _solve(m, v)
+            floor = (1e-7, 1e-7, 1e-7, 0.0)
+            self._fit = (tuple(self.prior) if w is None else
+                         tuple(max(w[i] / self._scale[i], floor[i]) for i in range(FEATURES)))
+        return self._fit                      # type: ignore[return-value]
 
 
-def _det3(m: list[list[float]]) -> float:
-    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
-            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
-
-
-def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
-    d = _det3(m)
-    if abs(d) < 1e-18:
-        return None
-    out = []
-    for col in range(3):
-        mc = [[v[i] if j == col else m[i][j] for j in range(3)] for i in range(3)]
-        out.append(_det3(mc) / d)
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting (the system is small and well posed)."""
+    n = len(v)
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[piv][col]) < 1e-18:
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        for r in range(col + 1, n):
+            f = a[r][col] / a[col][col]
+            for j in range(col, n + 1):
+                a[r][j] -= f * a[col][j]
+    out = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        out[r] = (a[r][n] - sum(a[r][j] * out[j] for j in range(r + 1, n))) / a[r][r]
     return out
 
 
@@ -82,10 +110,12 @@ class AdaptiveSpeculation:
     max_drafts: int
     prior_acceptance: float = 0.5
     ema: float = 0.2               # weight of each new trial in a request's acceptance
-    probe_every: int = 16
+    probe_every: int = 16          # steps a request waits at least between probes
+    probe_share: float = 0.02      # of the predicted step time, at most, spent on probes
     cost: StepCostModel = field(default_factory=StepCostModel)
     alpha: dict[str, float] = field(default_factory=dict)
     _idle: dict[str, int] = field(default_factory=dict)
+    _credit: float = 0.0           # seconds of probing earned and not yet spent
     # what the last plans decided, for /metrics
     steps: int = 0
     steps_speculating: int = 0
@@ -93,48 +123,55 @@ class AdaptiveSpeculation:
     last_drafts: int = 0           # drafts the last plan verifies, over all requests
     last_speculating: int = 0      # requests the last plan gave k > 0
 
+    def __post_init__(self) -> None:
+        self.shared_alpha = self.prior_acceptance   # where a new request starts
+        self._probing: set[str] = set()
+
     def record(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verification: `accepted` of `drafted` drafts stood (a prefix of them)."""
-        a = self.alpha.get(request_id, self.prior_acceptance)
+        a = self.alpha.get(request_id, self.shared_alpha)
         trials = accepted + (1 if accepted < drafted else 0)
         for i in range(trials):
             hit = 1.0 if i < accepted else 0.0
             a += self.ema * (hit - a)
+            self.shared_alpha += self.ema * (hit - self.shared_alpha) / 4
         self.alpha[request_id] = a
 
     def forget(self, request_id: str) -> None:
         self.alpha.pop(request_id, None)
         self._idle.pop(request_id, None)
+        self._probing.discard(request_id)
 
     def plan(self, candidates: dict[str, int], base_tokens: int) -> dict[str, int]:
         """candidates: request -> drafts available (at most); base_tokens: the step's tokens
         without drafts. Returns request -> drafts to verify this step."""
-        a, b, c = self.cost.coefficients()
-        produced = max(1.0, float(len(candidates)))
-        seconds = a + b * base_tokens
+        a, b, c, d = self.cost.coefficients()
+        plain_n = max(1.0, float(len(candidates)))
+        plain_s = a + b * base_tokens
+        produced, seconds = plain_n, plain_s
         out: dict[str, int] = {}
         for _ in range(2):                    # the ratio depends on the choices: iterate once
             ratio = produced / seconds
             out, extra_tokens, extra_rows, extra_gain = {}, 0, 0, 0.0
             for rid, avail in candidates.items():
-                k = self._best_k(self.alpha.get(rid, self.prior_acceptance),
-                                 min(avail, self.max_drafts), ratio, b, c)
+                al = self.alpha.get(rid, self.shared_alpha)
+                k = self._best_k(al, min(avail, self.max_drafts), ratio, b, c)
                 out[rid] = k
                 if k:
-                    al = self.alpha.get(rid, self.prior_acceptance)
                     extra_gain += sum(al ** j for j in range(1, k + 1))
                     extra_tokens += k
                     extra_rows += 1
-            produced = max(1.0, float(len(candidates))) + extra_gain
-            seconds = a + b * (base_tokens + extra_tokens) + c * extra_rows
-        for rid in candidates:                # probe requests that stopped speculating
-            if out[rid] == 0:
-                idle = self._idle.get(rid, 0) + 1
-                if idle >= self.probe_every and candidates[rid] > 0:
-                    out[rid], idle = 1, 0
-                self._idle[rid] = idle
-            else:
-                self._idle[rid] = 0
+            produced = plain_n + extra_gain
+            seconds = a + b * (base_tokens + extra_tokens) + c * extra_rows + (
+                d if extra_rows else 0.0)
+        if extra_rows and produced / seconds <= plain_n / plain_s:
+            out = dict.fromkeys(out, 0)        # the verifying step's own cost is not repaid
+        # a probe spans two steps: its draft is proposed after one and verified in the next
+        for rid in self._probing & candidates.keys():
+            out[rid] = max(out[rid], 1)
+            self._idle[rid] = 0
+        self._probing = set()
+        self._probe(out, candidates, b, c, d, plain_s)
         self.steps += 1
         planned = sum(out.values())
         self.drafts_planned += planned
@@ -143,6 +180,28 @@ class AdaptiveSpeculation:
         self.last_speculating = sum(1 for k in out.values() if k)
         return out
 
+    def _probe(self, out: dict[str, int], candidates: dict[str, int], b: float, c: float,
+               d: float, step_seconds: float) -> None:
+        """One draft for the request idle the longest, when the budget affords it."""
+        self._credit = min(self._credit + self.probe_share * step_seconds, 1.0)
+        idle = []
+        for rid in candidates:
+            if out[rid] == 0:
+                self._idle[rid] = self._idle.get(rid, 0) + 1
+                if self._idle[rid] >= self.probe_every and candidates[rid] > 0:
+                    idle.append(rid)
+            else:
+                self._idle[rid] = 0
+        idle = [r for r in idle if out[r] == 0]
+        if not idle:
+            return
+        cost = b + c + (0.0 if any(out.values()) else d)
+        if self._credit >= cost:
+            rid = max(idle, key=lambda r: self._idle[r])
+            out[rid], self._idle[rid] = 1, 0
+            self._probing.add(rid)
+            self._credit -= 2 * cost            # the proposal now, the verification next
+
     def decisions(self) -> dict[str, float]:
         """What it decided, for /metrics: counters since start and the last plan's state."""
         return {"adaptive_steps": self.steps, "steps_speculating": self.steps_speculating,
@@ -150,7 +209,7 @@ class AdaptiveSpeculation:
                 "last_requests_speculating": self.last_speculating,
                 "enabled": 1.0 if self.last_drafts else 0.0,
                 "mean_acceptance_estimate": (sum(self.alpha.values()) / len(self.alpha)
-                                             if self.alpha else self.prior_acceptance)}
+                                             if self.alpha else self.shared_alpha)}
 
     @staticmethod
     def _best_k(alpha: float, avail: int, ratio: float, b: float, c: float) -> int:

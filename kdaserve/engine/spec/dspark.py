@@ -20,6 +20,7 @@ from kdaserve.model.registry import load_draft
 
 
 class DSparkProposer:
+    MAX_PENDING = 512        # context rows held before they are projected anyway
     def __init__(self, draft: nn.Module, target: HybridForCausalLM, num_tokens: int,
                  num_blocks: int, block_size: int, device: torch.device) -> None:
         cfg = draft.config
@@ -31,6 +32,11 @@ class DSparkProposer:
         self.device = device
         self.pages = [torch.zeros(num_blocks, block_size, cfg.mla_latent_dim,
                                   dtype=target.dtype, device=device) for _ in draft.layers]
+        # context not yet projected into the pages: (hidden, positions, page slots) per step.
+        # Projected when a draft is next needed, in one call, so that steps in which no
+        # request drafts (adaptive speculation off) pay a copy instead of a draft projection.
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._pending_rows = 0
 
     @classmethod
     def from_config(cls, spec: SpeculativeConfig, config: EngineConfig,
@@ -48,7 +54,7 @@ class DSparkProposer:
 
     @torch.inference_mode()
     def propose(self, inp: ProposalInput) -> dict[str, Proposal]:
-        fb, seqs = inp.fb, inp.seqs
+        seqs = inp.seqs
         starts, pos = [], 0
         for s in seqs:
             starts.append(pos)
@@ -56,15 +62,16 @@ class DSparkProposer:
         # 1. the target's hidden states of every position that stands become draft context
         rows = torch.tensor([starts[b] + j for b, m in enumerate(inp.num_valid) for j in range(m)],
                             dtype=torch.long, device=self.device)
-        lats = self.draft.context_latents(inp.hidden[rows], fb.positions[rows])
-        dest = fb.mla.slot_mapping[rows]
-        for page, lat in zip(self.pages, lats):
-            page.view(-1, page.shape[-1]).index_copy_(0, dest, lat.to(page.dtype))
+        self._pending.append((inp.hidden[rows], inp.positions[rows], inp.cache_slots[rows]))
+        self._pending_rows += len(rows)
         # 2. one block per request that sampled: its newest token, then mask positions
         drafting = [(b, s) for b, s in enumerate(seqs) if s.request_id in inp.new_tokens
                     and inp.limit(s.request_id, self.num_tokens) > 0]
         if not drafting:
+            if self._pending_rows >= self.MAX_PENDING:
+                self._ingest()
             return {}
+        self._ingest()
         limits = [inp.limit(s.request_id, self.num_tokens) for _, s in drafting]
         k = max(limits)
         first_tok = torch.tensor([inp.new_tokens[s.request_id][-1] for _, s in drafting],
@@ -97,6 +104,23 @@ class DSparkProposer:
         props = self._pick(logits, first_tok, hist, [s.request_id for _, s in drafting])
         return {rid: Proposal(p.tokens[:n], None if p.probs is None else p.probs[:n])
                 for (rid, p), n in zip(props.items(), limits)}
+
+    def _ingest(self) -> None:
+        """Writes the pending context into the draft's pages, oldest first, so a slot ends up
+        with its latest owner's latents (as if each step had written its own at once)."""
+        if not self._pending:
+            return
+        hidden, positions, dest = (torch.cat(x) for x in zip(*self._pending))
+        self._pending, self._pending_rows = [], 0
+        uniq, inverse = dest.unique(return_inverse=True)
+        if len(uniq) < len(dest):       # a slot written twice (reused block): the last write
+            last = torch.full((len(uniq),), -1, dtype=torch.long, device=dest.device)
+            last.scatter_reduce_(0, inverse, torch.arange(len(dest), device=dest.device),
+                                 "amax")
+            hidden, positions, dest = hidden[last], positions[last], dest[last]
+        lats = self.draft.context_latents(hidden, positions)
+        for page, lat in zip(self.pages, lats):
+            page.view(-1, page.shape[-1]).index_copy_(0, dest, lat.to(page.dtype))
 
     def _pick(self, logits: torch.Tensor, prev: torch.Tensor, rows: list[SamplingRow],
               rids: list[str]) -> dict[str, Proposal]:

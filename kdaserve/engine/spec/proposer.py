@@ -9,7 +9,6 @@ from typing import Protocol
 import torch
 
 from kdaserve.engine.sampler import SamplingRow
-from kdaserve.model.batch import ForwardBatch
 from kdaserve.outputs import ScheduledSequence
 from kdaserve.request import Request
 
@@ -20,7 +19,8 @@ class ProposalInput:
     num_valid: list[int]                 # tokens of each sequence whose computation stands
     new_tokens: dict[str, list[int]]     # tokens sampled this step, per request that sampled
     requests: Mapping[str, Request]
-    fb: ForwardBatch
+    positions: torch.Tensor              # [T] each token's position, in forward order
+    cache_slots: torch.Tensor            # [T] each token's row in the paged MLA layout
     hidden: torch.Tensor | None          # [T, n*H] the target's hidden states at the draft's layers
     sampling: dict[str, SamplingRow]     # per request that sampled (its generator, params)
     limits: dict[str, int] | None = None  # most drafts to propose per request (None: all)

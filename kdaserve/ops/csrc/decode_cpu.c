@@ -1,12 +1,16 @@
-/* Fused decode blocks for small batches on CPU (fp32): one call per token mixer or
+/* Fused decode blocks for small batches on CPU: one call per token mixer or
  * feed-forward of a layer, for rows that each carry one token. Each block reads its weights
  * once per row and keeps every intermediate in a few KiB of scratch, where the torch forms
  * spend a dozen ops (each a dispatch, an allocation and a pass over memory) per block.
- * Every block adds its output to the residual stream x [B, Hd] in place.
+ * Every block adds its output to the residual stream x [B, Hd] in place. The blocks are in
+ * decode_blocks.h, compiled here for fp32 weights and cache (suffix _f32) and for bf16 ones
+ * (_bf16: --dtype bfloat16). bf16 weights are widened to fp32 in registers, so activations
+ * and sums stay fp32 (AVX-512 BF16 dot products, vdpbf16ps, would round the activations to
+ * bf16 as well); the widening is a shift, and the weights read per token halve.
  *
  * The arithmetic mirrors the torch reference of each block (kdaserve.model.kda / mla / moe,
  * kdaserve.ops.kda / mla), in fp32, with the same recurrence as kda_cpu.c: results agree with
- * it to rounding (tests/ops/test_fused_decode.py compares logits and greedy tokens).
+ * it to rounding (tests/model/test_fused_decode.py compares logits and greedy tokens).
  */
 #include <math.h>
 #include <stdint.h>
@@ -15,32 +19,22 @@
 
 #include "fastmath.h"
 
-/* y[n] = W[n, :] . x for W [N, K] row-major; eight independent lanes per dot product. */
-static void matvec(const float *restrict W, const float *restrict x, float *restrict y,
-                   int64_t N, int64_t K) {
-    for (int64_t n = 0; n < N; ++n) {
-        const float *w = W + n * K;
-        float lanes[8] = {0.0f};
-        int64_t i = 0;
-        for (; i + 8 <= K; i += 8)
-            for (int l = 0; l < 8; ++l) lanes[l] += w[i + l] * x[i + l];
-        float s = 0.0f;
-        for (; i < K; ++i) s += w[i] * x[i];
-        for (int l = 0; l < 8; ++l) s += lanes[l];
-        y[n] = s;
-    }
+/* bf16 is the top half of an fp32: widening is a shift; narrowing rounds to nearest even
+ * (as torch's .to(torch.bfloat16) does; NaN is not expected here). */
+static inline float bf16_to_f32(uint16_t v) {
+    const uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
-/* y[0:N) = x . W for W [K, N] row-major (the transposed expert layouts). */
-static void vecmat(const float *restrict x, const float *restrict W, float *restrict y,
-                   int64_t K, int64_t N) {
-    for (int64_t n = 0; n < N; ++n) y[n] = 0.0f;
-    for (int64_t i = 0; i < K; ++i) {
-        const float xi = x[i];
-        const float *w = W + i * N;
-        for (int64_t n = 0; n < N; ++n) y[n] += xi * w[n];
-    }
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
 }
+
 
 static float sumsq(const float *x, int64_t n) {
     float lanes[8] = {0.0f};
@@ -66,234 +60,33 @@ static inline float softplus_f(float x) {
     return (x > 0.0f ? x : 0.0f) + l1p;
 }
 
-/* One KDA token mixer for B decode rows. w_in [P, Hd] stacks q | k | v (3HD rows), f_a (D),
- * the gate input (G = D low-rank or HD full-rank) and b (H). conv_store [S, W, 3HD] and
- * state_store [S, H, D, D] are the engine's slots (updated in place at slots[b]); conv_wt
- * [W+1, 3HD]; f_b [HD, D]; g_b [HD, D] or NULL (full-rank gate: the gate input is the gate);
- * o_norm_w [D]; o_proj [Hd, HD]. scratch: at least P + 5*HD + 2*D floats. */
-void kda_decode_block(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t G, int64_t taps,
-                      float *x, const float *norm_w, float eps, const float *w_in,
-                      float *conv_store, float *state_store, const int64_t *slots,
-                      const float *conv_wt, const float *f_b, const float *dt_bias,
-                      const float *a, float lower_bound, int64_t use_bound, const float *g_b,
-                      const float *o_norm_w, float o_eps, const float *o_proj, float q_scale,
-                      float *scratch) {
-    const int64_t HD = H * D, C = 3 * HD, W = taps - 1, P = C + D + G + H;
-    float *h = scratch;             /* [Hd] */
-    float *pre = h + Hd;            /* [P] */
-    float *conv = pre + P;          /* [C] */
-    float *gdec = conv + C;         /* [HD] */
-    float *gate = gdec + HD;        /* [HD] */
-    float *o = gate + HD;           /* [HD] */
-    float *kv = o + HD, *delta = kv + D, *decay = delta + D;
-    for (int64_t b = 0; b < B; ++b) {
-        float *xb = x + b * Hd;
-        rms_norm(xb, norm_w, eps, Hd, h);
-        matvec(w_in, h, pre, P, Hd);
-        const float *f_a = pre + C, *g_in = pre + C + D, *braw = pre + C + D + G;
-        /* causal depthwise conv over the slot's window, then the window moves on */
-        float *win = conv_store + slots[b] * W * C;
-        const float *wl = conv_wt + W * C;
-        for (int64_t c = 0; c < C; ++c) conv[c] = 0.0f;
-        for (int64_t j = 0; j < W; ++j) {
-            const float *in = win + j * C, *wj = conv_wt + j * C;
-            for (int64_t c = 0; c < C; ++c) conv[c] += in[c] * wj[c];
-        }
-        for (int64_t c = 0; c < C; ++c) conv[c] = silu(conv[c] + pre[c] * wl[c]);
-        if (W > 0) {
-            memmove(win, win + C, sizeof(float) * (W - 1) * C);
-            memcpy(win + (W - 1) * C, pre, sizeof(float) * C);
-        }
-        matvec(f_b, f_a, gdec, HD, D);
-        if (g_b) matvec(g_b, g_in, gate, HD, D);
-        else memcpy(gate, g_in, sizeof(float) * HD);
-        for (int64_t hh = 0; hh < H; ++hh) {
-            float *qh = conv + hh * D, *kh = conv + HD + hh * D;
-            const float *vh = conv + 2 * HD + hh * D;
-            const float nq = q_scale / sqrtf(sumsq(qh, D) + 1e-6f);
-            const float nk = 1.0f / sqrtf(sumsq(kh, D) + 1e-6f);
-            for (int64_t d = 0; d < D; ++d) {
-                qh[d] *= nq;
-                kh[d] *= nk;
-            }
-            const float ah = a[hh];
-            float *gh = gdec + hh * D;
-            const float *bias = dt_bias + hh * D;
-            if (use_bound)
-                for (int64_t d = 0; d < D; ++d) gh[d] = lower_bound * sigmoid(ah * (gh[d] + bias[d]));
-            else
-                for (int64_t d = 0; d < D; ++d) gh[d] = -ah * softplus_f(gh[d] + bias[d]);
-            const float bt = sigmoid(braw[hh]);
-            /* the recurrence of kda_cpu.c, one position */
-            float *S = state_store + (slots[b] * H + hh) * D * D;
-            float *out = o + hh * D;
-            for (int64_t j = 0; j < D; ++j) kv[j] = 0.0f;
-            for (int64_t i = 0; i < D; ++i) decay[i] = exp_approx(gh[i]);
-            for (int64_t i = 0; i < D; ++i) {
-                float *row = S + i * D;
-                const float e = decay[i], ki = kh[i];
-                for (int64_t j = 0; j < D; ++j) {
-                    row[j] *= e;
-                    kv[j] += ki * row[j];
-                }
-            }
-            for (int64_t j = 0; j < D; ++j) {
-                delta[j] = (vh[j] - kv[j]) * bt;
-                out[j] = 0.0f;
-            }
-            for (int64_t i = 0; i < D; ++i) {
-                float *row = S + i * D;
-                const float ki = kh[i], qi = qh[i];
-                for (int64_t j = 0; j < D; ++j) {
-                    row[j] += ki * delta[j];
-                    out[j] += qi * row[j];
-                }
-            }
-            /* gated RMSNorm per head */
-            const float r = 1.0f / sqrtf(sumsq(out, D) / (float)D + o_eps);
-            const float *gt = gate + hh * D;
-            for (int64_t d = 0; d < D; ++d)
-                out[d] = o_norm_w[d] * (out[d] * r) * sigmoid(gt[d]);
-        }
-        matvec(o_proj, o, h, Hd, HD);
-        for (int64_t i = 0; i < Hd; ++i) xb[i] += h[i];
-    }
-}
 
-/* One MLA token mixer (q_proj, no rope, no output gate) for B decode rows, absorbed: the
- * queries move into the latent space and attend over the cached latents of their pages.
- * w_q [H(N+R), Hd]; w_kva [Dc+R, Hd]; kv_norm_w [Dc]; kv_b [H(N+Vd), Dc]; pages [NB*bs, Dc+R]
- * (the new latent is written at its slot first); block_table [B, width]; positions [B];
- * o_proj [Hd, H*Vd]. scratch: at least Hd + H(N+R) + 2(Dc+R) + H*Dc + H*Vd floats. */
-void mla_decode_block(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t R, int64_t Dc,
-                      int64_t Vd, float *x, const float *norm_w, float eps, const float *w_q,
-                      const float *w_kva, const float *kv_norm_w, float kv_eps,
-                      const float *kv_b, float *pages, int64_t bs, const int64_t *block_table,
-                      int64_t width, const int64_t *positions, const float *o_proj,
-                      float scale, float *scratch) {
-    const int64_t QD = N + R, LD = Dc + R;
-    float *h = scratch, *q = h + Hd, *ckv = q + H * QD, *qlat = ckv + LD;
-    float *ctx = qlat + H * Dc, *o = ctx + LD;   /* ctx [Dc]; o [H*Vd] */
-    for (int64_t b = 0; b < B; ++b) {
-        float *xb = x + b * Hd;
-        const int64_t pos = positions[b], L = pos + 1;
-        const int64_t *bt = block_table + b * width;
-        rms_norm(xb, norm_w, eps, Hd, h);
-        matvec(w_q, h, q, H * QD, Hd);
-        matvec(w_kva, h, ckv, LD, Hd);
-        float *dst = pages + (bt[pos / bs] * bs + pos % bs) * LD;
-        rms_norm(ckv, kv_norm_w, kv_eps, Dc, dst);
-        memcpy(dst + Dc, ckv + Dc, sizeof(float) * R);
-        float *scores = malloc(sizeof(float) * (size_t)L);
-        for (int64_t hh = 0; hh < H; ++hh) {
-            const float *qn = q + hh * QD, *qp = qn + N;
-            float *ql = qlat + hh * Dc;
-            /* q_lat = q_nope . W_uk[h]  (W_uk rows of kv_b: h*(N+Vd) + n) */
-            vecmat(qn, kv_b + hh * (N + Vd) * Dc, ql, N, Dc);
-            float m = -INFINITY;
-            for (int64_t t = 0; t < L; ++t) {
-                const float *lat = pages + (bt[t / bs] * bs + t % bs) * LD;
-                float s = 0.0f;
-                float lanes[8] = {0.0f};
-                int64_t i = 0;
-                for (; i + 8 <= Dc; i += 8)
-                    for (int l = 0; l < 8; ++l) lanes[l] += ql[i + l] * lat[i + l];
-                for (; i < Dc; ++i) s += ql[i] * lat[i];
-                for (int l = 0; l < 8; ++l) s += lanes[l];
-                for (int64_t r = 0; r < R; ++r) s += qp[r] * lat[Dc + r];
-                s *= scale;
-                scores[t] = s;
-                m = s > m ? s : m;
-            }
-            float total = 0.0f;
-            for (int64_t t = 0; t < L; ++t) {
-                scores[t] = expf(scores[t] - m);
-                total += scores[t];
-            }
-            const float inv = 1.0f / total;
-            for (int64_t i = 0; i < Dc; ++i) ctx[i] = 0.0f;
-            for (int64_t t = 0; t < L; ++t) {
-                const float *lat = pages + (bt[t / bs] * bs + t % bs) * LD;
-                const float p = scores[t] * inv;
-                for (int64_t i = 0; i < Dc; ++i) ctx[i] += p * lat[i];
-            }
-            matvec(kv_b + (hh * (N + Vd) + N) * Dc, ctx, o + hh * Vd, Vd, Dc);
-        }
-        free(scores);
-        matvec(o_proj, o, h, Hd, H * Vd);
-        for (int64_t i = 0; i < Hd; ++i) xb[i] += h[i];
-    }
-}
+/* fp32 weights, fp32 cache */
+#define WT float
+#define CT float
+#define LDW(v) (v)
+#define LDC(v) (v)
+#define STC(v) (v)
+#define SFX _f32
+#include "decode_blocks.h"
+#undef WT
+#undef CT
+#undef LDW
+#undef LDC
+#undef STC
+#undef SFX
 
-/* A SwiGLU MLP on h (gate [I, Hd], up [I, Hd], down [Hd, I]) added into y. */
-static void swiglu_add(const float *h, const float *gate, const float *up, const float *down,
-                       int64_t Hd, int64_t I, float *y, float *tmp) {
-    float *g = tmp, *u = tmp + I, *d = tmp + 2 * I;
-    matvec(gate, h, g, I, Hd);
-    matvec(up, h, u, I, Hd);
-    for (int64_t j = 0; j < I; ++j) g[j] = silu(g[j]) * u[j];
-    matvec(down, g, d, Hd, I);
-    for (int64_t i = 0; i < Hd; ++i) y[i] += d[i];
-}
-
-/* A dense SwiGLU feed-forward for B rows: x += down(silu(gate h) * up h), h = norm(x).
- * scratch: at least 2*Hd + 3*I floats. */
-void mlp_decode_block(int64_t B, int64_t Hd, int64_t I, float *x, const float *norm_w,
-                      float eps, const float *gate, const float *up, const float *down,
-                      float *scratch) {
-    float *h = scratch, *y = h + Hd, *tmp = y + Hd;
-    for (int64_t b = 0; b < B; ++b) {
-        float *xb = x + b * Hd;
-        rms_norm(xb, norm_w, eps, Hd, h);
-        for (int64_t i = 0; i < Hd; ++i) y[i] = 0.0f;
-        swiglu_add(h, gate, up, down, Hd, I, y, tmp);
-        for (int64_t i = 0; i < Hd; ++i) xb[i] += y[i];
-    }
-}
-
-/* A sparse MoE feed-forward for B rows: sigmoid router over E experts with a selection-only
- * bias, top-k (ties to the lower id), optional renormalisation, routed scaling; SiLU-GLU
- * experts stored transposed (w13t [E, Hd, 2I] gate | up, w2t [E, I, Hd]); shared experts
- * (sh_gate/sh_up [Is, Hd], sh_down [Hd, Is]) or NULL. scratch: at least
- * 3*Hd + 2*E + 3*I + 3*Is floats. */
-void moe_decode_block(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t K, float *x,
-                      const float *norm_w, float eps, const float *router, const float *bias,
-                      int64_t renormalize, float scaling, const float *w13t, const float *w2t,
-                      const float *sh_gate, const float *sh_up, const float *sh_down,
-                      int64_t Is, float *scratch) {
-    float *h = scratch, *y = h + Hd, *d = y + Hd, *score = d + Hd, *choice = score + E;
-    float *gu = choice + E, *act = gu + 2 * I, *tmp = act + I;
-    int64_t ids[K];
-    float wts[K];
-    for (int64_t b = 0; b < B; ++b) {
-        float *xb = x + b * Hd;
-        rms_norm(xb, norm_w, eps, Hd, h);
-        matvec(router, h, score, E, Hd);
-        for (int64_t e = 0; e < E; ++e) {
-            score[e] = 1.0f / (1.0f + expf(-score[e]));
-            choice[e] = score[e] + bias[e];
-        }
-        float total = 0.0f;
-        for (int64_t k = 0; k < K; ++k) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; ++e)
-                if (choice[e] != -INFINITY && (best < 0 || choice[e] > choice[best])) best = e;
-            ids[k] = best;
-            wts[k] = score[best];
-            choice[best] = -INFINITY;
-            total += wts[k];
-        }
-        for (int64_t k = 0; k < K; ++k)
-            wts[k] = (renormalize ? wts[k] / (total + 1e-20f) : wts[k]) * scaling;
-        for (int64_t i = 0; i < Hd; ++i) y[i] = 0.0f;
-        for (int64_t k = 0; k < K; ++k) {
-            const int64_t e = ids[k];
-            vecmat(h, w13t + e * Hd * 2 * I, gu, Hd, 2 * I);
-            for (int64_t j = 0; j < I; ++j) act[j] = silu(gu[j]) * gu[I + j];
-            vecmat(act, w2t + e * I * Hd, d, I, Hd);
-            for (int64_t i = 0; i < Hd; ++i) y[i] += wts[k] * d[i];
-        }
-        if (sh_gate) swiglu_add(h, sh_gate, sh_up, sh_down, Hd, Is, y, tmp);
-        for (int64_t i = 0; i < Hd; ++i) xb[i] += y[i];
-    }
-}
+/* bf16 weights and cache (--dtype bfloat16), fp32 activations and accumulation */
+#define WT uint16_t
+#define CT uint16_t
+#define LDW(v) bf16_to_f32(v)
+#define LDC(v) bf16_to_f32(v)
+#define STC(v) f32_to_bf16(v)
+#define SFX _bf16
+#include "decode_blocks.h"
+#undef WT
+#undef CT
+#undef LDW
+#undef LDC
+#undef STC
+#undef SFX
