@@ -141,9 +141,9 @@ class Scheduler:
         self._restore.clear()
         finished, self._finished_since_step = self._finished_since_step, []
         limits = None
-        if self.spec_policy is not None:      # prefilling requests: draft in full at first
-            most = self.spec_policy.max_drafts
-            limits = {req.request_id: self._draft_plan.get(req.request_id, most)
+        if self.spec_policy is not None:      # prefilling requests: what acceptance earns
+            first = self.spec_policy.initial_drafts(max(1, len(self.running)))
+            limits = {req.request_id: self._draft_plan.get(req.request_id, first)
                       for req, _ in scheduled}
         return SchedulerOutput(sequences=seqs, preempted=preempted, finished=finished,
                                snapshot_requests=snaps, cache_ops=self.cache.take_ops(),

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kdaserve.engine.async_engine import AsyncEngine, EngineError
+from kdaserve.image_io import ImageError, ImageLimits, check_count, load_image
 from kdaserve.request import SamplingParams
 from kdaserve.server.chat_output import ChatDelta, ChatOutput
 from kdaserve.server.chat_plan import ChatPlan, plan_chat
@@ -31,10 +32,10 @@ from kdaserve.server.errors import (
     engine_error,
     install_error_handlers,
 )
-from kdaserve.image_io import ImageError, ImageLimits, check_count, load_image
 from kdaserve.server.guards import ServerLimits, check_sequences, check_text, check_token_ids
 from kdaserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from kdaserve.server.middleware import DEFAULT_MAX_BODY_BYTES, AuthMiddleware, BodyLimitMiddleware
+from kdaserve.server.prompt_logprobs import format_prompt_logprobs
 from kdaserve.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -45,28 +46,28 @@ from kdaserve.server.protocol import (
     ChatStreamChoice,
     ChatTokenLogprob,
     CompletionChoice,
-    DeltaFunctionCall,
-    DeltaToolCall,
-    FunctionCall,
-    ToolCallOut,
     CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
+    FunctionCall,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
 )
 from kdaserve.server.runs import (
     DONE,
-    EventStream,
     Choice,
+    EventStream,
     Prompt,
     Run,
     all_or_none,
@@ -290,6 +291,19 @@ class OpenAIServing:
             offset += len(text)
         return out, offset
 
+    @staticmethod
+    def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs is not supported with stream",
+                           param="prompt_logprobs")
+
+    def _prompt_logprobs(self, req: CompletionRequest | ChatCompletionRequest, prompt: Prompt,
+                         lps: list[dict[int, float] | None] | None):
+        if req.prompt_logprobs is None:
+            return None
+        return format_prompt_logprobs(prompt.token_ids, lps,
+                                      lambda t: self.tokenizer.decode([t]))
+
     def _echo_logprobs(self, prompt: Prompt, lps: list[dict[int, float] | None] | None,
                        as_ids: bool) -> tuple[CompletionLogprobs, int]:
         """The prompt's tokens with their logprobs (echo with logprobs)."""
@@ -300,10 +314,11 @@ class OpenAIServing:
         prompts = await self._completion_prompts(req.prompt, req.n)
         max_tokens = req.max_tokens if req.max_tokens is not None else self.defaults.get(
             "max_tokens", 16)
+        self._check_prompt_logprobs(req)
         params = self._params(req, max_tokens, req.logprobs)
         echo_lps = req.echo and req.logprobs is not None
         if echo_lps:          # the prompt's logits are computed for this request only
-            params.prompt_logprobs = req.logprobs
+            params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
         for p in prompts:
             self._check_fits(len(p.token_ids), max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -324,6 +339,7 @@ class OpenAIServing:
                                                       as_ids, head)
                 choices.append(CompletionChoice(
                     index=i * run.n + j, text=prefix + c.text, logprobs=lp,
+                    prompt_logprobs=self._prompt_logprobs(req, run.prompt, c.prompt_logprobs),
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                     token_ids=c.token_ids if req.return_token_ids else None))
         usage = UsageInfo.of(sum(len(r.prompt.token_ids) for r in runs),
@@ -424,6 +440,7 @@ class OpenAIServing:
             requested = min(self.defaults.get("max_tokens", self.limits.default_max_tokens),
                             room)
         k = (req.top_logprobs or 0) if req.logprobs else None
+        self._check_prompt_logprobs(req)
         params = self._params(req, requested, k, plan)
         self._check_fits(len(prompt.token_ids), requested, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -449,8 +466,9 @@ class OpenAIServing:
                 stop_reason=c.stop_reason,
                 token_ids=c.token_ids if req.return_token_ids else None))
         usage = UsageInfo.of(len(prompt.token_ids), sum(len(c.token_ids) for c in outs))
-        return json_response(ChatCompletionResponse(id=request_id, model=self.model_name,
-                                            choices=choices, usage=usage))
+        return json_response(ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=usage,
+            prompt_logprobs=self._prompt_logprobs(req, prompt, outs[0].prompt_logprobs)))
 
     def _chat_delta(self, plan: ChatPlan, out: ChatOutput, text: str,
                     final: bool) -> DeltaMessage | None:

@@ -77,6 +77,7 @@ class _SamplingRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None                # Lark (llguidance's dialect)
+    prompt_logprobs: int | None = None               # vLLM's extra: the prompt's logprobs
 
     def _guided_fields(self) -> list[str]:
         asked = [name for name in ("guided_json", "guided_regex", "guided_choice",
@@ -152,6 +153,7 @@ class _SamplingRequest(_Request):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             guided=guided, logit_bias=self.logit_bias_ids(),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     @property
@@ -248,10 +250,17 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -314,6 +323,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class DeltaFunctionCall(_Response):

@@ -286,6 +286,34 @@ def test_echo_with_logprobs_scores_the_prompt(client, model_name, llm, tokenizer
     assert streamed[1:] == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
+def test_prompt_logprobs_extra(client, model_name, llm, tokenizer):
+    """vLLM's prompt_logprobs: per prompt position (None first) the prompt token's logprob and
+    the top alternatives, on completions (per choice) and chat (per response); no streams."""
+    ids = tokenizer.encode(PROMPT, add_special_tokens=True)
+    with torch_threads(1):
+        ref = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=1,
+                                                  prompt_logprobs=2), use_tqdm=False)[0]
+    resp = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1,
+                                     temperature=0.0, extra_body={"prompt_logprobs": 2})
+    got = resp.model_extra.get("prompt_logprobs") or resp.choices[0].model_extra[
+        "prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for i, t in enumerate(ids[1:], 1):
+        assert got[i][str(t)]["logprob"] == pytest.approx(ref.prompt_logprobs[i][t],
+                                                          rel=1e-5, abs=1e-6)
+        assert len(got[i]) >= 2 and all(e["decoded_token"] is not None
+                                        for e in got[i].values())
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Hello"}], max_tokens=1,
+        extra_body={"prompt_logprobs": 1})
+    lps = chat.model_extra["prompt_logprobs"]
+    assert lps[0] is None and all(isinstance(d, dict) and d for d in lps[1:])
+    with pytest.raises(openai.BadRequestError) as e:
+        list(client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1,
+                                       stream=True, extra_body={"prompt_logprobs": 1}))
+    assert "prompt_logprobs" in str(e.value)
+
+
 def test_completion_logprobs_match_offline(client, model_name, llm):
     resp = complete(client, model_name, logprobs=2, max_tokens=5, ignore_eos=True,
                     return_token_ids=True, return_tokens_as_token_ids=True)

@@ -14,7 +14,7 @@ A step produces N tokens in S seconds; one more draft for r at depth j adds α_r
 b seconds (plus c for r's first draft). It pays iff it raises N/S. Each request takes the k
 that maximises Σ_{j≤k} α^j − (N/S)·(c·[k>0] + b·k); then the whole plan is kept only if its
 N/S, d included, beats the plan without drafts. k = 0 turns speculation off for a request.
-Requests that stopped speculating are probed with one draft now and then, so a better stretch
+Requests that stopped speculating are probed with a block of drafts now and then, so a better stretch
 of text is noticed, but probes are paid from a budget: at most `probe_share` of the predicted
 step time, so that a draft that never pays costs at most that much. No tensors here.
 """
@@ -111,7 +111,7 @@ class AdaptiveSpeculation:
     prior_acceptance: float = 0.5
     ema: float = 0.2               # weight of each new trial in a request's acceptance
     probe_every: int = 16          # steps a request waits at least between probes
-    probe_share: float = 0.02      # of the predicted step time, at most, spent on probes
+    probe_share: float = 0.03      # of the predicted step time, at most, spent on probes
     cost: StepCostModel = field(default_factory=StepCostModel)
     alpha: dict[str, float] = field(default_factory=dict)
     _idle: dict[str, int] = field(default_factory=dict)
@@ -168,7 +168,7 @@ class AdaptiveSpeculation:
             out = dict.fromkeys(out, 0)        # the verifying step's own cost is not repaid
         # a probe spans two steps: its draft is proposed after one and verified in the next
         for rid in self._probing & candidates.keys():
-            out[rid] = max(out[rid], 1)
+            out[rid] = max(out[rid], min(candidates[rid], self.max_drafts))
             self._idle[rid] = 0
         self._probing = set()
         self._probe(out, candidates, b, c, d, plain_s)
@@ -180,9 +180,19 @@ class AdaptiveSpeculation:
         self.last_speculating = sum(1 for k in out.values() if k)
         return out
 
+    def initial_drafts(self, base_tokens: int) -> int:
+        """Drafts to propose for a request that has not decoded yet (its prompt is being
+        prefilled): what the engine-wide acceptance earns it, charged the verifying step's
+        fixed cost as if it were the only request to verify."""
+        a, b, c, d = self.cost.coefficients()
+        ratio = max(1.0, float(base_tokens)) / (a + b * base_tokens)
+        return self._best_k(self.shared_alpha, self.max_drafts, ratio, b, c + d)
+
     def _probe(self, out: dict[str, int], candidates: dict[str, int], b: float, c: float,
                d: float, step_seconds: float) -> None:
-        """One draft for the request idle the longest, when the budget affords it."""
+        """A full block of drafts for the request idle the longest, when the budget affords
+        it: a verifying step's fixed cost dominates a probe, so one draft would buy one trial
+        where the block buys up to max_drafts (and its accepted tokens)."""
         self._credit = min(self._credit + self.probe_share * step_seconds, 1.0)
         idle = []
         for rid in candidates:
@@ -195,10 +205,11 @@ class AdaptiveSpeculation:
         idle = [r for r in idle if out[r] == 0]
         if not idle:
             return
-        cost = b + c + (0.0 if any(out.values()) else d)
+        rid = max(idle, key=lambda r: self._idle[r])
+        k = min(candidates[rid], self.max_drafts)
+        cost = b * k + c + (0.0 if any(out.values()) else d)
         if self._credit >= cost:
-            rid = max(idle, key=lambda r: self._idle[r])
-            out[rid], self._idle[rid] = 1, 0
+            out[rid], self._idle[rid] = k, 0
             self._probing.add(rid)
             self._credit -= 2 * cost            # the proposal now, the verification next
 

@@ -1,0 +1,37 @@
+"""vLLM's `prompt_logprobs` extra on the HTTP API: each prompt token's log-probability and the
+top-N alternatives at its position, as vLLM returns them (a list over prompt positions, None
+for the first, each a dict token id (str) -> {logprob, rank, decoded_token}).
+
+The engine computes them only for requests that ask (engine/prompt_logprobs.py). Streams do not
+carry them (as vLLM): such a request is refused with a 400 before it starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kdaserve.server.protocol import PromptLogprob
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+def format_prompt_logprobs(token_ids: list[int], lps: list[dict[int, float] | None] | None,
+                           decode: Callable[[int], str]) -> PromptLogprobs:
+    """lps[i]: token id -> logprob at prompt position i (the prompt's own token and the top
+    alternatives). Ranks are 1-based among the alternatives; a prompt token outside them has
+    no rank here (its rank in the whole vocabulary is not computed)."""
+    out: PromptLogprobs = []
+    for i, tid in enumerate(token_ids):
+        entry = lps[i] if lps is not None and i < len(lps) else None
+        if entry is None:
+            out.append(None)
+            continue
+        order = sorted(entry, key=lambda t: -entry[t])
+        top = [t for t in order if t != tid] if tid in entry else order
+        ranked = {t: r + 1 for r, t in enumerate(order)}
+        n_top = len(entry) - 1 if tid in entry else len(entry)
+        out.append({str(t): PromptLogprob(
+            logprob=entry[t], decoded_token=decode(t),
+            rank=ranked[t] if t != tid or ranked[t] <= n_top else None)
+            for t in [tid, *top] if t in entry})
+    return out
