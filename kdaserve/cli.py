@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         "reference", help="model vs transformers, fla-core (kimi_linear) or mlx-lm (kimi_k3)"))
     from kdaserve.bench import long as bench_long
     bench_long.add_arguments(bsub.add_parser("long", help="cost against context length, to 1M"))
+    from kdaserve.bench import moe as bench_moe
+    bench_moe.add_arguments(bsub.add_parser(
+        "moe", help="MoE backends (reference, grouped, tp_sharded, ep_all2all) side by side"))
     from kdaserve.bench import compare
     compare.add_arguments(bsub.add_parser("compare", help="kdaserve vs llama.cpp, same model"))
     try:
@@ -126,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             from kdaserve.bench.compare import run as run_compare
 
             return run_compare(args)
+        if args.bench == "moe":
+            from kdaserve.bench.moe import run as run_moe
+
+            return run_moe(args)
         if args.bench == "spec":
             from kdaserve.bench.spec import run as run_spec
 

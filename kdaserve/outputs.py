@@ -50,6 +50,9 @@ class SchedulerOutput:
     request_data: dict[str, RequestData] = field(default_factory=dict)
     # what the runner needs of each scheduled request besides its tokens (prompt, params,
     # output so far): filled on rank 0 before the step leaves the engine core
+    dp_ranks: dict[str, int] = field(default_factory=dict)
+    # attention data parallel: the rank that runs each scheduled request (filled by the
+    # executor, kdaserve/distributed/data_parallel.py)
 
     @property
     def num_tokens(self) -> int:

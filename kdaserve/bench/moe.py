@@ -1,10 +1,11 @@
 """`kdaserve bench moe`: the MoE backends side by side on one layer (64 experts, top-8 by
 default), and the parallel layouts' greedy equality and step time against one process.
 
-Backends at 1, 32 and 256 tokens: `reference` and `grouped` in this process, `tp_sharded` and
-`ep_all2all` on 2 gloo ranks (each rank's time; on a shared 2-core machine this measures the
-communication overhead, not a speedup). Every backend's output is checked against
-`reference` on the same inputs. Times: best of `--repeats`.
+Backends at 1, 32 and 256 tokens (`--tokens`): `reference` and `grouped` in this process,
+`tp_sharded` and `ep_all2all` on 2 gloo ranks (each rank's time; on a shared 2-core machine
+this measures the communication overhead, not a speedup); ratios at the largest count.
+Every backend's output is checked against `reference` on the same inputs. Times: best of
+`--repeats`.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def compare_on_ranks(ctx, raw: dict, backends: list[str], tokens: list[int], rep
                 want = BACKENDS["reference"](full, x, w, ids)
                 err = max(err, (fn(moe, x, w, ids) - want).abs().max().item())
             w, ids = routings(T, E, k, seed=T)["random"]
-            secs = _best_s(lambda: fn(moe, x, w, ids), repeats)
+            secs = _best_s(lambda fn=fn, moe=moe, x=x, w=w, ids=ids: fn(moe, x, w, ids),
+                           repeats)
             res.setdefault(name, {})[str(T)] = {"max_abs_err": err, "step_s": secs,
                                                 "tokens_per_s": T / secs}
     if ctx.rank == 0:
@@ -117,9 +119,9 @@ def compare_on_ranks(ctx, raw: dict, backends: list[str], tokens: list[int], rep
             json.dump(res, f)
 
 
-def _layout_runs(repeats: int) -> dict:
-    """Greedy tokens and decode step time of TP=2 and EP=2 against one process (tiny random
-    Kimi Linear, 2 spawned gloo workers each)."""
+def _layout_runs(repeats: int, max_tokens: int = 32) -> dict:
+    """Greedy tokens and decode step time of TP=2, EP=2 and DP=2 x EP=2 against one process
+    (tiny random Kimi Linear, 2 spawned gloo workers each)."""
     from kdaserve.engine.llm import LLM
     from kdaserve.model.loader import save_model
     from kdaserve.model.random_init import init_random
@@ -130,18 +132,19 @@ def _layout_runs(repeats: int) -> dict:
     d = tempfile.mkdtemp(prefix="kdaserve-bench-moe-")
     torch.manual_seed(0)
     save_model(init_random(build_model(cfg, chunk_size=8), 0).eval(), d)
-    p = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": [5, 6, 7] * 9}]
     out = {}
     for name, kw in (("one", {}), ("tp2", {"tensor_parallel_size": 2}),
-                     ("ep2", {"expert_parallel_size": 2})):
+                     ("ep2", {"expert_parallel_size": 2}),
+                     ("dp2_ep2", {"data_parallel_size": 2, "expert_parallel_size": 2})):
         llm = LLM(d, num_threads=1, max_model_len=256, cache_memory=8 << 20, **kw)
         try:
             toks = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
             best = float("inf")
-            for _ in range(repeats):
+            for rep in range(repeats):
                 for i, pr in enumerate(prompts):
-                    llm.engine.add_request(f"t{_}-{i}", pr["prompt_token_ids"], p)
+                    llm.engine.add_request(f"t{rep}-{i}", pr["prompt_token_ids"], p)
                 llm.engine.step()                    # the prefill step
                 t, n = time.perf_counter(), 0
                 while llm.engine.has_unfinished():
@@ -154,9 +157,12 @@ def _layout_runs(repeats: int) -> dict:
     return {
         "tp2_identical": out["tp2"]["tokens"] == out["one"]["tokens"],
         "ep2_identical": out["ep2"]["tokens"] == out["one"]["tokens"],
+        "dp2_ep2_identical": out["dp2_ep2"]["tokens"] == out["one"]["tokens"],
         "decode_step_s": {k: round(v["decode_step_s"], 5) for k, v in out.items()},
         "tp2_step_vs_one": out["tp2"]["decode_step_s"] / out["one"]["decode_step_s"],
         "ep2_step_vs_one": out["ep2"]["decode_step_s"] / out["one"]["decode_step_s"],
+        "dp2_ep2_step_vs_one": (out["dp2_ep2"]["decode_step_s"]
+                                / out["one"]["decode_step_s"]),
     }
 
 
@@ -166,9 +172,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=128)
+    p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS),
+                   help="token counts per MoE call (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--layout-tokens", type=int, default=32,
+                   help="greedy tokens per prompt in the TP=2 / EP=2 engine runs")
     p.add_argument("--no-layouts", action="store_true",
-                   help="skip the TP=2 / EP=2 engine runs (greedy equality, step time)")
+                   help="skip the TP=2 / EP=2 / DP=2xEP=2 engine runs (greedy equality, "
+                        "step time)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,30 +188,42 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     cfg = moe_config(args.experts, args.top_k, args.hidden, args.intermediate)
     raw = cfg.to_hf_dict()
+    tokens = sorted(set(args.tokens))
     with tempfile.TemporaryDirectory() as tmp:
         one = os.path.join(tmp, "one.json")
-        compare_on_ranks(ParallelContext(0, 1, 1, 1), raw, ["reference", "grouped"], list(TOKENS),
+        compare_on_ranks(ParallelContext(0, 1, 1, 1), raw, ["reference", "grouped"], tokens,
                          args.repeats, one)
         two = os.path.join(tmp, "two.json")
-        run_ranks(compare_on_ranks, 2, (raw, ["tp_sharded"], list(TOKENS), args.repeats,
+        run_ranks(compare_on_ranks, 2, (raw, ["tp_sharded"], tokens, args.repeats,
                                         two + ".tp"), tp=2)
-        run_ranks(compare_on_ranks, 2, (raw, ["ep_all2all"], list(TOKENS), args.repeats,
+        run_ranks(compare_on_ranks, 2, (raw, ["ep_all2all"], tokens, args.repeats,
                                         two + ".ep"), ep=2)
-        backends = json.load(open(one))
-        backends.update(json.load(open(two + ".tp")))
-        backends.update(json.load(open(two + ".ep")))
-    ref256, grp256 = backends["reference"]["256"], backends["grouped"]["256"]
+        backends: dict = {}
+        for path in (one, two + ".tp", two + ".ep"):
+            with open(path) as f:
+                backends.update(json.load(f))
+    top = str(tokens[-1])          # the ratios are taken at the largest token count
+
+    def ratio(a: str, b: str) -> float:
+        return backends[a][top]["tokens_per_s"] / backends[b][top]["tokens_per_s"]
+
     result = {
         "experts": args.experts, "top_k": args.top_k, "hidden": args.hidden,
         "intermediate": args.intermediate, "threads": 1,
         "backends": {b: {t: {"tokens_per_s": round(v["tokens_per_s"], 1),
                              "max_abs_err_vs_reference": v["max_abs_err"]}
                          for t, v in per.items()} for b, per in backends.items()},
-        "grouped_vs_reference": grp256["tokens_per_s"] / ref256["tokens_per_s"],
-        "pp2_identical": None,     # pipeline parallelism is not built (docs/parallelism.md)
+        "ratio_tokens": int(top),
+        "grouped_vs_reference": ratio("grouped", "reference"),
+        # 2 ranks against one process's grouped kernel: each rank does half the expert work
+        # but pays the collectives; on 2 shared cores this is overhead, not a speedup claim.
+        "tp_sharded_vs_grouped": ratio("tp_sharded", "grouped"),
+        "ep_all2all_vs_grouped": ratio("ep_all2all", "grouped"),
+        "ep_all2all_vs_tp_sharded": ratio("ep_all2all", "tp_sharded"),
+        "pp2_identical": None,     # pipeline parallelism is not built
         "load": os.getloadavg()[0],
     }
     if not args.no_layouts:
-        result.update(_layout_runs(args.repeats))
+        result.update(_layout_runs(args.repeats, args.layout_tokens))
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

@@ -11,12 +11,12 @@ import torch.multiprocessing as tmp
 from kdaserve.distributed.parallel_state import destroy_distributed, init_distributed
 
 
-def _entry(rank: int, fn: Callable, world: int, tp: int, ep: int, init_method: str,
+def _entry(rank: int, fn: Callable, world: int, tp: int, ep: int, dp: int, init_method: str,
            args: tuple) -> None:
     import torch
 
     torch.set_num_threads(1)
-    ctx = init_distributed(rank, world, tp, ep, init_method, timeout_s=120.0)
+    ctx = init_distributed(rank, world, tp, ep, init_method, timeout_s=120.0, dp=dp)
     try:
         fn(ctx, *args)
     finally:
@@ -24,12 +24,12 @@ def _entry(rank: int, fn: Callable, world: int, tp: int, ep: int, init_method: s
 
 
 def run_ranks(fn: Callable, world: int, args: tuple = (), tp: int = 1, ep: int = 1,
-              timeout_s: float = 300.0) -> None:
+              timeout_s: float = 300.0, dp: int = 1) -> None:
     """fn(ctx, *args) on `world` ranks; raises if one fails or the deadline passes."""
     from kdaserve.engine.executor.multiproc import free_port
 
     init = f"tcp://127.0.0.1:{free_port()}"
-    pc = tmp.start_processes(_entry, args=(fn, world, tp, ep, init, args), nprocs=world,
+    pc = tmp.start_processes(_entry, args=(fn, world, tp, ep, dp, init, args), nprocs=world,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:

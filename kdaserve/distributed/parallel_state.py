@@ -22,6 +22,7 @@ class ParallelContext:
     tp_size: int
     ep_size: int
     group: object | None = None          # the ranks' process group (None: the default group)
+    dp_size: int = 1                     # >1: each rank holds its own tokens (attention DP)
 
     @property
     def tp_rank(self) -> int:
@@ -40,12 +41,13 @@ _CONTEXT: ParallelContext | None = None
 
 
 def init_distributed(rank: int, world_size: int, tp: int, ep: int, init_method: str,
-                     device: str = "cpu", timeout_s: float = 300.0) -> ParallelContext:
+                     device: str = "cpu", timeout_s: float = 300.0,
+                     dp: int = 1) -> ParallelContext:
     global _CONTEXT
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    _CONTEXT = ParallelContext(rank, world_size, tp, ep)
+    _CONTEXT = ParallelContext(rank, world_size, tp, ep, dp_size=dp)
     return _CONTEXT
 
 

@@ -8,7 +8,9 @@
 - `ep_all2all`: the experts partitioned over the ranks; each rank dispatches its share of the
   (token, expert) slots to the experts' owners with all_to_all, the owners run them grouped
   and weighted, a second all_to_all returns the rows, and the token shards are all-gathered.
-  No capacity limit: every slot is computed, whatever the routing.
+  No capacity limit: every slot is computed, whatever the routing. Under attention data
+  parallelism (`moe.tokens_local`) each rank's tokens are its own: it dispatches all of them
+  and keeps the result (no gather); a rank without tokens still joins with empty tensors.
 
 `auto` picks by topology, as the reference deployment does: EP > 1 -> ep_all2all, TP > 1 ->
 tp_sharded, one rank -> grouped. The choice and its reason are logged once per process.
@@ -53,10 +55,11 @@ def ep_all2all(moe, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -
     ep, rank, group = moe.ep_size, moe.ep_rank, moe.parallel_group
     el = moe.num_experts                         # experts held here
     T, k = ids.shape
+    local = getattr(moe, "tokens_local", False)
     # every rank holds the same tokens (replicated or tensor-parallel attention): each takes
-    # an even share of them to dispatch
+    # an even share of them to dispatch; data-parallel ranks each dispatch all of their own
     bounds = [T * r // ep for r in range(ep + 1)]
-    lo, hi = bounds[rank], bounds[rank + 1]
+    lo, hi = (0, T) if local else (bounds[rank], bounds[rank + 1])
     flat_ids = ids[lo:hi].reshape(-1)                                       # [N]
     dest = torch.div(flat_ids, el, rounding_mode="floor")
     order = dest.argsort(stable=True)
@@ -72,8 +75,11 @@ def ep_all2all(moe, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -
     y = (moe._routed(rows, meta[:, 1:].to(weights.dtype), local_ids) if rows.shape[0]
          else rows)                                                         # weighted [Nr,W]
     back = all_to_all_rows(y, recv_l, send_l, group)                        # [N,W], my order
-    mine = x.new_zeros(max(b - a for a, b in zip(bounds, bounds[1:])), x.shape[1])  # [S,W]
+    shard = T if local else max(b - a for a, b in zip(bounds, bounds[1:]))
+    mine = x.new_zeros(shard, x.shape[1])                                   # [S,W]
     mine.index_add_(0, token - lo, back)
+    if local:
+        return mine
     full = all_gather_cat(mine, ep, 0, group)                               # [ep*S,W]
     return torch.cat([full[r * mine.shape[0]: r * mine.shape[0] + bounds[r + 1] - bounds[r]]
                       for r in range(ep)], 0)
@@ -108,6 +114,7 @@ def configure_moe(moe, ctx, name: str = "auto") -> tuple[int, int]:
     moe.routed_backend = BACKENDS[backend]
     moe.parallel_group = ctx.group
     moe.ep_size, moe.ep_rank = ep, ctx.ep_rank
+    moe.tokens_local = getattr(ctx, "dp_size", 1) > 1
     e, i = moe.num_experts, moe.intermediate
     start, n = 0, e
     if backend == "ep_all2all":

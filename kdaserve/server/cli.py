@@ -186,6 +186,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-parallel-size", type=_positive_int, default=1,
                    help="ranks the routed experts are partitioned over (1 or equal to "
                         "--tensor-parallel-size; default: %(default)s)")
+    p.add_argument("--data-parallel-size", type=_positive_int, default=1,
+                   help="attention data parallel with expert-parallel MoE (DEP): each rank "
+                        "runs attention for its own requests; needs --expert-parallel-size "
+                        "equal to it (default: %(default)s)")
     p.add_argument("--moe-backend", choices=MOE_BACKENDS, default="auto",
                    help="how routed experts run; auto picks by topology and logs why "
                         "(default: %(default)s)")
@@ -279,6 +283,7 @@ def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
         parallel=ParallelConfig(
             tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
             expert_parallel_size=getattr(args, "expert_parallel_size", 1),
+            data_parallel_size=getattr(args, "data_parallel_size", 1),
             moe_backend=getattr(args, "moe_backend", "auto"),
             distributed_executor=getattr(args, "distributed_executor", None)),
     )

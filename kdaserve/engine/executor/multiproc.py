@@ -60,6 +60,11 @@ class MultiprocExecutor(Executor):
         par = config.parallel
         self.world_size = par.world_size
         self.timeout_s = par.worker_timeout_s
+        self._placement = None
+        if par.data_parallel_size > 1:
+            from kdaserve.distributed.data_parallel import Placement
+
+            self._placement = Placement(par.data_parallel_size)
         ctx = tmp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.procs, self.conns = [], []
@@ -142,6 +147,8 @@ class MultiprocExecutor(Executor):
         raise ExecutorError(f"a worker failed while {doing}: {value}")
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if self._placement is not None:
+            out.dp_ranks = self._placement.assign(out)
         return self._call(("execute", out), "running a step")
 
     def run_cache_ops(self, ops: list[CacheOp]) -> list[OpFailure]:

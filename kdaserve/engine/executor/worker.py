@@ -66,7 +66,7 @@ def worker_main(rank: int, world_size: int, init_method: str, config: EngineConf
 
         ctx = init_distributed(rank, world_size, par.tensor_parallel_size,
                                par.expert_parallel_size, init_method, config.device,
-                               par.worker_timeout_s)
+                               par.worker_timeout_s, par.data_parallel_size)
         runner = build_worker_runner(config, plan, ctx)
         dist.barrier()
     except BaseException as exc:    # noqa: BLE001 - reported to the engine, then exit
@@ -74,12 +74,14 @@ def worker_main(rank: int, world_size: int, init_method: str, config: EngineConf
         logger.error("worker failed to start:\n%s", traceback.format_exc())
         os._exit(1)
     conn.send(("ready", rank))
-    _loop(rank, world_size, runner, conn)
+    _loop(rank, world_size, runner, conn, par.data_parallel_size > 1)
     conn.close()
     dist.destroy_process_group()
 
 
-def _loop(rank: int, world_size: int, runner, conn: Connection) -> None:
+def _loop(rank: int, world_size: int, runner, conn: Connection, data_parallel: bool) -> None:
+    from kdaserve.distributed.data_parallel import execute_step
+
     while True:
         msg = None
         if rank == 0:
@@ -95,12 +97,18 @@ def _loop(rank: int, world_size: int, runner, conn: Connection) -> None:
         if kind == "shutdown":
             return
         try:
-            if kind == "execute":
+            if kind == "execute" and data_parallel:
+                result = execute_step(runner, msg[1], rank, world_size)
+            elif kind == "execute":
                 result = runner.execute(msg[1])
             elif kind == "cache_ops":
                 result = runner.cache_ops.run(msg[1])
             elif kind == "num_forward_tokens":
                 result = runner.num_forward_tokens
+                if data_parallel:            # each rank computed its own requests' tokens
+                    total = torch.tensor([result], dtype=torch.long)
+                    dist.all_reduce(total)
+                    result = int(total.item())
             else:
                 raise ValueError(f"unknown worker message {kind!r}")
         except Exception as exc:        # noqa: BLE001
