@@ -296,8 +296,12 @@ class EngineCore:
         result = self.executor.execute(self._messages.attach(out, requests))
         policy = self.scheduler.spec_policy
         if policy is not None and not out.is_empty:   # what steps cost: the policy's data
-            policy.cost.observe(out.num_tokens, len(result.drafts), time.perf_counter() - start,
-                                verifies=any(s.num_draft_tokens for s in out.sequences))
+            seconds = time.perf_counter() - start
+            verifies = any(s.num_draft_tokens for s in out.sequences)
+            policy.cost.observe(out.num_tokens, len(result.drafts), seconds, verifies=verifies)
+            if all(len(s.token_ids) == 1 + s.num_draft_tokens for s in out.sequences):
+                policy.realized.observe(len(out.sequences), verifies,
+                                        sum(len(t) for t in result.sampled.values()), seconds)
         self.stats.steps += 1
         self.stats.preemptions += len(out.preempted)
         for seq in out.sequences:

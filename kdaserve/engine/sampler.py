@@ -177,12 +177,14 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         idx = random_rows
         sub = logits[idx] / temps[idx, None]
         sub = _filter(sub, [rows[i] for i in idx.tolist()])
-        probs = sub.softmax(-1)
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(idx.tolist()):  # per sampled request: its own noise stream
-            gen = rows[i].generator
-            noise[j] = torch.empty(probs.shape[-1]).exponential_(1.0, generator=gen)
-        tokens[idx] = (probs / noise).argmax(-1)
+        # inverse CDF: one uniform per row from that request's own stream (a draw per vocab
+        # entry, as an exponential race takes, cost ~80 us a row at vocab 4,096)
+        cdf = sub.softmax(-1).cumsum(-1)
+        u = torch.empty(len(idx))
+        for j, i in enumerate(idx.tolist()):
+            u[j] = torch.rand(1, generator=rows[i].generator)
+        x = (1.0 - u)[:, None] * cdf[:, -1:]            # in (0, total]: never a zero-mass token
+        tokens[idx] = torch.searchsorted(cdf, x).clamp(max=cdf.shape[-1] - 1)[:, 0]
     if raw_logprobs is None:
         return [SampledToken(t) for t in tokens.tolist()]
     lps = _top_logprobs(raw_logprobs, tokens, rows)
@@ -205,28 +207,40 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 # candidates looked at before sorting the whole vocabulary (a full sort of 163,840 logits per
-# row is the sampled step's largest cost; the nucleus at usual temperatures is far smaller)
-TOP_CANDIDATES = 256
+# row is the sampled step's largest cost; the nucleus at usual temperatures is far smaller):
+# rows whose nucleus is not inside the first count try the next
+TOP_CANDIDATES = (256, 4096)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
                  ) -> torch.Tensor:
     """Keeps each row's top_k tokens and its nucleus: the tokens whose strictly larger tokens
-    hold less than top_p of the mass. Exact: from the best TOP_CANDIDATES when, for every row,
-    those already hold top_p of the mass or include all top_k; otherwise a full sort."""
+    hold less than top_p of the mass. Exact: a row is settled from its best K candidates when
+    those already hold top_p of the mass or include all its top_k; K grows through
+    TOP_CANDIDATES, then the whole vocabulary (a sort)."""
     V = logits.shape[-1]
-    K = min(V, TOP_CANDIDATES)
-    vals, order = logits.topk(K, -1)
-    # as softmax computes it (max subtracted, then normalised), so boundaries agree with the sort
-    mx = vals[:, :1]
-    probs = (vals - mx).exp() / (logits - mx).exp().sum(-1, keepdim=True)
-    if K < V and not bool(((probs.sum(-1) >= top_p) | (top_k <= K)).all()):
-        vals, order = logits.sort(-1, descending=True)
-        probs = vals.softmax(-1)
-    rank = torch.arange(vals.shape[-1])[None]
-    drop = rank >= top_k[:, None]
-    before = probs.cumsum(-1) - probs                 # mass strictly above this token
-    drop |= before >= top_p[:, None]
-    drop[:, 0] = False
-    return torch.full_like(logits, float("-inf")).scatter(1, order, vals.masked_fill(
-        drop, float("-inf")))
+    out = torch.full_like(logits, float("-inf"))
+    todo = torch.arange(logits.shape[0])
+    for K in [k for k in TOP_CANDIDATES if k < V] + [V]:
+        rows = logits[todo]
+        if K < V:
+            vals, order = rows.topk(K, -1)
+        else:
+            vals, order = rows.sort(-1, descending=True)
+        # as softmax computes it (max subtracted, then normalised): boundaries agree with a sort
+        mx = vals[:, :1]
+        probs = (vals - mx).exp() / (rows - mx).exp().sum(-1, keepdim=True)
+        k, p = top_k[todo], top_p[todo]
+        done = (probs.sum(-1) >= p) | (k <= K) if K < V else torch.ones_like(p, dtype=torch.bool)
+        if bool(done.any()):
+            drop = torch.arange(K)[None] >= k[done][:, None]
+            pr = probs[done]
+            drop |= pr.cumsum(-1) - pr >= p[done][:, None]          # mass strictly above
+            drop[:, 0] = False
+            kept = torch.full_like(rows[done], float("-inf")).scatter(
+                1, order[done], vals[done].masked_fill(drop, float("-inf")))
+            out[todo[done]] = kept
+        todo = todo[~done]
+        if not len(todo):
+            break
+    return out

@@ -14,7 +14,7 @@ def test_bench_spec_prints_greedy_and_sampled_rows(capsys):
     from kdaserve.cli import main
 
     assert main(["bench", "spec", "--json", "--max-tokens", "6", "--num-prompts", "2",
-                 "--batches", "32", "--k", "3", "--threads", "1"]) == 0
+                 "--batches", "32", "--k", "3", "--threads", "1", "--repeats", "1"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("speedup", "sampled_speedup", "batch32_speedup", "sampled_batch32_speedup"):
         assert out[key] > 0, key

@@ -98,3 +98,31 @@ def test_top_k_top_p_matches_a_full_sort(scale):
     assert not (differ & ~edge).any()
     same = torch.isfinite(got) & torch.isfinite(want)
     assert torch.equal(got[same], want[same])
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampled_tokens_follow_the_processed_distribution(temperature, top_p):
+    """Chi-square over 20,000 draws: sample() draws from softmax(filter(logits / T)), zero-mass
+    tokens never."""
+    from kdaserve.engine.sampler import _filter
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(1, 12, generator=g) * 1.5
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    gen = torch.Generator().manual_seed(11)
+    row = SamplingRow("r", params, [1], [], gen)
+    want = _filter(logits / temperature, [row]).softmax(-1)[0]
+    n = 20_000
+    counts = torch.zeros(12)
+    for _ in range(n // 100):
+        toks = sample(logits.expand(100, -1), [row] * 100)
+        for t in toks:
+            counts[t.token_id] += 1
+    assert counts[want == 0].sum() == 0
+    keep = want > 0
+    exp = want[keep].double() * n
+    stat = float(((counts[keep].double() - exp) ** 2 / exp).sum())
+    df = int(keep.sum()) - 1
+    # p-value of the chi-square statistic: the regularised upper incomplete gamma (no scipy)
+    pvalue = float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
+    assert pvalue > 1e-3, (stat, df)

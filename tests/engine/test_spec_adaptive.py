@@ -106,3 +106,23 @@ def test_a_new_request_drafts_what_the_engine_wide_acceptance_earns():
     for _ in range(40):
         p.record("old", 7, 0)
     assert p.initial_drafts(1) == 0
+
+
+def test_realized_rates_overrule_a_cost_model_that_misjudges():
+    """The linear model says speculate; verifying steps at this batch size delivered fewer
+    tokens per second than plain ones: the plan verifies nothing (probes aside)."""
+    p = AdaptiveSpeculation(7)                            # the prior costs: verifying is cheap
+    for _ in range(40):
+        p.record("r", 7, 7)
+    batch = {f"r{i}": 7 for i in range(32)}
+    for rid in batch:
+        p.alpha[rid] = 0.99
+    assert sum(p.plan(batch, 32).values()) > 0
+    for _ in range(10):
+        p.realized.observe(32, False, 32, 0.010)          # 3,200 tok/s plain
+        p.realized.observe(32, True, 200, 0.080)          # 2,500 tok/s verifying
+        p.realized.observe(1, True, 8, 0.010)             # another bucket: speculation wins
+        p.realized.observe(1, False, 1, 0.002)
+    assert sum(p.plan(batch, 32).values()) <= 7           # at most one probe's block
+    assert p.initial_drafts(32) == 0
+    assert not p.realized.speculation_loses(1)

@@ -13,7 +13,9 @@ tokens in expectation.
 A step produces N tokens in S seconds; one more draft for r at depth j adds α_r^j tokens and
 b seconds (plus c for r's first draft). It pays iff it raises N/S. Each request takes the k
 that maximises Σ_{j≤k} α^j − (N/S)·(c·[k>0] + b·k); then the whole plan is kept only if its
-N/S, d included, beats the plan without drafts. k = 0 turns speculation off for a request.
+N/S, d included, beats the plan without drafts, and unless verifying steps have actually
+delivered fewer tokens per second than plain ones at this batch size (`RealizedRates`: the
+check on a linear model). k = 0 turns speculation off for a request.
 Requests that stopped speculating are probed with a block of drafts now and then, so a better stretch
 of text is noticed, but probes are paid from a budget: at most `probe_share` of the predicted
 step time, so that a draft that never pays costs at most that much. No tensors here.
@@ -106,6 +108,34 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
 
 
 @dataclass
+class RealizedRates:
+    """Tokens per second that decode steps actually delivered, with and without verifying
+    drafts, per batch-size bucket (powers of two): the check on the cost model, which is
+    linear and can misjudge a verifying step's cost where the forward is not (many rows of
+    k + 1 tokens). Decayed sums, so the figures follow the machine's current load."""
+
+    decay: float = 0.95
+    min_steps: int = 8
+    sums: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
+
+    def observe(self, rows: int, verifies: bool, produced: int, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        acc = self.sums.setdefault((rows.bit_length(), verifies), [0.0, 0.0, 0])
+        acc[0] = acc[0] * self.decay + produced
+        acc[1] = acc[1] * self.decay + seconds
+        acc[2] += 1
+
+    def speculation_loses(self, rows: int) -> bool:
+        """Verifying steps have delivered fewer tokens per second than plain ones here."""
+        b = max(1, rows).bit_length()
+        spec, plain = self.sums.get((b, True)), self.sums.get((b, False))
+        if spec is None or plain is None or min(spec[2], plain[2]) < self.min_steps:
+            return False
+        return spec[0] / spec[1] < plain[0] / plain[1]
+
+
+@dataclass
 class AdaptiveSpeculation:
     max_drafts: int
     prior_acceptance: float = 0.5
@@ -113,6 +143,7 @@ class AdaptiveSpeculation:
     probe_every: int = 16          # steps a request waits at least between probes
     probe_share: float = 0.03      # of the predicted step time, at most, spent on probes
     cost: StepCostModel = field(default_factory=StepCostModel)
+    realized: RealizedRates = field(default_factory=RealizedRates)
     alpha: dict[str, float] = field(default_factory=dict)
     _idle: dict[str, int] = field(default_factory=dict)
     _credit: float = 0.0           # seconds of probing earned and not yet spent
@@ -164,7 +195,8 @@ class AdaptiveSpeculation:
             produced = plain_n + extra_gain
             seconds = a + b * (base_tokens + extra_tokens) + c * extra_rows + (
                 d if extra_rows else 0.0)
-        if extra_rows and produced / seconds <= plain_n / plain_s:
+        if extra_rows and (produced / seconds <= plain_n / plain_s
+                           or self.realized.speculation_loses(len(candidates))):
             out = dict.fromkeys(out, 0)        # the verifying step's own cost is not repaid
         # a probe spans two steps: its draft is proposed after one and verified in the next
         for rid in self._probing & candidates.keys():
@@ -184,6 +216,8 @@ class AdaptiveSpeculation:
         """Drafts to propose for a request that has not decoded yet (its prompt is being
         prefilled): what the engine-wide acceptance earns it, charged the verifying step's
         fixed cost as if it were the only request to verify."""
+        if self.realized.speculation_loses(base_tokens):
+            return 0
         a, b, c, d = self.cost.coefficients()
         ratio = max(1.0, float(base_tokens)) / (a + b * base_tokens)
         return self._best_k(self.shared_alpha, self.max_drafts, ratio, b, c + d)
