@@ -16,6 +16,8 @@ from kdaserve.ops.registry import kda_ops
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
+_PREPARE_DTYPES = {torch.float32, torch.bfloat16}
+
 
 class KimiDeltaAttention(nn.Module):
     """Legend: T tokens, B sequences, H heads, D head dim (K = V = D), L padded length.
@@ -138,11 +140,13 @@ class KimiDeltaAttention(nn.Module):
         extra_idx = torch.cat(parts, 0) if parts else None
         ops = kda_ops(x.device, needs_grad=torch.is_grad_enabled() and (
             x.requires_grad or any(p.requires_grad for p in self.parameters())))
-        if ops.prepare is not None and pre.dtype == window.dtype == torch.float32:
+        if ops.prepare is not None and {pre.dtype, window.dtype} <= _PREPARE_DTYPES:
+            # bf16 projections are widened: the kernel computes in fp32 (as the recurrence
+            # does), where bf16 torch ops on CPU are many times slower than fp32 ones
             q, k, v, g, beta, new_window = ops.prepare(
-                pre, window, fb.cu_seqlens, self._conv_weight_t(), self.f_b_proj(f_a),
-                self.dt_bias, self.A_log.view(H).exp(), b_raw, H, D ** -0.5,
-                self.gate_lower_bound)
+                pre.float(), window.float(), fb.cu_seqlens, self._conv_weight_t(),
+                self.f_b_proj(f_a).float(), self.dt_bias.float(), self.A_log.view(H).exp().float(),
+                b_raw.float(), H, D ** -0.5, self.gate_lower_bound)
             windows = conv_input_rows(pre, window, extra_idx) if parts else None
         else:
             w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
