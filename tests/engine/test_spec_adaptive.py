@@ -58,6 +58,12 @@ def test_bad_draft_turns_speculation_off(hf_checkpoint, tmp_path):
     adaptive, engine = run(speculative_method="dspark", num_speculative_tokens=6,
                            speculative_model=str(draft))
     assert fixed == plain and adaptive == plain
+    # with speculation off, plain steps took the fused CPU decode path (capturing the draft's
+    # context layers), and the output did not change
+    from kdaserve.model.fused_decode import FusedDecoder
+    from kdaserve.ops.cpu_kernels import decode_block_kernels
+    if decode_block_kernels() is not None:
+        assert isinstance(engine.runner._fused, FusedDecoder)
     policy = engine.scheduler.spec_policy
     assert engine.stats.steps <= plain_engine.stats.steps
     # a useless draft: nearly nothing accepted, so nearly nothing verified after the start
