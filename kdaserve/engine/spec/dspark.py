@@ -21,6 +21,7 @@ from kdaserve.model.registry import load_draft
 
 class DSparkProposer:
     MAX_PENDING = 512        # context rows held before they are projected anyway
+
     def __init__(self, draft: nn.Module, target: HybridForCausalLM, num_tokens: int,
                  num_blocks: int, block_size: int, device: torch.device) -> None:
         cfg = draft.config
