@@ -126,31 +126,9 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
             else
                 for (int64_t d = 0; d < D; ++d) gh[d] = -ah * softplus_f(gh[d] + bias[d]);
             const float bt = sigmoid(braw[hh]);
-            /* the recurrence of kda_cpu.c, one position */
             float *S = state_store + (slots[b] * H + hh) * D * D;
             float *out = o + hh * D;
-            for (int64_t j = 0; j < D; ++j) kv[j] = 0.0f;
-            for (int64_t i = 0; i < D; ++i) decay[i] = exp_approx(gh[i]);
-            for (int64_t i = 0; i < D; ++i) {
-                float *row = S + i * D;
-                const float e = decay[i], ki = kh[i];
-                for (int64_t j = 0; j < D; ++j) {
-                    row[j] *= e;
-                    kv[j] += ki * row[j];
-                }
-            }
-            for (int64_t j = 0; j < D; ++j) {
-                delta[j] = (vh[j] - kv[j]) * bt;
-                out[j] = 0.0f;
-            }
-            for (int64_t i = 0; i < D; ++i) {
-                float *row = S + i * D;
-                const float ki = kh[i], qi = qh[i];
-                for (int64_t j = 0; j < D; ++j) {
-                    row[j] += ki * delta[j];
-                    out[j] += qi * row[j];
-                }
-            }
+            kda_step(S, qh, kh, vh, gh, bt, out, D, D, kv, delta, decay);
             /* gated RMSNorm per head */
             const float r = 1.0f / sqrtf(sumsq(out, D) / (float)D + o_eps);
             const float *gt = gate + hh * D;

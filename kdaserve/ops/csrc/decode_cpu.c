@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "fastmath.h"
+#include "kda_step.h"
 
 /* bf16 is the top half of an fp32: widening is a shift; narrowing rounds to nearest even
  * (as torch's .to(torch.bfloat16) does; NaN is not expected here). */

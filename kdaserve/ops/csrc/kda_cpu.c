@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "fastmath.h"
+#include "kda_step.h"
 
 void kda_recurrent_slots(int64_t row_begin, int64_t row_end, float *store, const int64_t *slots,
                          int64_t L, int64_t H, int64_t K, int64_t V,
@@ -37,28 +38,7 @@ void kda_recurrent_slots(int64_t row_begin, int64_t row_end, float *store, const
                 const float *qt = q + bth * K, *kt = k + bth * K, *gt = g + bth * K;
                 const float *vt = v + bth * V;
                 const float bt = beta[bth];
-                for (int64_t j = 0; j < V; ++j) kv[j] = 0.0f;
-                for (int64_t i = 0; i < K; ++i) decay[i] = exp_approx(gt[i]);
-                for (int64_t i = 0; i < K; ++i) {
-                    float *row = S + i * V;
-                    const float e = decay[i], ki = kt[i];
-                    for (int64_t j = 0; j < V; ++j) {
-                        row[j] *= e;
-                        kv[j] += ki * row[j];
-                    }
-                }
-                for (int64_t j = 0; j < V; ++j) {
-                    delta[j] = (vt[j] - kv[j]) * bt;
-                    out[j] = 0.0f;
-                }
-                for (int64_t i = 0; i < K; ++i) {
-                    float *row = S + i * V;
-                    const float ki = kt[i], qi = qt[i];
-                    for (int64_t j = 0; j < V; ++j) {
-                        row[j] += ki * delta[j];
-                        out[j] += qi * row[j];
-                    }
-                }
+                kda_step(S, qt, kt, vt, gt, bt, out, K, V, kv, delta, decay);
                 memcpy(o + bth * V, out, sizeof(float) * V);
                 if (kept && (t + 1) % keep_every == 0) {
                     const int64_t at = (b * (L / keep_every) + (t + 1) / keep_every - 1) * H + h;
