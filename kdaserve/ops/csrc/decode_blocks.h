@@ -295,3 +295,10 @@ void NAME(head_block)(int64_t B, int64_t Hd, int64_t V, const float *x, const fl
 #undef CAT_
 #undef CAT
 #undef NAME
+/* the includer's type parameters end with this copy */
+#undef WT
+#undef CT
+#undef LDW
+#undef LDC
+#undef STC
+#undef SFX

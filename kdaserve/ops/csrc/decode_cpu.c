@@ -70,12 +70,6 @@ static inline float softplus_f(float x) {
 #define STC(v) (v)
 #define SFX _f32
 #include "decode_blocks.h"
-#undef WT
-#undef CT
-#undef LDW
-#undef LDC
-#undef STC
-#undef SFX
 
 /* bf16 weights and cache (--dtype bfloat16), fp32 activations and accumulation */
 #define WT uint16_t
@@ -85,9 +79,3 @@ static inline float softplus_f(float x) {
 #define STC(v) f32_to_bf16(v)
 #define SFX _bf16
 #include "decode_blocks.h"
-#undef WT
-#undef CT
-#undef LDW
-#undef LDC
-#undef STC
-#undef SFX
