@@ -301,7 +301,7 @@ class OpenAIServing:
                          lps: list[dict[int, float] | None] | None):
         if req.prompt_logprobs is None:
             return None
-        return format_prompt_logprobs(prompt.token_ids, lps,
+        return format_prompt_logprobs(prompt.token_ids, lps, req.prompt_logprobs,
                                       lambda t: self.tokenizer.decode([t]))
 
     def _echo_logprobs(self, prompt: Prompt, lps: list[dict[int, float] | None] | None,

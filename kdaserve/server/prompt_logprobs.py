@@ -16,22 +16,20 @@ PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 def format_prompt_logprobs(token_ids: list[int], lps: list[dict[int, float] | None] | None,
-                           decode: Callable[[int], str]) -> PromptLogprobs:
-    """lps[i]: token id -> logprob at prompt position i (the prompt's own token and the top
-    alternatives). Ranks are 1-based among the alternatives; a prompt token outside them has
-    no rank here (its rank in the whole vocabulary is not computed)."""
+                           top_n: int, decode: Callable[[int], str]) -> PromptLogprobs:
+    """lps[i]: token id -> logprob at prompt position i: the top_n alternatives, plus the prompt's
+    own token when it is not among them. Ranks are 1-based among the alternatives; a prompt
+    token outside them has none here (its rank in the whole vocabulary is not computed)."""
     out: PromptLogprobs = []
     for i, tid in enumerate(token_ids):
         entry = lps[i] if lps is not None and i < len(lps) else None
         if entry is None:
             out.append(None)
             continue
-        order = sorted(entry, key=lambda t: -entry[t])
-        top = [t for t in order if t != tid] if tid in entry else order
-        ranked = {t: r + 1 for r, t in enumerate(order)}
-        n_top = len(entry) - 1 if tid in entry else len(entry)
-        out.append({str(t): PromptLogprob(
-            logprob=entry[t], decoded_token=decode(t),
-            rank=ranked[t] if t != tid or ranked[t] <= n_top else None)
-            for t in [tid, *top] if t in entry})
+        top = sorted(entry, key=lambda t: -entry[t])[:top_n]   # the engine may hold more
+        rank = {t: r + 1 for r, t in enumerate(top)}
+        first = [tid] if tid in entry else []       # the prompt's token leads, as vLLM's
+        out.append({str(t): PromptLogprob(logprob=entry[t], rank=rank.get(t),
+                                          decoded_token=decode(t))
+                    for t in first + [t for t in top if t != tid]})
     return out
