@@ -138,8 +138,11 @@ class ModelRunner:
             positions, state_slots, table = fused_decode.step_inputs(seqs)
             logits = fused(ids, positions, state_slots, table, self.cache,
                            [(b, sid) for b, _, sid in snaps], capture, captured)
-            bs = self.cache.block_size
-            cache_slots = table.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
+            cache_slots = None
+            if self.proposer is not None:       # where the draft's context pages go
+                bs = self.cache.block_size
+                cache_slots = (table.gather(1, (positions // bs)[:, None])[:, 0] * bs
+                               + positions % bs)
         else:
             embeds = (embed_with_media(self.model, ids, seqs, starts, self.encoder_cache)
                       if any(s.media for s in seqs) else None)
