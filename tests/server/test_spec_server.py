@@ -38,10 +38,15 @@ def _complete_all(base_url: str) -> list[list[int]]:
         return list(pool.map(one, PROMPTS))
 
 
-@pytest.mark.parametrize("method", ["ngram", "dspark"])
-def test_speculative_server_is_identical(method, reference, tmp_path):
+# Adaptive speculation decides from wall-clock step costs, so whether it keeps drafting after its
+# first probes depends on the machine's load: with it on, only the bookkeeping is asserted; with it
+# off (a fixed k), drafts must be accepted.
+@pytest.mark.parametrize(("method", "adaptive"),
+                         [("ngram", False), ("dspark", False), ("dspark", True)])
+def test_speculative_server_is_identical(method, adaptive, reference, tmp_path):
     srv = start_server(default_model_path(), tmp_path / "spec.log", "--cache-memory", "64MiB",
-                       "--speculative-method", method, "--speculative-tokens", "4")
+                       "--speculative-method", method, "--speculative-tokens", "4",
+                       "--speculative-adaptive" if adaptive else "--no-speculative-adaptive")
     try:
         assert _complete_all(srv.base_url) == reference
         after = wait_idle(srv.url)
@@ -51,7 +56,10 @@ def test_speculative_server_is_identical(method, reference, tmp_path):
     drafted = after["kdaserve:spec_decode_num_draft_tokens_total"]
     accepted = after["kdaserve:spec_decode_num_accepted_tokens_total"]
     assert after["kdaserve:spec_decode_num_verifications_total"] > 0
-    assert drafted > 0 and 0 < accepted <= drafted
+    assert drafted > 0 and 0 <= accepted <= drafted
+    if not adaptive:
+        assert accepted > 0
+        return
     # what adaptive speculation decided
     assert after["kdaserve:spec_decode_acceptance_rate"] == pytest.approx(accepted / drafted)
     steps = after["kdaserve:spec_decode_adaptive_steps_total"]
