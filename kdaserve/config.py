@@ -686,23 +686,29 @@ MOE_BACKENDS = ("auto", "reference", "grouped", "ep_all2all", "tp_sharded")
 @dataclass(frozen=True)
 class ParallelConfig:
     """The process layout (docs/parallelism.md). Ranks = max(tensor, expert, data) parallel
-    size: tensor parallelism shards attention heads, MLPs and the vocabulary; expert parallelism
-    partitions the routed experts over the same ranks (attention is then replicated when
-    tensor_parallel_size is 1, or data parallel: each rank runs its own requests' attention,
-    when data_parallel_size equals expert_parallel_size). `distributed_executor`: "mp" (one spawned process per rank,
-    also used for a single rank when asked for) or "uni" (in-process; one rank only)."""
+    size x pipeline parallel size: tensor parallelism shards attention heads, MLPs and the
+    vocabulary; expert parallelism partitions the routed experts over the same ranks
+    (attention is then replicated when tensor_parallel_size is 1, or data parallel: each rank
+    runs its own requests' attention, when data_parallel_size equals expert_parallel_size);
+    pipeline parallelism splits the decoder layers into stages, one rank each.
+    `distributed_executor`: "mp" (one spawned process per rank, also used for a single rank
+    when asked for) or "uni" (in-process; one rank only)."""
 
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     # attention data parallel ("DEP"): each rank runs attention for its own requests, the
     # routed experts partitioned over the same ranks (expert_parallel_size == this)
     data_parallel_size: int = 1
+    # pipeline parallel: the decoder layers split into this many stages, one rank each
+    # (kdaserve/distributed/pipeline.py); only with the other sizes 1
+    pipeline_parallel_size: int = 1
     moe_backend: str = "auto"
     distributed_executor: str | None = None    # None: "uni" for one rank, else "mp"
     worker_timeout_s: float = 300.0            # a collective that waits longer fails
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "expert_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "expert_parallel_size", "data_parallel_size",
+                     "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         tp, ep = self.tensor_parallel_size, self.expert_parallel_size
@@ -715,6 +721,11 @@ class ParallelConfig:
             raise ConfigError(f"data_parallel_size {dp} is attention data parallel with "
                               f"expert-parallel MoE: it needs expert_parallel_size {dp} and "
                               f"tensor_parallel_size 1 (got {ep} and {tp})")
+        pp = self.pipeline_parallel_size
+        if pp > 1 and (tp, ep, dp) != (1, 1, 1):
+            raise ConfigError(f"pipeline_parallel_size {pp} runs with tensor, expert and data "
+                              f"parallel sizes 1 (got {tp}, {ep} and {dp}): combined layouts "
+                              "are not built")
         if self.moe_backend not in MOE_BACKENDS:
             raise ConfigError(f"moe_backend must be one of {MOE_BACKENDS}, "
                               f"got {self.moe_backend!r}")
@@ -728,7 +739,7 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return max(self.tensor_parallel_size, self.expert_parallel_size,
-                   self.data_parallel_size)
+                   self.data_parallel_size) * self.pipeline_parallel_size
 
     @property
     def executor(self) -> str:

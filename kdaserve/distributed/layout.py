@@ -58,6 +58,16 @@ def check_layout(cfg: ModelConfig, config: EngineConfig) -> None:
             raise ConfigError("--data-parallel-size > 1 serves n-gram speculation only "
                               "(--speculative-method ngram); the DSpark draft is not wired "
                               "for data-parallel ranks")
+    pp = par.pipeline_parallel_size
+    if pp > 1:
+        if pp > cfg.num_hidden_layers:
+            raise ConfigError(f"--pipeline-parallel-size {pp} exceeds the model's "
+                              f"{cfg.num_hidden_layers} decoder layers (each stage needs one)")
+        spec = config.speculative
+        if spec is not None and spec.method == "dspark":
+            raise ConfigError("--pipeline-parallel-size > 1 serves n-gram speculation only "
+                              "(--speculative-method ngram); the DSpark draft reads hidden "
+                              "states of several stages and is not wired for pipeline ranks")
     backend = par.moe_backend
     if backend == "ep_all2all" and ep == 1:
         raise ConfigError("--moe-backend ep_all2all needs --expert-parallel-size > 1")
@@ -76,3 +86,36 @@ def rank_model_config(cfg: ModelConfig, tp: int) -> ModelConfig:
         return cfg
     return replace(cfg, kda_num_heads=cfg.kda_num_heads // tp,
                    num_attention_heads=cfg.num_attention_heads // tp)
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """The decoder layers of pipeline stage `stage`: contiguous, as even as they divide (the
+    first num_layers % pp stages hold one more)."""
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+def stage_model_config(cfg: ModelConfig, layers: range) -> ModelConfig:
+    """The layers of one stage as a model of their own (indices from 0): the shapes and
+    counts of the caches that stage holds."""
+    def local(which: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(i - layers.start for i in which if i in layers)
+
+    return replace(cfg, num_hidden_layers=len(layers), kda_layers=local(cfg.kda_layers),
+                   mla_layers=local(cfg.mla_layers), moe_layers=local(cfg.moe_layers))
+
+
+def cache_model_config(cfg: ModelConfig, tp: int = 1, pp: int = 1) -> ModelConfig:
+    """What the memory planner sizes: one rank's caches. Under pipeline parallelism every
+    stage allocates the same number of blocks and slots (the scheduler sees one logical
+    cache), so the plan is made for the most KDA and the most MLA layers any stage holds."""
+    cfg = rank_model_config(cfg, tp)
+    if pp == 1:
+        return cfg
+    stages = [stage_model_config(cfg, stage_layers(cfg.num_hidden_layers, pp, s))
+              for s in range(pp)]
+    kda = max(len(c.kda_layers) for c in stages)
+    mla = max(len(c.mla_layers) for c in stages)
+    return replace(cfg, num_hidden_layers=kda + mla, kda_layers=tuple(range(kda)),
+                   mla_layers=tuple(range(kda, kda + mla)), moe_layers=())

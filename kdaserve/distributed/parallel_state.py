@@ -2,7 +2,8 @@
 
 Every rank of a layout is both a tensor-parallel rank (attention heads, MLP widths and the
 vocabulary sharded tp ways) and an expert-parallel rank (routed experts partitioned ep ways);
-ParallelConfig keeps tp and ep equal or one of them 1, so one group serves both. gloo runs on
+ParallelConfig keeps tp and ep equal or one of them 1, so one group serves both. Pipeline
+parallelism runs alone (tp = ep = dp = 1): rank r is stage r. gloo runs on
 CPU (CI, this machine), NCCL on CUDA: the code path is the same.
 """
 
@@ -23,6 +24,7 @@ class ParallelContext:
     ep_size: int
     group: object | None = None          # the ranks' process group (None: the default group)
     dp_size: int = 1                     # >1: each rank holds its own tokens (attention DP)
+    pp_size: int = 1                     # >1: rank r is pipeline stage r (its layers only)
 
     @property
     def tp_rank(self) -> int:
@@ -31,6 +33,10 @@ class ParallelContext:
     @property
     def ep_rank(self) -> int:
         return self.rank if self.ep_size > 1 else 0
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank if self.pp_size > 1 else 0
 
     @property
     def is_driver(self) -> bool:
@@ -42,12 +48,12 @@ _CONTEXT: ParallelContext | None = None
 
 def init_distributed(rank: int, world_size: int, tp: int, ep: int, init_method: str,
                      device: str = "cpu", timeout_s: float = 300.0,
-                     dp: int = 1) -> ParallelContext:
+                     dp: int = 1, pp: int = 1) -> ParallelContext:
     global _CONTEXT
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    _CONTEXT = ParallelContext(rank, world_size, tp, ep, dp_size=dp)
+    _CONTEXT = ParallelContext(rank, world_size, tp, ep, dp_size=dp, pp_size=pp)
     return _CONTEXT
 
 

@@ -77,11 +77,12 @@ class EngineCore:
             if model is not None:
                 raise ValueError("a multi-process layout loads the model in each worker from "
                                  "config.model; pass no model object")
-            from kdaserve.distributed.layout import check_layout, rank_model_config
+            from kdaserve.distributed.layout import cache_model_config, check_layout
 
             cfg = load_config(config.model)
             check_layout(cfg, config)                 # refused here, before any process starts
-            rank_cfg = rank_model_config(cfg, par.tensor_parallel_size)
+            rank_cfg = cache_model_config(cfg, par.tensor_parallel_size,
+                                          par.pipeline_parallel_size)
         else:
             if model is None:
                 model = load_model(config.model, dtype=config.dtype, device=str(device),
@@ -99,7 +100,8 @@ class EngineCore:
         if tokenizer is None and config.model and _has_tokenizer(Path(config.model)):
             tokenizer = Tokenizer.from_pretrained(config.model)
         self.tokenizer = tokenizer
-        # caches are sized per rank: a tensor-parallel rank holds its heads' KDA states
+        # caches are sized per rank: a tensor-parallel rank holds its heads' KDA states, a
+        # pipeline stage its layers' caches
         latent, state = specs_for(rank_cfg, config.cache.block_size, config.dtype)
         sched = config.scheduler
         cc = config.cache

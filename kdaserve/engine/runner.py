@@ -9,10 +9,12 @@ rejected positions stay in the pages, past the request's computed length, and ar
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from kdaserve.cache.ops import OpFailure
 from kdaserve.cache.planner import CachePlan
 from kdaserve.engine.cache_ops import CacheOpRunner, Store
 from kdaserve.engine.encoder_cache import EncoderCache, embed_with_media
@@ -21,13 +23,31 @@ from kdaserve.engine.sampler import SamplingRow, sample
 from kdaserve.engine.spec.proposer import Proposal, ProposalInput, Proposer
 from kdaserve.engine.spec.rejection import VerifyRow, verify
 from kdaserve.engine.step_message import RunnerRequest, RunnerRequests
-from kdaserve.model.batch import HybridCache, build_forward_batch
+from kdaserve.model.batch import ForwardBatch, HybridCache, build_forward_batch
 from kdaserve.model import fused_decode
 from kdaserve.model.base import HybridForCausalLM
 from kdaserve.outputs import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
 
 if TYPE_CHECKING:
     from kdaserve.structured.manager import StructuredOutputs
+
+
+@dataclass
+class PreparedStep:
+    """One forward's inputs, built from a step's sequences (each pipeline stage builds the
+    same from the same message)."""
+
+    seqs: list[ScheduledSequence]           # in forward order: decode rows first
+    num_decode: int
+    lens: list[int]
+    starts: list[int]
+    n_sample: int                           # logits rows that are sampled (the rest: prompt)
+    prompt_rows: list
+    snaps: list[tuple[int, int, int]]       # (row, position, snapshot id) taken in the forward
+    spec_snaps: list[tuple[int, int, int]]  # the same on verify rows, taken once verified
+    ids: torch.Tensor
+    fb: ForwardBatch | None                 # None: the fused decode path
+    fused: fused_decode.FusedDecoder | None
 
 
 class ModelRunner:
@@ -80,8 +100,27 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """One step from its self-contained message (see kdaserve/engine/step_message.py)."""
+        failures, lost = self.begin(out)
+        lost_snaps = [sid for rid, _, sid in out.snapshot_requests if rid in lost]
+        step = self.prepare(out.sequences, out.snapshot_requests, lost)
+        if step is None:
+            return ModelRunnerOutput(sampled={}, dropped_snapshots=lost_snaps,
+                                     cache_op_failures=failures)
+        masks = self.start_masks(step)
+        logits, captured, positions, cache_slots = self.forward(step)
+        result = self.finish(step, logits, captured, positions, cache_slots, masks,
+                             out.draft_limits)
+        result.dropped_snapshots.extend(lost_snaps)
+        result.cache_op_failures = failures
+        return result
+
+    # The phases of a step, apart so that a pipeline stage (kdaserve/distributed/pipeline.py)
+    # can run its share: every stage begins and prepares, the last one finishes, the others
+    # settle speculation once the last one has verified.
+    def begin(self, out: SchedulerOutput) -> tuple[list[OpFailure], set[str]]:
+        """Take in the message's request data, forget finished requests, run the cache ops.
+        Returns the failures and the requests that lost their cache entry."""
         self.requests.apply(out)
-        requests = self.requests
         for rid in out.finished:
             self._generators.pop(rid, None)
             self._draft_probs.pop(rid, None)
@@ -89,13 +128,17 @@ class ModelRunner:
                 self.structured.forget(rid)
         failures = self.cache_ops.run(out.cache_ops) if out.cache_ops else []
         # a request whose tier entry failed verification sits this step out (recomputed later)
-        lost = {f.request_id for f in failures if f.request_id is not None}
-        lost_snaps = [sid for rid, _, sid in out.snapshot_requests if rid in lost]
-        snap_reqs = [r for r in out.snapshot_requests if r[0] not in lost]
-        keep = [s for s in out.sequences if s.request_id not in lost]
+        return failures, {f.request_id for f in failures if f.request_id is not None}
+
+    def prepare(self, sequences: list[ScheduledSequence],
+                snapshot_requests: list[tuple[str, int, int]], lost: set[str] = frozenset()
+                ) -> PreparedStep | None:
+        """The forward's layout for these sequences (None: nothing to run); restores the
+        prefix-hit snapshots into their slots."""
+        snap_reqs = [r for r in snapshot_requests if r[0] not in lost]
+        keep = [s for s in sequences if s.request_id not in lost]
         if not keep:
-            return ModelRunnerOutput(sampled={}, dropped_snapshots=lost_snaps,
-                                     cache_op_failures=failures)
+            return None
         seqs, num_decode = self.order(keep)
         restores = [(s.state_slot, s.restore_snapshot) for s in seqs
                     if s.restore_snapshot is not None]
@@ -115,7 +158,7 @@ class ModelRunner:
             elif s.sample:
                 wanted.append(pos + n - 1)
             pos += n
-        prompt_rows = plan_rows(seqs, starts, requests)       # only requests that ask
+        prompt_rows = plan_rows(seqs, starts, self.requests)       # only requests that ask
         n_sample = len(wanted)
         for r in prompt_rows:
             wanted.extend(r.at)
@@ -130,45 +173,68 @@ class ModelRunner:
         ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long,
                            device=self.device)
         self.num_forward_tokens += len(ids)
+        return PreparedStep(seqs, num_decode, lens, starts, n_sample, prompt_rows, snaps,
+                            spec_snaps, ids, fb, fused)
+
+    def start_masks(self, step: PreparedStep):
+        """Grammar masks, computed on a worker thread while the model runs (None: none)."""
+        if self.structured is None:
+            return None
+        return self.structured.prepare(step.seqs, self.requests)
+
+    def forward(self, step: PreparedStep):
+        """The whole model over the step: (logits of the wanted rows, captured hidden
+        states, positions [T], MLA cache slots [T] or None)."""
         capture = self.proposer.capture_layers if self.proposer is not None else ()
-        # grammar masks are computed on a worker thread while the model runs
-        masks = self.structured.prepare(seqs, requests) if self.structured is not None else None
+        seqs, fused, fb = step.seqs, step.fused, step.fb
         if fused is not None:      # decode rows only: no drafts, media or prompt logprobs
             captured = []
             positions, state_slots, table = fused_decode.step_inputs(seqs)
-            logits = fused(ids, positions, state_slots, table, self.cache,
-                           [(b, sid) for b, _, sid in snaps], capture, captured)
+            logits = fused(step.ids, positions, state_slots, table, self.cache,
+                           [(b, sid) for b, _, sid in step.snaps], capture, captured)
             cache_slots = None
             if self.proposer is not None:       # where the draft's context pages go
                 bs = self.cache.block_size
                 cache_slots = (table.gather(1, (positions // bs)[:, None])[:, 0] * bs
                                + positions % bs)
-        else:
-            embeds = (embed_with_media(self.model, ids, seqs, starts, self.encoder_cache)
-                      if any(s.media for s in seqs) else None)
-            logits, captured = self.model(ids, fb, capture_layers=capture, inputs_embeds=embeds)
-            positions = fb.positions
-            cache_slots = fb.mla.slot_mapping
-        prompt_lps = score(logits[n_sample:], prompt_rows) if prompt_rows else {}
-        logits = logits[:n_sample]
+            return logits, captured, positions, cache_slots
+        embeds = (embed_with_media(self.model, step.ids, seqs, step.starts, self.encoder_cache)
+                  if any(s.media for s in seqs) else None)
+        logits, captured = self.model(step.ids, fb, capture_layers=capture,
+                                      inputs_embeds=embeds)
+        return logits, captured, fb.positions, fb.mla.slot_mapping
+
+    def finish(self, step: PreparedStep, logits: torch.Tensor, captured: list[torch.Tensor],
+               positions: torch.Tensor, cache_slots: torch.Tensor | None, masks,
+               draft_limits: dict[str, int] | None) -> ModelRunnerOutput:
+        """Sample (verify drafts), settle speculation in the cache, propose the next drafts."""
+        requests, seqs = self.requests, step.seqs
+        prompt_lps = (score(logits[step.n_sample:], step.prompt_rows) if step.prompt_rows
+                      else {})
+        logits = logits[:step.n_sample]
         sampled = self._sample(seqs, logits.cpu(), requests,
                                masks.result() if masks is not None else None)
         if masks is not None and self.proposer is not None:   # drafts are checked at once
             self.structured.advance(sampled)
-        valid = [len(sampled[s.request_id]) if s.num_draft_tokens else n
-                 for s, n in zip(seqs, lens)]
-        dropped = self._settle_speculation(fb, seqs, valid, spec_snaps)
+        valid, dropped = self.settle(step, sampled)
         drafts: dict[str, list[int]] = {}
         if self.proposer is not None and sampled:
             hidden = torch.cat(captured, -1) if captured else None
             rows = {rid: self._sampling_row(requests[rid]) for rid in sampled}
             props = self.proposer.propose(ProposalInput(
                 seqs, valid, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()},
-                requests, positions, cache_slots, hidden, rows, out.draft_limits))
+                requests, positions, cache_slots, hidden, rows, draft_limits))
             drafts = self._keep_proposals(props)
-        return ModelRunnerOutput(sampled=sampled, drafts=drafts,
-                                 dropped_snapshots=dropped + lost_snaps,
-                                 cache_op_failures=failures, prompt_logprobs=prompt_lps)
+        return ModelRunnerOutput(sampled=sampled, drafts=drafts, dropped_snapshots=dropped,
+                                 prompt_logprobs=prompt_lps)
+
+    def settle(self, step: PreparedStep, sampled: Mapping[str, list[SampledToken]]
+               ) -> tuple[list[int], list[int]]:
+        """How many tokens of each row stand (a verify row: those sampled), with the KDA
+        state committed accordingly; returns them and the snapshot ids dropped."""
+        valid = [len(sampled[s.request_id]) if s.num_draft_tokens else n
+                 for s, n in zip(step.seqs, step.lens)]
+        return valid, self._settle_speculation(step.fb, step.seqs, valid, step.spec_snaps)
 
     def _fused_decoder(self, seqs: list[ScheduledSequence], num_decode: int
                        ) -> fused_decode.FusedDecoder | None:

@@ -1,13 +1,18 @@
 """What every hybrid causal LM of the family shares: the packed-batch forward, dtype and chunk
 settings, inference layouts. A family's class builds its modules under the checkpoint's names
-(`model`, `lm_head`) and may override `run_layers` (K3's attention-residuals do)."""
+(`model`, `lm_head`) and may override the stream's pieces, `new_bank` / `run_stage` /
+`final_hidden` (K3's attention-residuals do); a pipeline stage runs them over its own layers
+(kdaserve/distributed/pipeline_model.py)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from kdaserve.config import ModelConfig
+from kdaserve.model.attn_res import ResidualBank
 from kdaserve.model.batch import ForwardBatch, build_forward_batch
 from kdaserve.model.kda import KimiDeltaAttention
 from kdaserve.model.layers import MLP, RMSNorm
@@ -96,7 +101,11 @@ class HybridForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        # a pipeline stage past the first holds no embedding: any held layer's norm says it
+        emb = self.model.embed_tokens
+        if emb is not None:
+            return emb.weight.dtype
+        return next(iter(self.model.layers)).input_layernorm.weight.dtype
 
     def weight_report(self) -> dict[str, float]:
         """Bytes and weights as loaded: the whole model and the routed experts apart."""
@@ -111,16 +120,34 @@ class HybridForCausalLM(nn.Module):
                 "expert_bytes_per_weight": expert_bytes / expert_weights if expert_weights
                 else 0.0}
 
+    def new_bank(self) -> ResidualBank | None:
+        """What a forward carries beside the stream: K3's attention-residual bank; None here."""
+        return None
+
+    def run_stage(self, x: torch.Tensor, fb: ForwardBatch, layers: Iterable[int],
+                  bank: ResidualBank | None, capture_layers: tuple[int, ...] = (),
+                  captured: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Layers `layers` (global indices, in order) over the stream x [T, H]; the stream
+        after each layer in capture_layers is appended to `captured`."""
+        for i in layers:
+            x = self.model.layers[i](x, fb)
+            if i in capture_layers:
+                captured.append(x)
+        return x
+
+    def final_hidden(self, x: torch.Tensor, bank: ResidualBank | None) -> torch.Tensor:
+        """The hidden state after the last layer, before model.norm."""
+        return x
+
     def run_layers(self, x: torch.Tensor, fb: ForwardBatch, capture_layers: tuple[int, ...]
                    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The decoder stack over embeddings x [T, H]: the final hidden (before model.norm)
         and the stream after each layer in capture_layers."""
-        captured = []
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, fb)
-            if i in capture_layers:
-                captured.append(x)
-        return x, captured
+        bank = self.new_bank()
+        captured: list[torch.Tensor] = []
+        x = self.run_stage(x, fb, range(self.config.num_hidden_layers), bank, capture_layers,
+                           captured)
+        return self.final_hidden(x, bank), captured
 
     def forward(
         self, input_ids: torch.Tensor, fb: ForwardBatch,

@@ -226,7 +226,7 @@ def supports(model: HybridForCausalLM, cache: HybridCache) -> bool:
     cfg = model.config
     if getattr(model, "_rank_config", None) is not None:
         return False          # a parallel rank's share: its hooks all-reduce what fused skips
-    if type(model).run_layers is not HybridForCausalLM.run_layers:
+    if type(model).final_hidden is not HybridForCausalLM.final_hidden:
         return False          # K3's attention residuals mix the layer outputs differently
     dtype = model.dtype
     if dtype not in (torch.float32, torch.bfloat16) or \

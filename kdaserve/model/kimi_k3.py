@@ -13,6 +13,8 @@ by every later position, so P is the one stream that is the layer's own contribu
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -102,16 +104,25 @@ class KimiK3ForConditionalGeneration(HybridForCausalLM):
     def lm_head(self) -> nn.Linear:  # type: ignore[override]
         return self.language_model.lm_head
 
-    def run_layers(self, x: torch.Tensor, fb: ForwardBatch, capture_layers: tuple[int, ...]
-                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def new_bank(self) -> ResidualBank | None:
         if self.config.attn_res_block_size is None:
-            return super().run_layers(x, fb, capture_layers)
-        bank = ResidualBank(self.config.rms_norm_eps)
-        captured = []
-        for i, layer in enumerate(self.model.layers):
-            x = layer.forward_res(x, bank, fb)
+            return None
+        return ResidualBank(self.config.rms_norm_eps)
+
+    def run_stage(self, x: torch.Tensor, fb: ForwardBatch, layers: Iterable[int],
+                  bank: ResidualBank | None, capture_layers: tuple[int, ...] = (),
+                  captured: list[torch.Tensor] | None = None) -> torch.Tensor:
+        if bank is None:
+            return super().run_stage(x, fb, layers, bank, capture_layers, captured)
+        for i in layers:           # x is the in-block running sum P
+            x = self.model.layers[i].forward_res(x, bank, fb)
             if i in capture_layers:
                 captured.append(x)
+        return x
+
+    def final_hidden(self, x: torch.Tensor, bank: ResidualBank | None) -> torch.Tensor:
+        if bank is None:
+            return x
         m = self.model
         return attn_res_mix(bank, x, m.output_attn_res_norm.weight,
-                            m.output_attn_res_proj.weight), captured
+                            m.output_attn_res_proj.weight)
