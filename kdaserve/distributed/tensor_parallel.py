@@ -80,6 +80,7 @@ class ShardInfo:
     tp_size: int
     expert_start: int
     num_local_experts: int
+    foreign: tuple[str, ...] = ()     # name prefixes other pipeline stages hold (not read)
 
 
 def shard_model(model, ctx: ParallelContext, moe_backend: str = "auto") -> ShardInfo:
@@ -90,6 +91,11 @@ def shard_model(model, ctx: ParallelContext, moe_backend: str = "auto") -> Shard
     tp, group = ctx.tp_size, ctx.group
     rank_cfg = rank_model_config(cfg, tp)
     model._rank_config = rank_cfg
+    foreign: tuple[str, ...] = ()
+    if getattr(ctx, "pp_size", 1) > 1:       # a pipeline stage: its layers only
+        from kdaserve.distributed.pipeline_model import keep_stage
+
+        foreign = keep_stage(model, ctx)
     chunk = model.chunk_size
     for layer in model.model.layers:
         if tp > 1:
@@ -119,6 +125,7 @@ def shard_model(model, ctx: ParallelContext, moe_backend: str = "auto") -> Shard
         _set_child(model, model.model.embed_tokens, emb)
         if cfg.tie_word_embeddings:
             head.weight = emb.weight
-    if not cfg.moe_layers:
+    if not any(getattr(layer, "block_sparse_moe", None) is not None
+               for layer in model.model.layers):    # none here (or on this stage)
         start, n = 0, cfg.num_experts
-    return ShardInfo(ctx.tp_rank, tp, start, n)
+    return ShardInfo(ctx.tp_rank, tp, start, n, foreign)

@@ -45,6 +45,7 @@ class LLM:
                  offload_dir: str | None = None,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  expert_parallel_size: int = 1, data_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1,
                  moe_backend: str = "auto",
                  distributed_executor: str | None = None,
                  num_threads: int | None = None) -> None:
@@ -60,6 +61,7 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     expert_parallel_size=expert_parallel_size,
                                     data_parallel_size=data_parallel_size,
+                                    pipeline_parallel_size=pipeline_parallel_size,
                                     moe_backend=moe_backend,
                                     distributed_executor=distributed_executor),
             cache=CacheConfig(block_size=block_size, cache_memory_bytes=cache_memory,

@@ -78,6 +78,10 @@ def _read(h, name: str, want: tuple[int, ...] | None, shard, reshapeable: bool) 
     return sl[(slice(None),) * d + (slice(r * n, (r + 1) * n),)]
 
 
+def _held_elsewhere(name: str, foreign: tuple[str, ...]) -> bool:
+    return any(n.startswith(foreign) for n in [name] + [p.sub(r, name) for p, r in _ALIASES])
+
+
 def _expert_target(name: str) -> tuple[str, int, str] | None:
     """`...experts.{e}.w1.weight[_packed|_scale]` -> (stacked tensor name, e, part)."""
     m = _EXPERT.match(name)
@@ -189,14 +193,16 @@ def load_model(
     if skipped:
         log.info("kdaserve: %d vision/MTP tensors in %s are not part of the model; "
                  "not loaded", skipped, path)
-    if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
+    # (a pipeline stage may hold only one of the two)
+    head, emb = getattr(model, "lm_head", None), model.model.embed_tokens
+    if cfg.tie_word_embeddings and "lm_head.weight" not in loaded and head is not None:
         loaded["lm_head.weight"] = loaded.get("model.embed_tokens.weight")
     missing = sorted(k for k in params if k not in loaded or loaded[k] is None)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {path} lacks tensor(s) {missing[:5]}{more}")
     model.load_state_dict(loaded, strict=True, assign=True)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and head is not None and emb is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
 
@@ -209,6 +215,8 @@ def _load_one(name: str, src, params: dict[str, torch.Tensor], loaded: dict[str,
     `shard` (a parallel layout), only this rank's experts and slices are read."""
     if _SKIPPED.search(name) and _canonical(name, params) not in params:
         return 1
+    if shard is not None and shard.foreign and _held_elsewhere(name, shard.foreign):
+        return 0                 # another pipeline stage's tensor: not read here
     expert = _expert_target(name)
     key = expert[0] if expert else _canonical(name, params)
     if key not in params:

@@ -190,6 +190,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="attention data parallel with expert-parallel MoE (DEP): each rank "
                         "runs attention for its own requests; needs --expert-parallel-size "
                         "equal to it (default: %(default)s)")
+    p.add_argument("--pipeline-parallel-size", type=_positive_int, default=1,
+                   help="pipeline stages: the decoder layers split across this many ranks, "
+                        "hidden states passed between them, several micro-batches in flight; "
+                        "with the other parallel sizes 1 (default: %(default)s)")
     p.add_argument("--moe-backend", choices=MOE_BACKENDS, default="auto",
                    help="how routed experts run; auto picks by topology and logs why "
                         "(default: %(default)s)")
@@ -284,6 +288,7 @@ def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
             tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
             expert_parallel_size=getattr(args, "expert_parallel_size", 1),
             data_parallel_size=getattr(args, "data_parallel_size", 1),
+            pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
             moe_backend=getattr(args, "moe_backend", "auto"),
             distributed_executor=getattr(args, "distributed_executor", None)),
     )

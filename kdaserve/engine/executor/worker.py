@@ -66,7 +66,8 @@ def worker_main(rank: int, world_size: int, init_method: str, config: EngineConf
 
         ctx = init_distributed(rank, world_size, par.tensor_parallel_size,
                                par.expert_parallel_size, init_method, config.device,
-                               par.worker_timeout_s, par.data_parallel_size)
+                               par.worker_timeout_s, par.data_parallel_size,
+                               pp=par.pipeline_parallel_size)
         runner = build_worker_runner(config, plan, ctx)
         dist.barrier()
     except BaseException as exc:    # noqa: BLE001 - reported to the engine, then exit
@@ -80,6 +81,7 @@ def worker_main(rank: int, world_size: int, init_method: str, config: EngineConf
 
 
 def _loop(rank: int, world_size: int, runner, conn: Connection, data_parallel: bool) -> None:
+    from kdaserve.distributed import pipeline
     from kdaserve.distributed.data_parallel import execute_step
 
     while True:
@@ -99,6 +101,8 @@ def _loop(rank: int, world_size: int, runner, conn: Connection, data_parallel: b
         try:
             if kind == "execute" and data_parallel:
                 result = execute_step(runner, msg[1], rank, world_size)
+            elif kind == "execute" and pipeline.active():
+                result = pipeline.execute_step(runner, msg[1])
             elif kind == "execute":
                 result = runner.execute(msg[1])
             elif kind == "cache_ops":
