@@ -120,7 +120,7 @@ def compare_on_ranks(ctx, raw: dict, backends: list[str], tokens: list[int], rep
 
 
 def _layout_runs(repeats: int, max_tokens: int = 32) -> dict:
-    """Greedy tokens and decode step time of TP=2, EP=2 and DP=2 x EP=2 against one process
+    """Greedy tokens and decode step time of TP=2, EP=2, DP=2 x EP=2 and PP=2 against one process
     (tiny random Kimi Linear, 2 spawned gloo workers each)."""
     from kdaserve.engine.llm import LLM
     from kdaserve.model.loader import save_model
@@ -137,7 +137,8 @@ def _layout_runs(repeats: int, max_tokens: int = 32) -> dict:
     out = {}
     for name, kw in (("one", {}), ("tp2", {"tensor_parallel_size": 2}),
                      ("ep2", {"expert_parallel_size": 2}),
-                     ("dp2_ep2", {"data_parallel_size": 2, "expert_parallel_size": 2})):
+                     ("dp2_ep2", {"data_parallel_size": 2, "expert_parallel_size": 2}),
+                     ("pp2", {"pipeline_parallel_size": 2})):
         llm = LLM(d, num_threads=1, max_model_len=256, cache_memory=8 << 20, **kw)
         try:
             toks = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
@@ -158,11 +159,15 @@ def _layout_runs(repeats: int, max_tokens: int = 32) -> dict:
         "tp2_identical": out["tp2"]["tokens"] == out["one"]["tokens"],
         "ep2_identical": out["ep2"]["tokens"] == out["one"]["tokens"],
         "dp2_ep2_identical": out["dp2_ep2"]["tokens"] == out["one"]["tokens"],
+        "pp2_identical": out["pp2"]["tokens"] == out["one"]["tokens"],
         "decode_step_s": {k: round(v["decode_step_s"], 5) for k, v in out.items()},
         "tp2_step_vs_one": out["tp2"]["decode_step_s"] / out["one"]["decode_step_s"],
         "ep2_step_vs_one": out["ep2"]["decode_step_s"] / out["one"]["decode_step_s"],
         "dp2_ep2_step_vs_one": (out["dp2_ep2"]["decode_step_s"]
                                 / out["one"]["decode_step_s"]),
+        # each stage runs half the layers, but a decode step waits on both in turn: on one
+        # machine this is the hand-off overhead of the pipeline
+        "pp2_step_vs_one": out["pp2"]["decode_step_s"] / out["one"]["decode_step_s"],
     }
 
 
@@ -176,9 +181,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="token counts per MoE call (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--layout-tokens", type=int, default=32,
-                   help="greedy tokens per prompt in the TP=2 / EP=2 engine runs")
+                   help="greedy tokens per prompt in the TP=2 / EP=2 / PP=2 engine runs")
     p.add_argument("--no-layouts", action="store_true",
-                   help="skip the TP=2 / EP=2 / DP=2xEP=2 engine runs (greedy equality, "
+                   help="skip the TP=2 / EP=2 / DP=2xEP=2 / PP=2 engine runs (greedy equality, "
                         "step time)")
 
 
@@ -220,7 +225,6 @@ def run(args: argparse.Namespace) -> int:
         "tp_sharded_vs_grouped": ratio("tp_sharded", "grouped"),
         "ep_all2all_vs_grouped": ratio("ep_all2all", "grouped"),
         "ep_all2all_vs_tp_sharded": ratio("ep_all2all", "tp_sharded"),
-        "pp2_identical": None,     # pipeline parallelism is not built
         "load": os.getloadavg()[0],
     }
     if not args.no_layouts:

@@ -1,5 +1,5 @@
 """`kdaserve bench moe --json` runs end to end at tiny sizes (2 gloo ranks for tp_sharded and
-ep_all2all, 2-worker engines for TP=2, EP=2 and DP=2 x EP=2) and prints the issue's keys;
+ep_all2all, 2-worker engines for TP=2, EP=2, DP=2 x EP=2 and PP=2) and prints the issue's keys;
 every backend's output matches `reference` and the layouts' greedy tokens match one process."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ BACKENDS = {"reference", "grouped", "tp_sharded", "ep_all2all"}
 KEYS = ("grouped_vs_reference", "tp_sharded_vs_grouped", "ep_all2all_vs_grouped",
         "ep_all2all_vs_tp_sharded", "tp2_identical", "ep2_identical", "pp2_identical",
         "dp2_ep2_identical", "tp2_step_vs_one", "ep2_step_vs_one", "dp2_ep2_step_vs_one",
+        "pp2_step_vs_one",
         "decode_step_s", "ratio_tokens")
 
 
@@ -30,9 +31,9 @@ def test_bench_moe_json(capsys):
             assert row["max_abs_err_vs_reference"] < 1e-5, (name, t, row)
     assert out["ratio_tokens"] == 8
     for key in ("grouped_vs_reference", "tp_sharded_vs_grouped", "ep_all2all_vs_grouped",
-                "tp2_step_vs_one", "ep2_step_vs_one", "dp2_ep2_step_vs_one"):
+                "tp2_step_vs_one", "ep2_step_vs_one", "dp2_ep2_step_vs_one", "pp2_step_vs_one"):
         assert out[key] > 0, key
     assert out["tp2_identical"] is True and out["ep2_identical"] is True
     assert out["dp2_ep2_identical"] is True
-    assert out["pp2_identical"] is None          # pipeline parallelism is not built
-    assert set(out["decode_step_s"]) == {"one", "tp2", "ep2", "dp2_ep2"}
+    assert out["pp2_identical"] is True
+    assert set(out["decode_step_s"]) == {"one", "tp2", "ep2", "dp2_ep2", "pp2"}
