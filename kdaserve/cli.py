@@ -19,13 +19,19 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--greedy", action="store_true", help="temperature 0")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    for flag in ("tensor", "expert", "data", "pipeline"):     # docs/parallelism.md
+        p.add_argument(f"--{flag}-parallel-size", type=int, default=1,
+                       help=f"{flag}-parallel ranks (as for serve; default: %(default)s)")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     from kdaserve.engine.llm import LLM
     from kdaserve.generation_defaults import sampling_params_with_defaults
 
-    llm = LLM(args.model)
+    llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size,
+              expert_parallel_size=args.expert_parallel_size,
+              data_parallel_size=args.data_parallel_size,
+              pipeline_parallel_size=args.pipeline_parallel_size)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

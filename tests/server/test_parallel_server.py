@@ -1,5 +1,5 @@
-"""The real server with --tensor-parallel-size 2, and with --data-parallel-size 2
---expert-parallel-size 2 (the bundled demo model, 2 gloo workers under the engine process):
+"""The real server with --tensor-parallel-size 2, with --data-parallel-size 2
+--expert-parallel-size 2, and with --pipeline-parallel-size 2 (the bundled demo model, 2 gloo workers under the engine process):
 greedy completions through the `openai` client, one at a time, concurrent
 and streamed, equal one process's offline output token for token, and a SIGTERM leaves no
 process behind."""
@@ -59,7 +59,8 @@ def _offline() -> list[tuple[str, list[int]]]:
 @pytest.mark.parametrize("layout", [
     ("--tensor-parallel-size", "2"),
     ("--data-parallel-size", "2", "--expert-parallel-size", "2"),
-], ids=["tp2", "dp2-ep2"])
+    ("--pipeline-parallel-size", "2"),
+], ids=["tp2", "dp2-ep2", "pp2"])
 def test_parallel_server_matches_offline(tmp_path, layout):
     offline = _offline()
     srv = start_server(DEMO_MODEL_DIR, tmp_path / "server.log", "--torch-threads", "1",
