@@ -4,9 +4,14 @@ accepted and rejected) on a tiny random Kimi Linear and a tiny random K3, with a
 and n-gram speculation in the same run. In-process: each stage holds only its layers' weights
 and caches, and the two stages chained reproduce the whole model's logits exactly (K3: the
 bank of block sums passes between them); the step split into micro-batches; bad layouts are
-refused at startup."""
+refused at startup; a stage killed mid-run ends the engine with a clear error."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -24,6 +29,7 @@ from kdaserve.request import SamplingParams
 
 from k3_models import k3_raw, random_k3
 from test_layouts import HIT, PROMPTS
+from test_worker_death import ROOT, SCRIPT, _wait_gone
 from tiny_models import random_model, tiny_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
@@ -164,3 +170,18 @@ def test_bad_pp_layout_refused_at_startup(kimi_linear, layout, match, monkeypatc
         monkeypatch.setattr("kdaserve.distributed.layout.available_ranks", lambda _d: 16)
     with pytest.raises(ConfigError, match=match):
         LLM(kimi_linear, num_threads=1, **layout)
+
+
+def test_killed_stage_ends_engine_with_error(kimi_linear):
+    """The last stage killed while rank 0 waits on it in the pipeline: a clear error, in
+    bounded time, and no worker left behind."""
+    script = SCRIPT.replace("tensor_parallel_size=2", "pipeline_parallel_size=2")
+    assert script != SCRIPT
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", script, kimi_linear, "kill-worker"], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pids = json.loads(proc.stdout.readline())
+    out, _ = proc.communicate(timeout=120)      # bounded: a hang fails the test here
+    assert proc.returncode == 3, out
+    assert "ENGINE ERROR: a worker process died" in out and "rank 1 exited with code -9" in out
+    _wait_gone(pids, 10)
