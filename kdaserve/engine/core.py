@@ -26,8 +26,9 @@ from kdaserve.engine.spec.proposer import NgramDrafts, Proposer
 from kdaserve.engine.step_message import StepMessages
 from kdaserve.media import MediaItem, check_media
 from kdaserve.model.base import HybridForCausalLM
-from kdaserve.model.loader import load_model
+from kdaserve.model.loader import checkpoint_has_vision, load_model
 from kdaserve.model.registry import load_config
+from kdaserve.model.vision.tower import vision_config_of
 from kdaserve.ops.host_memory import tune_host_allocator
 from kdaserve.outputs import RequestDelta
 from kdaserve.request import Request, RequestStatus, SamplingParams, child_seed
@@ -81,6 +82,9 @@ class EngineCore:
 
             cfg = load_config(config.model)
             check_layout(cfg, config)                 # refused here, before any process starts
+            # the ranks load the model; the engine checks images against the config alone
+            self._vision = (vision_config_of(cfg)
+                            if checkpoint_has_vision(config.model) else None)
             rank_cfg = rank_model_config(cfg, par.tensor_parallel_size)
         else:
             if model is None:
@@ -94,6 +98,8 @@ class EngineCore:
 
                 set_moe_backend(model, par.moe_backend)
             cfg = rank_cfg = model.config
+            tower = getattr(model, "vision_tower", None)
+            self._vision = tower.cfg if tower is not None else None
             self._log_weights(model, config)
         self.model_config = cfg
         if tokenizer is None and config.model and _has_tokenizer(Path(config.model)):
@@ -192,15 +198,16 @@ class EngineCore:
             self._tracked[cid] = _Tracked(request_id, i, detok)
         self._children[request_id] = children
 
+    @property
+    def vision_config(self):
+        """The vision tower's config (every rank holds the tower whole), None without one."""
+        return self._vision
+
     def _check_media(self, media: Sequence[MediaItem], prompt: list[int]) -> None:
-        if self.model is None:
-            raise ValueError("images are not supported with a multi-process layout yet "
-                             "(--tensor-parallel-size/--expert-parallel-size 1 serves them)")
-        tower = getattr(self.model, "vision_tower", None)
-        if tower is None:
+        if self._vision is None:
             raise ValueError("this model has no vision tower; images are not supported")
-        check_media(media, prompt, self.model.config.media_placeholder_token_id,
-                    tower.cfg.merge_size)
+        check_media(media, prompt, self.model_config.media_placeholder_token_id,
+                    self._vision.merge_size)
 
     def abort(self, request_id: str) -> None:
         for cid in self._children.pop(request_id, []):
