@@ -48,6 +48,9 @@ def check_layout(cfg: ModelConfig, config: EngineConfig) -> None:
         if not cfg.moe_layers:
             raise ConfigError("--expert-parallel-size needs a model with routed experts")
         _divides("routed experts", cfg.num_experts, ep, "--expert-parallel-size")
+    if par.data_parallel_size > 1 and config.cache.offload_tiers:
+        raise ConfigError("offload tiers do not combine with --data-parallel-size > 1 yet (each "
+                          "rank's cache holds other requests); TP and EP layouts support them")
     backend = par.moe_backend
     if backend == "ep_all2all" and ep == 1:
         raise ConfigError("--moe-backend ep_all2all needs --expert-parallel-size > 1")

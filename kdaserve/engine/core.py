@@ -10,13 +10,12 @@ from pathlib import Path
 
 import torch
 
-from kdaserve.cache.identity import cache_layout, offload_identity
 from kdaserve.cache.manager import CacheManager
 from kdaserve.cache.planner import CachePlan, cache_budget, plan_cache
 from kdaserve.cache.spec import specs_for
 from kdaserve.config import EngineConfig, SchedulerConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
-from kdaserve.engine.cache_ops import OffloadSetup, open_offload
+from kdaserve.engine.offload_setup import open_tiers
 from kdaserve.engine.executor import Executor, ExecutorError
 from kdaserve.engine.executor.uniproc import UniProcExecutor
 from kdaserve.engine.runner import ModelRunner
@@ -124,9 +123,7 @@ class EngineCore:
             snapshot_bytes=snapshot_bytes, max_model_len=max_len,
         )
         self.max_model_len = sched.max_model_len
-        if cc.offload_tiers and par.executor != "uni":
-            raise ValueError("offload tiers run with the in-process executor only (one rank)")
-        tiers = open_tiers(config, cfg, latent, state, chunk, device)
+        tiers = open_tiers(config, rank_cfg, chunk, device)
         self.cache = CacheManager(
             self.plan.num_blocks, self.plan.block_size, self.plan.num_state_slots,
             enable_prefix_caching=cc.enable_prefix_caching, num_snapshots=self.plan.num_snapshots,
@@ -377,25 +374,6 @@ class EngineCore:
         kids = self._children.get(tr.parent)
         if kids is not None and all(k not in self._tracked for k in kids):
             del self._children[tr.parent]
-
-
-def open_tiers(config: EngineConfig, cfg, latent, state, chunk: int,
-               device: torch.device) -> OffloadSetup | None:
-    cc = config.cache
-    if not cc.offload_tiers:
-        return None
-    identity = None
-    if "disk" in cc.offload_tiers:
-        if not config.model:
-            raise ValueError("the disk offload tier needs a model directory")
-        identity = offload_identity(config.model, cache_layout(
-            cfg, cc.block_size, config.dtype, chunk, device.type))
-    setup = open_offload(cc.offload_tiers, cc.offload_capacities(), cc.offload_dir, identity,
-                         latent.bytes_per_block, state.bytes_per_slot, latent.bytes_per_token,
-                         device)
-    logger.info("kdaserve offload: %s", ", ".join(
-        f"{t.name} {t.capacity / 2**30:.2f} GiB" for t in setup.offload.tiers))
-    return setup
 
 
 def build_proposer(config: EngineConfig, model: HybridForCausalLM,
