@@ -26,6 +26,7 @@ import torch.distributed as dist
 from kdaserve.distributed.data_parallel import merge
 from kdaserve.distributed.parallel_state import get_context
 from kdaserve.distributed.pipeline_model import Carry, run_stage, stage_of
+from kdaserve.engine.encoder_cache import embed_with_media
 from kdaserve.outputs import ModelRunnerOutput, SchedulerOutput
 
 _TAGS = 3           # tensors in one carry at most (hidden, bank, bank inverse RMS)
@@ -83,7 +84,10 @@ def execute_step(runner, out: SchedulerOutput) -> ModelRunnerOutput | None:
             carry, works = inbox[m]
             for w in works:
                 w.wait()
-        y = run_stage(model, stage, st.ids, st.fb, carry)
+        embeds = None
+        if stage.first and any(s.media for s in st.seqs):   # the tower runs on stage 0 only
+            embeds = embed_with_media(model, st.ids, st.seqs, st.starts, runner.encoder_cache)
+        y = run_stage(model, stage, st.ids, st.fb, carry, embeds)
         if stage.last:
             results.append(runner.finish(st, y, [], st.fb.positions, st.fb.mla.slot_mapping,
                                          masks, out.draft_limits))

@@ -147,12 +147,14 @@ class Carry:
         return cls(hidden.contiguous(), torch.stack(bank.raw), torch.stack(bank.inv_rms))
 
 
-def run_stage(model, stage: Stage, ids: torch.Tensor, fb: ForwardBatch, carry: Carry | None
-              ) -> Carry | torch.Tensor:
+def run_stage(model, stage: Stage, ids: torch.Tensor, fb: ForwardBatch, carry: Carry | None,
+              embeds: torch.Tensor | None = None) -> Carry | torch.Tensor:
     """This stage's layers over one micro-batch: the carry for the next stage, or on the last
-    stage the logits of fb.logits_indices (what HybridForCausalLM.forward returns)."""
+    stage the logits of fb.logits_indices (what HybridForCausalLM.forward returns). `embeds`:
+    the first stage's input embeddings when images are scattered in (else ids are embedded)."""
     if stage.first:
-        x, bank = model.model.embed_tokens(ids), model.new_bank()
+        x = embeds if embeds is not None else model.model.embed_tokens(ids)
+        bank = model.new_bank()
     else:
         x, bank = carry.hidden, carry.bank(model)
     x = model.run_stage(x, fb, stage.layers, bank)

@@ -164,6 +164,7 @@ def test_micro_batches_balance_tokens_and_keep_snapshots():
     ({"pipeline_parallel_size": 64}, "needs 64 ranks but this machine has"),
     ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, "combined layouts are not built"),
     ({"pipeline_parallel_size": 2, "speculative_method": "dspark"}, "n-gram speculation only"),
+    ({"pipeline_parallel_size": 2, "offload": "host"}, "offload tiers do not combine"),
 ])
 def test_bad_pp_layout_refused_at_startup(kimi_linear, layout, match, monkeypatch):
     if layout.get("pipeline_parallel_size") != 64:      # the rank count is not the point

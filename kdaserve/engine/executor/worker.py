@@ -33,6 +33,9 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def build_worker_runner(config: EngineConfig, plan, ctx):
     from kdaserve.engine.core import _has_tokenizer, build_proposer, engine_chunk_size
+    from kdaserve.distributed.comm import union_failures
+    from kdaserve.distributed.layout import rank_model_config
+    from kdaserve.engine.offload_setup import worker_stores
     from kdaserve.engine.runner import ModelRunner
     from kdaserve.model.loader import load_model
     from kdaserve.structured.manager import StructuredOutputs
@@ -48,9 +51,15 @@ def build_worker_runner(config: EngineConfig, plan, ctx):
                        moe_backend=config.parallel.moe_backend)
     model.fuse_for_inference()
     tok = Tokenizer.from_pretrained(config.model) if _has_tokenizer(Path(config.model)) else None
-    return ModelRunner(model, plan, device, seed=config.seed,
-                       proposer=build_proposer(config, model, device, plan),
-                       structured=StructuredOutputs(tok, model.config.vocab_size))
+    rank_cfg = rank_model_config(model.config, ctx.tp_size)     # what the engine sized
+    stores = worker_stores(config, rank_cfg, engine_chunk_size(config), device, ctx.rank,
+                           ctx.world_size)
+    runner = ModelRunner(model, plan, device, seed=config.seed,
+                         proposer=build_proposer(config, model, device, plan), stores=stores,
+                         structured=StructuredOutputs(tok, model.config.vocab_size))
+    if stores and ctx.world_size > 1:
+        runner.cache_ops.agree = union_failures
+    return runner
 
 
 def worker_main(rank: int, world_size: int, init_method: str, config: EngineConfig, plan,
@@ -107,6 +116,8 @@ def _loop(rank: int, world_size: int, runner, conn: Connection, data_parallel: b
                 result = runner.execute(msg[1])
             elif kind == "cache_ops":
                 result = runner.cache_ops.run(msg[1])
+            elif kind == "transfer_stats":
+                result = runner.cache_ops.stats
             elif kind == "num_forward_tokens":
                 result = runner.num_forward_tokens
                 if data_parallel:            # each rank computed its own requests' tokens
