@@ -4,7 +4,8 @@ accepted and rejected) on a tiny random Kimi Linear and a tiny random K3, with a
 and n-gram speculation in the same run. In-process: each stage holds only its layers' weights
 and caches, and the two stages chained reproduce the whole model's logits exactly (K3: the
 bank of block sums passes between them); the step split into micro-batches; bad layouts are
-refused at startup; a stage killed mid-run ends the engine with a clear error."""
+refused at startup; a stage killed mid-run ends the engine with a clear error; grammar-
+constrained greedy and seeded sampling (the demo model, its tokenizer) equal one process."""
 
 from __future__ import annotations
 
@@ -186,3 +187,33 @@ def test_killed_stage_ends_engine_with_error(kimi_linear):
     assert proc.returncode == 3, out
     assert "ENGINE ERROR: a worker process died" in out and "rank 1 exited with code -9" in out
     _wait_gone(pids, 10)
+
+
+def test_pp2_grammar_greedy_and_seeded_match_one_process():
+    """The last stage samples: grammar masks, drafts checked against the grammar, and seeded
+    per-request generators give one process's tokens."""
+    from kdaserve.assets import DEMO_MODEL_DIR
+    from kdaserve.structured.spec import GuidedDecoding
+
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 16}, "act": {"type": "integer"}},
+        "required": ["name", "act"], "additionalProperties": False}
+    prompts = ["ROMEO: What say you?", "JULIET: O Romeo, Romeo", "HAMLET: Speak the speech"]
+    guided = GuidedDecoding("json", json.dumps(schema))
+    got = []
+    for layout in ({}, {"pipeline_parallel_size": 2}):
+        llm = LLM(str(DEMO_MODEL_DIR), max_model_len=512, cache_memory=64 << 20, num_threads=1,
+                  speculative_method="ngram", num_speculative_tokens=4,
+                  speculative_adaptive=False, **layout)
+        try:
+            runs = []
+            for temperature in (0.0, 0.8):
+                sp = SamplingParams(temperature=temperature, max_tokens=40, guided=guided,
+                                    seed=3)
+                runs.append([o.outputs[0].token_ids
+                             for o in llm.generate(prompts, sp, use_tqdm=False)])
+            got.append(runs)
+        finally:
+            llm.shutdown()
+    assert got[1] == got[0]
+    assert got[0][0] != got[0][1]                  # the sampled run is not the greedy one
