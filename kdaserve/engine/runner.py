@@ -23,9 +23,9 @@ from kdaserve.engine.sampler import SamplingRow, sample
 from kdaserve.engine.spec.proposer import Proposal, ProposalInput, Proposer
 from kdaserve.engine.spec.rejection import VerifyRow, verify
 from kdaserve.engine.step_message import RunnerRequest, RunnerRequests
-from kdaserve.model.batch import ForwardBatch, HybridCache, build_forward_batch
 from kdaserve.model import fused_decode
 from kdaserve.model.base import HybridForCausalLM
+from kdaserve.model.batch import ForwardBatch, HybridCache, build_forward_batch
 from kdaserve.outputs import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
 
 if TYPE_CHECKING:

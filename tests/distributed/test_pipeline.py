@@ -16,6 +16,10 @@ import sys
 
 import pytest
 import torch
+from k3_models import k3_raw, random_k3
+from test_layouts import HIT, PROMPTS
+from test_worker_death import ROOT, SCRIPT, _wait_gone
+from tiny_models import random_model, tiny_config
 
 from kdaserve.config import ConfigError, ModelConfig
 from kdaserve.distributed.layout import cache_model_config, stage_layers
@@ -27,11 +31,6 @@ from kdaserve.model.batch import HybridCache, build_forward_batch
 from kdaserve.model.loader import load_model, save_model
 from kdaserve.outputs import ScheduledSequence, SchedulerOutput
 from kdaserve.request import SamplingParams
-
-from k3_models import k3_raw, random_k3
-from test_layouts import HIT, PROMPTS
-from test_worker_death import ROOT, SCRIPT, _wait_gone
-from tiny_models import random_model, tiny_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
 
