@@ -55,6 +55,7 @@ class ModelRunner:
         self.encoder_cache = EncoderCache()     # image embeddings by content hash
         # compiled single-token decode for few rows (built on first use; False: not available)
         self._fused: fused_decode.FusedDecoder | None | bool = None
+        self._threads = torch.get_num_threads()     # torch's, as the engine configured it
 
     def _generator(self, req: RunnerRequest) -> torch.Generator:
         seed = req.sampling_params.seed
@@ -133,11 +134,15 @@ class ModelRunner:
         capture = self.proposer.capture_layers if self.proposer is not None else ()
         # grammar masks are computed on a worker thread while the model runs
         masks = self.structured.prepare(seqs, requests) if self.structured is not None else None
+        parts = fused_decode.split_parts(self._threads, len(seqs), capture) if fused else 1
+        # one torch thread while the rows run on `parts` threads (split_parts says why); the
+        # configured count comes back with the next step that is not split
+        torch.set_num_threads(1 if parts > 1 else self._threads)
         if fused is not None:      # decode rows only: no drafts, media or prompt logprobs
             captured = []
             positions, state_slots, table = fused_decode.step_inputs(seqs)
             logits = fused(ids, positions, state_slots, table, self.cache,
-                           [(b, sid) for b, _, sid in snaps], capture, captured)
+                           [(b, sid) for b, _, sid in snaps], capture, captured, parts)
             cache_slots = None
             if self.proposer is not None:       # where the draft's context pages go
                 bs = self.cache.block_size

@@ -32,13 +32,15 @@ from kdaserve.model.kda import KimiDeltaAttention
 from kdaserve.model.layers import MLP
 from kdaserve.model.mla import MultiHeadLatentAttention
 from kdaserve.model.moe import SparseMoE
-from kdaserve.ops.cpu_kernels import decode_block_kernels
+from kdaserve.ops.cpu_kernels import decode_block_kernels, thread_pool
 
 _I, _F = ctypes.c_int64, ctypes.c_float
 
-# above this many decode rows the batched torch matmuls read each weight once for all rows
-# and beat per-row matrix-vector products (docs/benchmarks.md, "Fused decode")
-MAX_FUSED_ROWS = 4
+# the blocks read each weight once per step for all rows (decode_blocks.h, matmat); up to this
+# many decode rows they beat the batched torch forward (docs/benchmarks.md, "Fused decode")
+MAX_FUSED_ROWS = 64
+# rows per thread below which one thread runs the whole step (a pool hand-off costs more)
+MIN_ROWS_PER_THREAD = 4
 
 
 def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -63,13 +65,16 @@ class FusedDecoder:
             layer.input_layernorm.weight for layer in model.model.layers]
         self._witness = self._fingerprint()
         self.layers: list[tuple] = []
-        scratch = 0
+        # scratch floats of a block for B rows: per_row * B + fixed (decode_blocks.h)
+        per_row, fixed = 5 * self.hidden, 4 * self.hidden
         for layer in model.model.layers:
             mixer, ffn = self._mixer(layer), self._ffn(layer)
-            scratch = max(scratch, mixer[2], ffn[2])
+            per_row = max(per_row, mixer[2][0], ffn[2][0])
+            fixed = max(fixed, mixer[2][1], ffn[2][1])
             self.layers.append((mixer, ffn))
         self.head = self._head()
-        self.scratch = torch.empty(scratch + 1024, dtype=torch.float32)
+        self._scratch_size = (per_row, fixed + 1024)
+        self._scratch: dict[int, torch.Tensor] = {}      # by part (row split), grown as needed
 
     def _t(self, t: torch.Tensor) -> ctypes.c_void_p:
         """A vector (norm weight, bias) or fp32-kept matrix (router), as fp32."""
@@ -112,7 +117,7 @@ class FusedDecoder:
                       self._w(attn.o_proj.weight), _F(D ** -0.5)),
                 index=attn.kda_index)
             P = 3 * H * D + D + G + H
-            return ("kda", static, hd + P + 6 * H * D + 3 * D)
+            return ("kda", static, (2 * hd + P + 6 * H * D, 3 * D + 4 * max(hd, H * D, D)))
         H, N, R = attn.num_heads, attn.nope, attn.rope
         Dc, Vd = attn.kv_lora_rank, attn.v_dim
         static = dict(
@@ -123,7 +128,8 @@ class FusedDecoder:
                      self._w(attn.kv_b_proj.weight)),
             tail=(self._w(attn.o_proj.weight), _F(attn.scale)),
             index=attn.mla_index)
-        return ("mla", static, hd + H * (N + R) + 2 * (Dc + R) + H * Dc + H * Vd)
+        return ("mla", static, (2 * hd + H * (N + R) + Dc + R + H * Vd,
+                                H * Dc + Dc + R + 4 * max(hd, H * Vd)))
 
     def _ffn(self, layer: DecoderLayer) -> tuple:
         ffn, norm = layer.ffn, layer.post_attention_layernorm
@@ -133,7 +139,7 @@ class FusedDecoder:
             args = (_I(hd), _I(i), None, self._t(norm.weight), _F(norm.eps),
                     self._w(ffn.gate_proj.weight), self._w(ffn.up_proj.weight),
                     self._w(ffn.down_proj.weight))
-            return ("mlp", args, 3 * hd + 3 * i)
+            return ("mlp", args, (3 * hd + 2 * i, 4 * max(hd, i)))
         sh = ffn.shared_experts
         i_s = sh.gate_proj.weight.shape[0] if sh is not None else 0
         E, inter = ffn.num_experts, ffn.intermediate
@@ -145,7 +151,9 @@ class FusedDecoder:
                 self._w(sh.up_proj.weight) if sh is not None else ctypes.c_void_p(None),
                 self._w(sh.down_proj.weight) if sh is not None else ctypes.c_void_p(None),
                 _I(i_s))
-        return ("moe", args, 4 * hd + 2 * E + 3 * inter + 3 * i_s)
+        K = r.top_k
+        return ("moe", args, (3 * hd + E + 2 * K + K * (2 * hd + 3 * inter) + 2 * i_s,
+                              E + 4 * max(hd, 2 * inter, i_s)))
 
     def _head(self) -> tuple:
         m = self.model
@@ -172,18 +180,55 @@ class FusedDecoder:
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_table: torch.Tensor, cache: HybridCache,
                  snapshots: list[tuple[int, int]] = (), capture: tuple[int, ...] = (),
-                 captured: list[torch.Tensor] | None = None) -> torch.Tensor:
+                 captured: list[torch.Tensor] | None = None, parts: int = 1) -> torch.Tensor:
         """ids, positions, slots [B] int64; block_table [B, width] int64 (contiguous).
         Writes the rows' KDA states, conv windows and MLA latents into the cache and returns
         the logits [B, vocab]. snapshots: (row, snapshot id) pairs whose state after this
         token is saved (a decode row can only snapshot its final state). The stream after
         each layer in `capture` is appended to `captured` (a speculative draft's context),
-        as the torch forward's capture_layers."""
+        as the torch forward's capture_layers. parts > 1 (see split_parts): the rows are
+        split over that many threads."""
         model = self.model
         x = model.model.embed_tokens(ids).float().contiguous()
-        B = _I(x.shape[0])
-        xp, sp = _p(x), _p(self.scratch)
-        slots_p, pos_p, bt_p = _p(slots), _p(positions), _p(block_table)
+        slots, positions = slots.contiguous(), positions.contiguous()
+        block_table = block_table.contiguous()
+        logits = torch.empty(x.shape[0], self.head[1].value, dtype=torch.float32)
+        B = x.shape[0]
+        if parts <= 1 or capture:
+            self._rows(0, 0, B, x, positions, slots, block_table, cache, logits, capture,
+                       captured)
+        else:
+            # decode rows are independent through the whole stack (each its own state slot
+            # and pages): each thread runs every layer for its share (the calls drop the GIL)
+            bounds = [B * i // parts for i in range(parts + 1)]
+            futures = [thread_pool(parts).submit(self._rows, i, bounds[i], bounds[i + 1], x,
+                                           positions, slots, block_table, cache, logits)
+                       for i in range(parts)]
+            for f in futures:
+                f.result()
+        if snapshots and cache.snap_states:
+            src = slots[[r for r, _ in snapshots]]
+            dest = torch.tensor([d for _, d in snapshots], dtype=torch.long)
+            for st, cv, sst, scv in zip(cache.kda_states, cache.kda_conv, cache.snap_states,
+                                        cache.snap_conv):
+                sst.index_copy_(0, dest, st[src])
+                scv.index_copy_(0, dest, cv[src].to(scv.dtype))
+        return logits
+
+    def _rows(self, part: int, lo: int, hi: int, x: torch.Tensor, positions: torch.Tensor,
+              slots: torch.Tensor, block_table: torch.Tensor, cache: HybridCache,
+              logits: torch.Tensor, capture: tuple[int, ...] = (),
+              captured: list[torch.Tensor] | None = None) -> None:
+        """Rows [lo, hi) through every layer and the head, with scratch `part`."""
+        n = hi - lo
+        per_row, fixed = self._scratch_size
+        need = per_row * n + fixed
+        scratch = self._scratch.get(part)
+        if scratch is None or scratch.numel() < need:
+            scratch = self._scratch[part] = torch.empty(need, dtype=torch.float32)
+        B, sp = _I(n), _p(scratch)
+        xp = _p(x[lo:hi])
+        slots_p, pos_p, bt_p = _p(slots[lo:hi]), _p(positions[lo:hi]), _p(block_table[lo:hi])
         width = _I(block_table.shape[1])
         bs = _I(cache.block_size)
         k = self.k
@@ -202,16 +247,17 @@ class FusedDecoder:
                 k.moe(B, *fargs[:4], xp, *fargs[5:], sp)
             if li in capture and captured is not None:
                 captured.append(x.clone())
-        if snapshots and cache.snap_states:
-            src = slots[[r for r, _ in snapshots]]
-            dest = torch.tensor([d for _, d in snapshots], dtype=torch.long)
-            for st, cv, sst, scv in zip(cache.kda_states, cache.kda_conv, cache.snap_states,
-                                        cache.snap_conv):
-                sst.index_copy_(0, dest, st[src])
-                scv.index_copy_(0, dest, cv[src].to(scv.dtype))
-        logits = torch.empty(x.shape[0], self.head[1].value, dtype=torch.float32)
-        k.head(B, *self.head[:2], xp, *self.head[2:], _p(logits), sp)
-        return logits
+        k.head(B, *self.head[:2], xp, *self.head[2:], _p(logits[lo:hi]), sp)
+
+
+def split_parts(threads: int, rows: int, capture: tuple[int, ...] = ()) -> int:
+    """Threads to split a fused step's rows over. The caller runs the step's torch ops on one
+    thread when this is above 1: torch's OpenMP workers spin-wait after each parallel op and
+    would take the cores the row threads need (measured: 1,350 vs 2,220 tok/s at 32 rows on
+    2 cores)."""
+    if capture:                     # a draft's context capture reads whole-batch layers
+        return 1
+    return max(1, min(threads, rows // MIN_ROWS_PER_THREAD))
 
 
 def fused_decoder(model: HybridForCausalLM, cache: HybridCache) -> FusedDecoder | None:
