@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +42,32 @@ _I, _F = ctypes.c_int64, ctypes.c_float
 MAX_FUSED_ROWS = 64
 # rows per thread below which one thread runs the whole step (a pool hand-off costs more)
 MIN_ROWS_PER_THREAD = 4
+
+
+_NULL = ctypes.c_void_p(None)
+
+
+@dataclass
+class Kept:
+    """Every row's KDA state and conv window after its token, per KDA layer (by kda_index):
+    states [rows, H, D, D] fp32, conv [rows, K-1, 3HD] in the cache's dtype."""
+
+    states: list[torch.Tensor]
+    conv: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, cache: HybridCache, rows: int) -> Kept:
+        return cls([torch.empty((rows,) + tuple(s.shape[1:]), dtype=s.dtype)
+                    for s in cache.kda_states],
+                   [torch.empty((rows,) + tuple(c.shape[1:]), dtype=c.dtype)
+                    for c in cache.kda_conv])
+
+    def copy_to(self, rows: torch.Tensor, states: list[torch.Tensor],
+                convs: list[torch.Tensor], dest: torch.Tensor) -> None:
+        """The kept entries of `rows` into `dest` of states/convs (slots or snapshots)."""
+        for ks, kc, st, cv in zip(self.states, self.conv, states, convs):
+            st.index_copy_(0, dest, ks[rows].to(st.dtype))
+            cv.index_copy_(0, dest, kc[rows].to(cv.dtype))
 
 
 def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -180,23 +207,26 @@ class FusedDecoder:
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_table: torch.Tensor, cache: HybridCache,
                  snapshots: list[tuple[int, int]] = (), capture: tuple[int, ...] = (),
-                 captured: list[torch.Tensor] | None = None, parts: int = 1) -> torch.Tensor:
+                 captured: list[torch.Tensor] | None = None, parts: int = 1,
+                 kept: Kept | None = None) -> torch.Tensor:
         """ids, positions, slots [B] int64; block_table [B, width] int64 (contiguous).
         Writes the rows' KDA states, conv windows and MLA latents into the cache and returns
         the logits [B, vocab]. snapshots: (row, snapshot id) pairs whose state after this
         token is saved (a decode row can only snapshot its final state). The stream after
         each layer in `capture` is appended to `captured` (a speculative draft's context),
         as the torch forward's capture_layers. parts > 1 (see split_parts): the rows are
-        split over that many threads."""
+        split over that many threads. Rows may share a slot: a token and its drafts at
+        consecutive positions, each continuing the state the one before left; `kept` then
+        receives every row's state after its token (a rejected draft's rollback)."""
         model = self.model
         x = model.model.embed_tokens(ids).float().contiguous()
         slots, positions = slots.contiguous(), positions.contiguous()
         block_table = block_table.contiguous()
         logits = torch.empty(x.shape[0], self.head[1].value, dtype=torch.float32)
         B = x.shape[0]
-        if parts <= 1 or capture:
+        if parts <= 1 or capture or kept is not None:
             self._rows(0, 0, B, x, positions, slots, block_table, cache, logits, capture,
-                       captured)
+                       captured, kept)
         else:
             # decode rows are independent through the whole stack (each its own state slot
             # and pages): each thread runs every layer for its share (the calls drop the GIL)
@@ -218,7 +248,7 @@ class FusedDecoder:
     def _rows(self, part: int, lo: int, hi: int, x: torch.Tensor, positions: torch.Tensor,
               slots: torch.Tensor, block_table: torch.Tensor, cache: HybridCache,
               logits: torch.Tensor, capture: tuple[int, ...] = (),
-              captured: list[torch.Tensor] | None = None) -> None:
+              captured: list[torch.Tensor] | None = None, kept: Kept | None = None) -> None:
         """Rows [lo, hi) through every layer and the head, with scratch `part`."""
         n = hi - lo
         per_row, fixed = self._scratch_size
@@ -235,8 +265,10 @@ class FusedDecoder:
         for li, ((kind, st, _), (fkind, fargs, _)) in enumerate(self.layers):
             if kind == "kda":
                 i = st["index"]
+                ks, kc = ((_p(kept.states[i][lo:hi]), _p(kept.conv[i][lo:hi]))
+                          if kept is not None else (_NULL, _NULL))
                 k.kda(B, *st["head"], xp, *st["norm"], _p(cache.kda_conv[i]),
-                      _p(cache.kda_states[i]), slots_p, *st["conv"], sp)
+                      _p(cache.kda_states[i]), slots_p, *st["conv"], sp, ks, kc)
             else:
                 pages = cache.mla_pages[st["index"]]
                 k.mla(B, *st["head"], xp, *st["weights"], _p(pages), bs, bt_p, width, pos_p,
@@ -304,18 +336,27 @@ def supports(model: HybridForCausalLM, cache: HybridCache) -> bool:
 
 
 def step_inputs(seqs) -> tuple[torch.Tensor, ...]:
-    """positions, slots [B] and the block table [B, width] of single-token decode rows
-    (kdaserve.outputs.ScheduledSequence)."""
+    """positions, slots [R] and the block table [R, width] of the step's rows, one row per
+    token: a decode row's token and its drafts (kdaserve.outputs.ScheduledSequence) each get
+    their own position, sharing the request's slot and pages."""
     width = max(len(s.block_ids) for s in seqs)
+    n = [len(s.token_ids) for s in seqs]
     table = torch.zeros(len(seqs), width, dtype=torch.long)
     for b, s in enumerate(seqs):
         table[b, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.long)
-    return (torch.tensor([s.context_len for s in seqs], dtype=torch.long),
-            torch.tensor([s.state_slot for s in seqs], dtype=torch.long), table)
+    rep = torch.tensor(n, dtype=torch.long)
+    positions = torch.tensor([s.context_len + j for s, m in zip(seqs, n) for j in range(m)],
+                             dtype=torch.long)
+    slots = torch.tensor([s.state_slot for s in seqs], dtype=torch.long)
+    if all(m == 1 for m in n):
+        return positions, slots, table
+    return (positions, slots.repeat_interleave(rep),
+            table.repeat_interleave(rep, dim=0).contiguous())
 
 
 def applies(seqs, num_decode: int) -> bool:
-    """Rows that each carry one sampled token with context, few enough of them."""
-    return (0 < len(seqs) <= MAX_FUSED_ROWS and num_decode == len(seqs)
-            and all(len(s.token_ids) == 1 and s.sample and not s.num_draft_tokens
-                    for s in seqs))
+    """Decode rows that each sample (one token, or one and its drafts to verify), few enough
+    tokens in all."""
+    return (0 < len(seqs) and num_decode == len(seqs)
+            and sum(len(s.token_ids) for s in seqs) <= MAX_FUSED_ROWS
+            and all(s.sample and len(s.token_ids) == 1 + s.num_draft_tokens for s in seqs))

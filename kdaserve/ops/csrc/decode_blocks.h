@@ -128,7 +128,10 @@ static void NAME(norm_rows)(const float *x, const float *w, float eps, int64_t H
  * state_store [S, H, D, D] are the engine's slots (updated in place at slots[b]); conv_wt
  * [W+1, 3HD]; f_b [HD, D]; g_b [HD, D] or NULL (full-rank gate: the gate input is the gate);
  * o_norm_w [D]; o_proj [Hd, HD]. The projections run for all rows at once (weights read once
- * per step), the conv and recurrence row by row. scratch: at least
+ * per step), the conv and recurrence row by row, in row order: rows may share a slot (a token
+ * and its drafts, at consecutive positions), each continuing the state the row before left.
+ * kept_states [B, H, D, D] and kept_conv [B, W, 3HD], or NULL: the slot's state and window
+ * after each row (what a rejected draft rolls back to). scratch: at least
  * B (2Hd + P + 3HD + 3HD) + 3D + 4 max(Hd, HD, D) floats. */
 void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t G, int64_t taps,
                       float *x, const float *norm_w, float eps, const WT *w_in,
@@ -136,7 +139,7 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
                       const float *conv_wt, const WT *f_b, const float *dt_bias,
                       const float *a, float lower_bound, int64_t use_bound, const WT *g_b,
                       const float *o_norm_w, float o_eps, const WT *o_proj, float q_scale,
-                      float *scratch) {
+                      float *scratch, float *kept_states, CT *kept_conv) {
     const int64_t HD = H * D, C = 3 * HD, W = taps - 1, P = C + D + G + H;
     float *h = scratch;             /* [B, Hd] */
     float *pre = h + B * Hd;        /* [B, P] */
@@ -166,6 +169,7 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
             CT *last = win + (W - 1) * C;
             for (int64_t c = 0; c < C; ++c) last[c] = STC(pb[c]);
         }
+        if (kept_conv) memcpy(kept_conv + b * W * C, win, sizeof(CT) * W * C);
     }
     NAME(matmat)(f_b, pre + C, P, gdec, HD, HD, D, B);           /* f_a rows */
     if (g_b) NAME(matmat)(g_b, pre + C + D, P, gate, HD, HD, D, B);
@@ -200,6 +204,9 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
             for (int64_t d = 0; d < D; ++d)
                 out[d] = o_norm_w[d] * (out[d] * r) * sigmoid(gt[d]);
         }
+        if (kept_states)
+            memcpy(kept_states + b * H * D * D, state_store + slots[b] * H * D * D,
+                   sizeof(float) * H * D * D);
     }
     NAME(matmat)(o_proj, o, HD, y, Hd, Hd, HD, B);
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
