@@ -48,6 +48,8 @@ class PreparedStep:
     ids: torch.Tensor
     fb: ForwardBatch | None                 # None: the fused decode path
     fused: fused_decode.FusedDecoder | None
+    wanted: list[int]                       # rows whose logits are wanted, sampled first
+    kept: fused_decode.Kept | None = None   # a fused verify step's states after each token
 
 
 class ModelRunner:
@@ -75,6 +77,7 @@ class ModelRunner:
         self.encoder_cache = EncoderCache()     # image embeddings by content hash
         # compiled single-token decode for few rows (built on first use; False: not available)
         self._fused: fused_decode.FusedDecoder | None | bool = None
+        self._threads = torch.get_num_threads()     # torch's, as the engine configured it
 
     def _generator(self, req: RunnerRequest) -> torch.Generator:
         seed = req.sampling_params.seed
@@ -174,7 +177,7 @@ class ModelRunner:
                            device=self.device)
         self.num_forward_tokens += len(ids)
         return PreparedStep(seqs, num_decode, lens, starts, n_sample, prompt_rows, snaps,
-                            spec_snaps, ids, fb, fused)
+                            spec_snaps, ids, fb, fused, wanted)
 
     def start_masks(self, step: PreparedStep):
         """Grammar masks, computed on a worker thread while the model runs (None: none)."""
@@ -187,11 +190,24 @@ class ModelRunner:
         states, positions [T], MLA cache slots [T] or None)."""
         capture = self.proposer.capture_layers if self.proposer is not None else ()
         seqs, fused, fb = step.seqs, step.fused, step.fb
-        if fused is not None:      # decode rows only: no drafts, media or prompt logprobs
+        verifying = fused is not None and any(s.num_draft_tokens for s in seqs)
+        parts = (fused_decode.split_parts(self._threads, len(seqs), capture)
+                 if fused is not None and not verifying else 1)
+        # one torch thread while the rows run on `parts` threads (split_parts says why); the
+        # configured count comes back with the next step that is not split
+        torch.set_num_threads(1 if parts > 1 else self._threads)
+        if fused is not None:      # decode rows, maybe with drafts: no media or prompt logprobs
             captured = []
             positions, state_slots, table = fused_decode.step_inputs(seqs)
+            # a token and its drafts are rows of their own; rejected drafts roll back to `kept`
+            step.kept = (fused_decode.Kept.allocate(self.cache, len(step.ids)) if verifying
+                         else None)
+            last = [step.starts[b] + step.lens[b] - 1 for b in range(len(seqs))]
             logits = fused(step.ids, positions, state_slots, table, self.cache,
-                           [(b, sid) for b, _, sid in step.snaps], capture, captured)
+                           [(last[b], sid) for b, _, sid in step.snaps], capture, captured,
+                           parts, step.kept)
+            if verifying:
+                logits = logits[step.wanted]
             cache_slots = None
             if self.proposer is not None:       # where the draft's context pages go
                 bs = self.cache.block_size
@@ -234,12 +250,11 @@ class ModelRunner:
         state committed accordingly; returns them and the snapshot ids dropped."""
         valid = [len(sampled[s.request_id]) if s.num_draft_tokens else n
                  for s, n in zip(step.seqs, step.lens)]
-        return valid, self._settle_speculation(step.fb, step.seqs, valid, step.spec_snaps)
+        return valid, self._settle_speculation(step.fb, step.seqs, valid, step.spec_snaps,
+                                               step.kept, step.starts)
 
     def _fused_decoder(self, seqs: list[ScheduledSequence], num_decode: int
                        ) -> fused_decode.FusedDecoder | None:
-        # a step that verifies drafts takes the torch forward; a plain decode step of a
-        # speculating engine (adaptive speculation chose k = 0) may take this path
         if self._fused is False or not fused_decode.applies(seqs, num_decode):
             return None
         if self._fused is None or not self._fused.still_valid():
@@ -286,21 +301,32 @@ class ModelRunner:
         return out
 
     def _settle_speculation(self, fb, seqs: list[ScheduledSequence], valid: list[int],
-                            spec_snaps: list[tuple[int, int, int]]) -> list[int]:
+                            spec_snaps: list[tuple[int, int, int]],
+                            kept: fused_decode.Kept | None = None,
+                            starts: list[int] | None = None) -> list[int]:
         """Commit the KDA state after each verify row's last accepted token, take the
-        snapshots that fall on accepted positions; returns the snapshot ids dropped."""
+        snapshots that fall on accepted positions; returns the snapshot ids dropped. The
+        states after each position come from the torch forward (`fb`) or, for a fused step,
+        from `kept` (one row per token: token j of sequence b is row starts[b] + j)."""
         rolled = [(b, valid[b] - 1, s.state_slot) for b, s in enumerate(seqs)
                   if s.num_draft_tokens and valid[b] < len(s.token_ids)]
-        if rolled and self.cfg.kda_layers:
-            b, upto, slot = (torch.tensor(c, device=self.device) for c in zip(*rolled))
-            self.cache.commit_decode(fb, b, upto, slot)
         taken, dropped = [], []
         for b, p, sid in spec_snaps:
             upto = p - seqs[b].context_len
             (taken if upto <= valid[b] else dropped).append((b, upto - 1, sid))
-        if taken and self.cfg.kda_layers:
-            b, upto, sid = (torch.tensor(c, device=self.device) for c in zip(*taken))
-            self.cache.snapshot_decode(fb, b, upto, sid)
+        c = self.cache
+        for todo, states, convs in ((rolled, c.kda_states, c.kda_conv),
+                                    (taken, c.snap_states, c.snap_conv)):
+            if not todo or not self.cfg.kda_layers:
+                continue
+            b, upto, dest = (torch.tensor(x, device=self.device) for x in zip(*todo))
+            if kept is not None:
+                rows = torch.tensor(starts, device=self.device)[b] + upto
+                kept.copy_to(rows, states, convs, dest)
+            elif states is c.kda_states:
+                c.commit_decode(fb, b, upto, dest)
+            else:
+                c.snapshot_decode(fb, b, upto, dest)
         return [sid for _, _, sid in dropped]
 
     def _keep_proposals(self, props: dict[str, Proposal]) -> dict[str, list[int]]:

@@ -85,7 +85,7 @@ _PARALLEL_MIN_STEPS = 4096
 
 
 @cache
-def _pool(n: int) -> ThreadPoolExecutor:
+def thread_pool(n: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=n, thread_name_prefix="kdaserve-kernel")
 
 
@@ -116,7 +116,7 @@ def _split_rows(fn: Callable[..., None], num_rows: int, work: int, *args) -> Non
         fn(0, num_rows, *args)
         return
     bounds = [num_rows * i // n for i in range(n + 1)]
-    futures = [_pool(n).submit(fn, bounds[i], bounds[i + 1], *args) for i in range(n)]
+    futures = [thread_pool(n).submit(fn, bounds[i], bounds[i + 1], *args) for i in range(n)]
     for f in futures:
         f.result()
 
