@@ -135,7 +135,7 @@ class ModelRunner:
         # grammar masks are computed on a worker thread while the model runs
         masks = self.structured.prepare(seqs, requests) if self.structured is not None else None
         verifying = bool(speculating) and fused is not None
-        parts = (fused_decode.split_parts(self._threads, len(seqs), capture)
+        parts = (fused_decode.split_parts(self._threads, len(seqs), capture, fused)
                  if fused is not None and not verifying else 1)
         # one torch thread while the rows run on `parts` threads (split_parts says why); the
         # configured count comes back with the next step that is not split
