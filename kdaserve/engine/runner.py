@@ -191,7 +191,7 @@ class ModelRunner:
         capture = self.proposer.capture_layers if self.proposer is not None else ()
         seqs, fused, fb = step.seqs, step.fused, step.fb
         verifying = fused is not None and any(s.num_draft_tokens for s in seqs)
-        parts = (fused_decode.split_parts(self._threads, len(seqs), capture)
+        parts = (fused_decode.split_parts(self._threads, len(seqs), capture, fused)
                  if fused is not None and not verifying else 1)
         # one torch thread while the rows run on `parts` threads (split_parts says why); the
         # configured count comes back with the next step that is not split

@@ -219,6 +219,8 @@ class FusedDecoder:
         consecutive positions, each continuing the state the one before left; `kept` then
         receives every row's state after its token (a rejected draft's rollback)."""
         model = self.model
+        if self.k.parallel:      # the team size is per calling thread: torch's, every step
+            self.k.threads(torch.get_num_threads())
         x = model.model.embed_tokens(ids).float().contiguous()
         slots, positions = slots.contiguous(), positions.contiguous()
         block_table = block_table.contiguous()
@@ -282,12 +284,14 @@ class FusedDecoder:
         k.head(B, *self.head[:2], xp, *self.head[2:], _p(logits[lo:hi]), sp)
 
 
-def split_parts(threads: int, rows: int, capture: tuple[int, ...] = ()) -> int:
-    """Threads to split a fused step's rows over. The caller runs the step's torch ops on one
-    thread when this is above 1: torch's OpenMP workers spin-wait after each parallel op and
-    would take the cores the row threads need (measured: 1,350 vs 2,220 tok/s at 32 rows on
-    2 cores)."""
-    if capture:                     # a draft's context capture reads whole-batch layers
+def split_parts(threads: int, rows: int, capture: tuple[int, ...] = (),
+                decoder: FusedDecoder | None = None) -> int:
+    """Threads of our own to split a fused step's rows over: 1 when the blocks run in
+    parallel themselves (built with OpenMP, on torch's threads). Otherwise the caller runs the
+    step's torch ops on one thread when this is above 1: torch's OpenMP workers spin-wait after
+    each parallel op and would take the cores the row threads need (measured: 1,350 vs 2,220
+    tok/s at 32 rows on 2 cores)."""
+    if capture or (decoder is not None and decoder.k.parallel):
         return 1
     return max(1, min(threads, rows // MIN_ROWS_PER_THREAD))
 

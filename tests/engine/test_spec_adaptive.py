@@ -132,3 +132,24 @@ def test_realized_rates_overrule_a_cost_model_that_misjudges():
     assert sum(p.plan(batch, 32).values()) <= 7           # at most one probe's block
     assert p.initial_drafts(32) == 0
     assert not p.realized.speculation_loses(1)
+
+
+def test_a_plain_step_is_timed_when_speculation_never_stopped():
+    """Verifying steps measured at a batch size, plain ones not: the plan verifies nothing
+    until a few plain steps are timed there, then compares the two realized rates."""
+    p = AdaptiveSpeculation(7)
+    batch = {"r": 7}
+    p.alpha["r"] = 0.99
+    assert p.plan(batch, 1)["r"] > 0                      # the prior says speculate
+    for _ in range(p.realized.min_steps):
+        p.realized.observe(1, True, 7, 0.007)             # 1,000 tok/s verifying
+    assert p.realized.needs_plain(1)
+    assert p.plan(batch, 1)["r"] == 0                     # time a plain step
+    for _ in range(p.realized.min_steps):
+        p.realized.observe(1, False, 1, 0.0005)           # 2,000 tok/s plain
+    assert not p.realized.needs_plain(1)
+    assert p.realized.speculation_loses(1)
+    assert p.plan(batch, 1)["r"] == 0                     # and speculation stays off
+    for _ in range(40):
+        p.realized.observe(1, True, 8, 0.002)             # until verifying wins again
+    assert p.plan(batch, 1)["r"] > 0

@@ -126,6 +126,15 @@ class RealizedRates:
         acc[1] = acc[1] * self.decay + seconds
         acc[2] += 1
 
+    def needs_plain(self, rows: int) -> bool:
+        """Verifying steps have been measured here but plain ones not enough to compare: when
+        speculation stays on from the first step (a request's first drafts are planned on the
+        prior), nothing else would ever time a plain step of this batch size."""
+        b = max(1, rows).bit_length()
+        spec, plain = self.sums.get((b, True)), self.sums.get((b, False))
+        return (spec is not None and spec[2] >= self.min_steps
+                and (plain is None or plain[2] < self.min_steps))
+
     def speculation_loses(self, rows: int) -> bool:
         """Verifying steps have delivered fewer tokens per second than plain ones here."""
         b = max(1, rows).bit_length()
@@ -196,8 +205,11 @@ class AdaptiveSpeculation:
             seconds = a + b * (base_tokens + extra_tokens) + c * extra_rows + (
                 d if extra_rows else 0.0)
         if extra_rows and (produced / seconds <= plain_n / plain_s
-                           or self.realized.speculation_loses(len(candidates))):
-            out = dict.fromkeys(out, 0)        # the verifying step's own cost is not repaid
+                           or self.realized.speculation_loses(len(candidates))
+                           or self.realized.needs_plain(len(candidates))):
+            # the verifying step's own cost is not repaid (or, a few times per batch size,
+            # a plain step is timed so that the realized rates can be compared)
+            out = dict.fromkeys(out, 0)
         # a probe spans two steps: its draft is proposed after one and verified in the next
         for rid in self._probing & candidates.keys():
             out[rid] = max(out[rid], min(candidates[rid], self.max_drafts))

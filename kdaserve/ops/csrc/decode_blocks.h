@@ -15,9 +15,9 @@
  * for one row, so a row's result does not depend on its batch. */
 static void NAME(matmat)(const WT *restrict W, const float *restrict X, int64_t ldx,
                          float *restrict Y, int64_t ldy, int64_t N, int64_t K, int64_t B) {
-    const int64_t K8 = K - K % 8;
-    int64_t n = 0;
-    for (; n + 4 <= N; n += 4) {
+    const int64_t K8 = K - K % 8, N4 = N - N % 4;
+#pragma omp parallel for schedule(static) if (N4 * K * B >= PAR_MIN_MACS)
+    for (int64_t n = 0; n < N4; n += 4) {
         const WT *w0 = W + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
         int64_t b = 0;
         for (; b + 2 <= B; b += 2) {
@@ -62,7 +62,7 @@ static void NAME(matmat)(const WT *restrict W, const float *restrict X, int64_t 
             y0[2] = lanes_sum(a2, t2); y0[3] = lanes_sum(a3, t3);
         }
     }
-    for (; n < N; ++n) {
+    for (int64_t n = N4; n < N; ++n) {
         const WT *w = W + n * K;
         for (int64_t b = 0; b < B; ++b) {
             const float *x0 = X + b * ldx;
@@ -123,6 +123,52 @@ static void NAME(norm_rows)(const float *x, const float *w, float eps, int64_t H
     for (int64_t b = 0; b < B; ++b) rms_norm(x + b * Hd, w, eps, Hd, h + b * Hd);
 }
 
+/* What one (row, head) of a KDA block reads and writes (kda_decode_block). */
+struct NAME(kda_heads) {
+    int64_t H, D, G, P, C, HD;
+    const float *pre;
+    float *conv, *gdec, *gate, *o, *state_store;
+    const int64_t *slots;
+    const float *dt_bias, *a;
+    float lower_bound;
+    int64_t use_bound;
+    const float *o_norm_w;
+    float o_eps, q_scale;
+};
+
+/* One head of one row: q/k norms, decay, the delta-rule step on the slot's state, the gated
+ * output norm. Heads are independent; rows too unless they share a slot. */
+static void NAME(kda_head)(const struct NAME(kda_heads) *st, int64_t b, int64_t hh) {
+    const int64_t D = st->D, HD = st->HD;
+    float kv[D], delta[D], decay[D];
+    float *cb = st->conv + b * st->C;
+    const float *braw = st->pre + b * st->P + st->C + D + st->G;
+    float *qh = cb + hh * D, *kh = cb + HD + hh * D;
+    const float *vh = cb + 2 * HD + hh * D;
+    const float nq = st->q_scale / sqrtf(sumsq(qh, D) + 1e-6f);
+    const float nk = 1.0f / sqrtf(sumsq(kh, D) + 1e-6f);
+    for (int64_t d = 0; d < D; ++d) {
+        qh[d] *= nq;
+        kh[d] *= nk;
+    }
+    const float ah = st->a[hh];
+    float *gh = st->gdec + b * HD + hh * D;
+    const float *bias = st->dt_bias + hh * D;
+    if (st->use_bound)
+        for (int64_t d = 0; d < D; ++d) gh[d] = st->lower_bound * sigmoid(ah * (gh[d] + bias[d]));
+    else
+        for (int64_t d = 0; d < D; ++d) gh[d] = -ah * softplus_f(gh[d] + bias[d]);
+    const float bt = sigmoid(braw[hh]);
+    float *S = st->state_store + (st->slots[b] * st->H + hh) * D * D;
+    float *out = st->o + b * HD + hh * D;
+    kda_step(S, qh, kh, vh, gh, bt, out, D, D, kv, delta, decay);
+    /* gated RMSNorm per head */
+    const float r = 1.0f / sqrtf(sumsq(out, D) / (float)D + st->o_eps);
+    const float *gt = st->gate + b * HD + hh * D;
+    for (int64_t d = 0; d < D; ++d)
+        out[d] = st->o_norm_w[d] * (out[d] * r) * sigmoid(gt[d]);
+}
+
 /* One KDA token mixer for B decode rows. w_in [P, Hd] stacks q | k | v (3HD rows), f_a (D),
  * the gate input (G = D low-rank or HD full-rank) and b (H). conv_store [S, W, 3HD] and
  * state_store [S, H, D, D] are the engine's slots (updated in place at slots[b]); conv_wt
@@ -148,9 +194,14 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
     float *gate = gdec + B * HD;    /* [B, HD] */
     float *o = gate + B * HD;       /* [B, HD] */
     float *y = o + B * HD;          /* [B, Hd] */
-    float *kv = y + B * Hd, *delta = kv + D, *decay = delta + D;
+    /* rows may run in parallel unless two share a slot (a token and its drafts) */
+    int distinct = 1;
+    for (int64_t b = 1; b < B && distinct; ++b)
+        for (int64_t c = 0; c < b; ++c)
+            if (slots[b] == slots[c]) { distinct = 0; break; }
     NAME(norm_rows)(x, norm_w, eps, Hd, B, h);
     NAME(matmat)(w_in, h, Hd, pre, P, P, Hd, B);
+#pragma omp parallel for schedule(static) if (distinct && B > 1)
     for (int64_t b = 0; b < B; ++b) {
         /* causal depthwise conv over the slot's window, then the window moves on */
         const float *pb = pre + b * P;
@@ -175,38 +226,26 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
     if (g_b) NAME(matmat)(g_b, pre + C + D, P, gate, HD, HD, D, B);
     else
         for (int64_t b = 0; b < B; ++b) memcpy(gate + b * HD, pre + b * P + C + D, sizeof(float) * HD);
-    for (int64_t b = 0; b < B; ++b) {
-        float *cb = conv + b * C;
-        const float *braw = pre + b * P + C + D + G;
-        for (int64_t hh = 0; hh < H; ++hh) {
-            float *qh = cb + hh * D, *kh = cb + HD + hh * D;
-            const float *vh = cb + 2 * HD + hh * D;
-            const float nq = q_scale / sqrtf(sumsq(qh, D) + 1e-6f);
-            const float nk = 1.0f / sqrtf(sumsq(kh, D) + 1e-6f);
-            for (int64_t d = 0; d < D; ++d) {
-                qh[d] *= nq;
-                kh[d] *= nk;
-            }
-            const float ah = a[hh];
-            float *gh = gdec + b * HD + hh * D;
-            const float *bias = dt_bias + hh * D;
-            if (use_bound)
-                for (int64_t d = 0; d < D; ++d) gh[d] = lower_bound * sigmoid(ah * (gh[d] + bias[d]));
-            else
-                for (int64_t d = 0; d < D; ++d) gh[d] = -ah * softplus_f(gh[d] + bias[d]);
-            const float bt = sigmoid(braw[hh]);
-            float *S = state_store + (slots[b] * H + hh) * D * D;
-            float *out = o + b * HD + hh * D;
-            kda_step(S, qh, kh, vh, gh, bt, out, D, D, kv, delta, decay);
-            /* gated RMSNorm per head */
-            const float r = 1.0f / sqrtf(sumsq(out, D) / (float)D + o_eps);
-            const float *gt = gate + b * HD + hh * D;
-            for (int64_t d = 0; d < D; ++d)
-                out[d] = o_norm_w[d] * (out[d] * r) * sigmoid(gt[d]);
+    const struct NAME(kda_heads) st = {H, D, G, P, C, HD, pre, conv, gdec, gate, o, state_store,
+                                       slots, dt_bias, a, lower_bound, use_bound, o_norm_w,
+                                       o_eps, q_scale};
+    const size_t state_bytes = sizeof(float) * (size_t)(H * D * D);
+    if (distinct) {
+#pragma omp parallel for collapse(2) schedule(static) if (B * H > 1)
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t hh = 0; hh < H; ++hh) NAME(kda_head)(&st, b, hh);
+        if (kept_states)            /* one row per slot: its state after the step */
+            for (int64_t b = 0; b < B; ++b)
+                memcpy(kept_states + b * H * D * D, state_store + slots[b] * H * D * D,
+                       state_bytes);
+    } else {
+        for (int64_t b = 0; b < B; ++b) {     /* in row order: each continues the last */
+#pragma omp parallel for schedule(static) if (H > 1)
+            for (int64_t hh = 0; hh < H; ++hh) NAME(kda_head)(&st, b, hh);
+            if (kept_states)
+                memcpy(kept_states + b * H * D * D, state_store + slots[b] * H * D * D,
+                       state_bytes);
         }
-        if (kept_states)
-            memcpy(kept_states + b * H * D * D, state_store + slots[b] * H * D * D,
-                   sizeof(float) * H * D * D);
     }
     NAME(matmat)(o_proj, o, HD, y, Hd, Hd, HD, B);
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
@@ -226,21 +265,28 @@ void NAME(mla_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t
                       float scale, float *scratch) {
     const int64_t QD = N + R, LD = Dc + R;
     float *h = scratch, *q = h + B * Hd, *ckv = q + B * H * QD, *o = ckv + B * LD;
-    float *y = o + B * H * Vd, *qlat = y + B * Hd, *ctx = qlat + H * Dc;
+    float *y = o + B * H * Vd;
     NAME(norm_rows)(x, norm_w, eps, Hd, B, h);
     NAME(matmat)(w_q, h, Hd, q, H * QD, H * QD, Hd, B);
     NAME(matmat)(w_kva, h, Hd, ckv, LD, LD, Hd, B);
+    /* every row's latent first: then each (row, head) attends on its own (a row sharing its
+     * pages with later rows, a token before its drafts, reads only positions up to its own) */
     for (int64_t b = 0; b < B; ++b) {
-        const int64_t pos = positions[b], L = pos + 1;
+        const int64_t pos = positions[b];
         const int64_t *bt = block_table + b * width;
         float *cb = ckv + b * LD;
         CT *dst = pages + (bt[pos / bs] * bs + pos % bs) * LD;
         rms_norm(cb, kv_norm_w, kv_eps, Dc, cb);
         for (int64_t i = 0; i < LD; ++i) dst[i] = STC(cb[i]);
-        float *scores = malloc(sizeof(float) * (size_t)L);
+    }
+#pragma omp parallel for collapse(2) schedule(dynamic) if (B * H > 1)
+    for (int64_t b = 0; b < B; ++b) {
         for (int64_t hh = 0; hh < H; ++hh) {
+            const int64_t L = positions[b] + 1;
+            const int64_t *bt = block_table + b * width;
+            float *scores = malloc(sizeof(float) * (size_t)L);
+            float ql[Dc], ctx[Dc];
             const float *qn = q + b * H * QD + hh * QD, *qp = qn + N;
-            float *ql = qlat + hh * Dc;
             /* q_lat = q_nope . W_uk[h]  (W_uk rows of kv_b: h*(N+Vd) + n) */
             NAME(vecmat)(qn, kv_b + hh * (N + Vd) * Dc, ql, N, Dc);
             float m = -INFINITY;
@@ -271,8 +317,8 @@ void NAME(mla_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t
                 for (int64_t i = 0; i < Dc; ++i) ctx[i] += p * LDC(lat[i]);
             }
             NAME(matvec)(kv_b + (hh * (N + Vd) + N) * Dc, ctx, o + b * H * Vd + hh * Vd, Vd, Dc);
+            free(scores);
         }
-        free(scores);
     }
     NAME(matmat)(o_proj, o, H * Vd, y, Hd, Hd, H * Vd, B);
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
@@ -321,10 +367,8 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
     float *h = scratch, *y = h + B * Hd, *score = y + B * Hd, *choice = score + B * E;
     float *wts = choice + E;                          /* [S] */
     float *idf = wts + S;                             /* [S] expert ids (floats: exact) */
-    float *xe = idf + S, *gu = xe + S * Hd, *act = gu + S * 2 * I, *de = act + S * I;
-    float *tmp = de + S * Hd;                         /* wbuf, then swiglu_add's scratch */
-    float *wbuf = tmp;
-    int64_t slot[S];
+    float *de = idf + S;                              /* [S, Hd] each slot's expert output */
+    float *tmp = de + S * Hd;                         /* swiglu_add's scratch */
     NAME(norm_rows)(x, norm_w, eps, Hd, B, h);
     matmat_f32(router, h, Hd, score, E, E, Hd, B);   /* the router stays fp32 */
     for (int64_t b = 0; b < B; ++b) {
@@ -347,11 +391,16 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
             wts[b * K + k] = (renormalize ? wts[b * K + k] / (total + 1e-20f) : wts[b * K + k])
                              * scaling;
     }
+    /* experts in parallel, each with buffers of its own for the rows that chose it */
+#pragma omp parallel for schedule(dynamic) if (S > 1)
     for (int64_t e = 0; e < E; ++e) {
+        int64_t slot[S];
         int64_t n = 0;
         for (int64_t s = 0; s < S; ++s)
             if ((int64_t)idf[s] == e) slot[n++] = s;
         if (!n) continue;
+        float *xe = malloc(sizeof(float) * (size_t)(n * (Hd + 3 * I) + 2 * I + Hd));
+        float *gu = xe + n * Hd, *act = gu + n * 2 * I, *wbuf = act + n * I;
         for (int64_t r = 0; r < n; ++r)
             memcpy(xe + r * Hd, h + (slot[r] / K) * Hd, sizeof(float) * Hd);
         if (transposed) NAME(vecmat_rows)(xe, Hd, w13 + e * Hd * 2 * I, gu, Hd, 2 * I, n, wbuf);
@@ -364,6 +413,7 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
         if (transposed) NAME(vecmat_rows)(act, I, w2 + e * I * Hd, out, I, Hd, n, wbuf);
         else NAME(matmat)(w2 + e * Hd * I, act, I, out, Hd, Hd, I, n);
         for (int64_t r = 0; r < n; ++r) memcpy(de + slot[r] * Hd, out + r * Hd, sizeof(float) * Hd);
+        free(xe);
     }
     for (int64_t b = 0; b < B; ++b) {
         float *yb = y + b * Hd;

@@ -17,6 +17,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "fastmath.h"
 #include "kda_step.h"
 
@@ -88,6 +92,32 @@ static inline v8f ld8bf16(const uint16_t *p) {
 static inline float lanes_sum(v8f a, float s) {
     for (int l = 0; l < 8; ++l) s += a[l];
     return s;
+}
+
+/* With OpenMP (built with -fopenmp; it then shares torch's libgomp, loaded first under the
+ * same soname, so the blocks run on torch's threads and obey torch.set_num_threads), matrix
+ * products of at least this many multiply-adds split their output rows over the threads, and
+ * rows (or heads) of the per-row parts run in parallel where independent. */
+#define PAR_MIN_MACS 32768
+
+/* 1 when the blocks run their work on several threads themselves (the caller should not
+ * split rows over threads of its own on top). */
+int64_t decode_blocks_parallel(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The calling thread's team size for the blocks' parallel parts (OpenMP keeps it per thread:
+ * the engine's thread takes torch's setting, e.g. --torch-threads 1, before each step). */
+void decode_blocks_threads(int64_t n) {
+#ifdef _OPENMP
+    omp_set_num_threads((int)(n > 0 ? n : 1));
+#else
+    (void)n;
+#endif
 }
 
 /* fp32 weights, fp32 cache */
