@@ -47,7 +47,17 @@ def connect(address: str | None) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, logging_level=logging.WARNING)
+        try:
+            ray.init(address=address, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError) as exc:
+            hint, cause = "", exc
+            while cause is not None and "auth" not in str(cause).lower():
+                cause = cause.__cause__ or cause.__context__
+            if cause is not None:
+                hint = (" (the cluster uses token authentication: set RAY_AUTH_MODE=token "
+                        "here, with its token in ~/.ray/auth_token or RAY_AUTH_TOKEN)")
+            raise ExecutorError(f"cannot join the Ray cluster at {address}{hint}: "
+                                f"{_first_line(exc)}") from None
     else:
         ray.init(include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                  logging_level=logging.WARNING)
