@@ -13,13 +13,13 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from kdaserve.engine.executor import ExecutorError  # noqa: E402
-from kdaserve.engine.llm import LLM  # noqa: E402
-from kdaserve.model.loader import save_model  # noqa: E402
-from kdaserve.request import SamplingParams  # noqa: E402
+from k3_models import k3_raw, write_k3_checkpoint
+from tiny_models import random_model, tiny_config
 
-from k3_models import k3_raw, write_k3_checkpoint  # noqa: E402
-from tiny_models import random_model, tiny_config  # noqa: E402
+from kdaserve.engine.executor import ExecutorError
+from kdaserve.engine.llm import LLM
+from kdaserve.model.loader import save_model
+from kdaserve.request import SamplingParams
 
 pytestmark = pytest.mark.ray
 

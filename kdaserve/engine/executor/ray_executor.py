@@ -133,8 +133,8 @@ def _stop(held: _Held, grace_s: float = 10.0) -> None:
         try:      # rank 0 publishes the stop: every rank leaves its process group
             ray.get(held.actors[0].call.remote(("shutdown",)), timeout=grace_s)
             ray.wait(held.follows, num_returns=len(held.follows), timeout=grace_s)
-        except Exception:      # noqa: BLE001 - a rank is gone already: kill them all below
-            pass
+        except Exception as exc:      # noqa: BLE001 - a rank is gone: kill them all below
+            logger.debug("Ray ranks did not stop by themselves: %s", exc)
     for a in held.actors:
         ray.kill(a, no_restart=True)
     if held.pg is not None:

@@ -123,7 +123,7 @@ class TorchrunExecutor(Executor):
             self._placement = Placement(config.parallel.data_parallel_size)
         try:
             self._state = start_rank(0, env.world_size, "env://", config, plan, env.local_rank)
-        except Exception as exc:
+        except Exception as exc:       # noqa: BLE001 - any failure to start is fatal here
             destroy_distributed()
             raise ExecutorError(f"rank 0 could not start with the other torchrun ranks "
                                 f"({env.master_addr}:{env.master_port}): "
@@ -139,7 +139,7 @@ class TorchrunExecutor(Executor):
         try:
             publish(self._state.ctx, msg)
             return run_on_rank(self._state, msg)
-        except Exception as exc:
+        except Exception as exc:       # noqa: BLE001 - with several ranks every failure is fatal
             # the ranks may disagree on the next collective: none can go on. Our exit closes
             # the connections, which ends the other ranks (and torchrun's agent ends them).
             self._closed = True
