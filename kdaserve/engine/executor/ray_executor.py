@@ -39,6 +39,19 @@ def _import_ray():
     return ray
 
 
+def _probe(address: str, timeout_s: float = 10.0) -> None:
+    """A HOST:PORT that accepts no connection fails now: ray.init would retry it for
+    minutes."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return                           # ray://, "auto", ...: Ray's own resolution
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ExecutorError(f"no Ray cluster answers at {address} ({exc}); start one with "
+                            "`ray start --head` (docs/parallelism.md)") from None
+
+
 def connect(address: str | None) -> bool:
     """Join the cluster at `address`, else $RAY_ADDRESS, else start a local one. True when
     this call started Ray (and shutdown should stop it)."""
@@ -47,6 +60,7 @@ def connect(address: str | None) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
+        _probe(address)
         try:
             ray.init(address=address, logging_level=logging.WARNING)
         except (ConnectionError, RuntimeError) as exc:
