@@ -82,3 +82,24 @@ def mlx_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
 
     model, _ = load_model(Path(path))
     return [mlx_greedy_tokens(model, p, n) for p in prompts]
+
+
+def write_random_draft(out: Path, hidden: int, vocab: int, layer_ids: tuple[int, ...],
+                       block: int = 5, k3_layout: bool = False, seed: int = 0) -> Path:
+    """A random DSpark draft for a tiny target: this project's layout, or the released
+    k3_dspark one (the target's embedding of its last token id is the mask)."""
+    from kdaserve.model.dspark import DraftConfig, DSparkDraft
+
+    torch.manual_seed(seed)
+    extra = dict(layout="k3_dspark", mask_token_id=vocab - 2, rope_interleaved=True,
+                 q_lora_rank=16) if k3_layout else {}
+    dc = DraftConfig(hidden_size=hidden, vocab_size=vocab, target_layer_ids=layer_ids,
+                     block_size=block, num_attention_heads=2, kv_lora_rank=8,
+                     qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                     intermediate_size=32, markov_rank=4, **extra)
+    draft = DSparkDraft(dc)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0, 0.3)
+    draft.save_pretrained(out)
+    return out

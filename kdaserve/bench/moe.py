@@ -5,13 +5,15 @@ Backends at 1, 32 and 256 tokens (`--tokens`): `reference` and `grouped` in this
 `tp_sharded` and `ep_all2all` on 2 gloo ranks (each rank's time; on a shared 2-core machine
 this measures the communication overhead, not a speedup); ratios at the largest count.
 Every backend's output is checked against `reference` on the same inputs. Times: best of
-`--repeats`.
+`--repeats`. Experts are MXFP4 by default, as K3 ships them (`--experts-format fp32` for the
+Kimi Linear layout); `grouped_vs_reference_by_format` gives the ratio in both formats.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import tempfile
@@ -23,6 +25,7 @@ from kdaserve.config import ModelConfig
 from kdaserve.distributed.parallel_state import ParallelContext
 from kdaserve.model.moe import SparseMoE
 from kdaserve.model.moe_backends import BACKENDS, configure_moe
+from kdaserve.ops.mxfp4 import quantize_mxfp4
 
 TOKENS = (1, 32, 256)
 
@@ -48,23 +51,43 @@ def random_moe(cfg: ModelConfig, seed: int = 0) -> SparseMoE:
     return moe.eval()
 
 
-def rank_share(full: SparseMoE, backend: str, ctx) -> SparseMoE:
+def rank_share(full: SparseMoE, backend: str, ctx, qcfg: ModelConfig | None = None) -> SparseMoE:
     """This rank's module for `backend`: its experts (ep) or its slice of every expert (tp),
-    cut from the full weights as the loader would read them."""
-    moe = copy.deepcopy(full)
+    cut from the full weights as the loader would read them. With `qcfg` (MXFP4 experts,
+    K3's format) the slices are quantized; groups of 32 run along the input width, so a
+    slice of the quantized tensor equals the quantized slice."""
+    moe = copy.deepcopy(full) if qcfg is None else _quantized_twin(full, qcfg)
     start, n = configure_moe(moe, ctx, backend)
     i, i_full = moe.intermediate, full.intermediate
     r = ctx.tp_rank
     w13, w2 = full.experts_w13.detach(), full.experts_w2.detach()
+    if backend == "tp_sharded":
+        w1, w3 = w13[:, :i_full], w13[:, i_full:]
+        w13 = torch.cat([w1[:, r * i:(r + 1) * i], w3[:, r * i:(r + 1) * i]], 1)
+        w2 = w2[:, :, r * i:(r + 1) * i]
+    else:
+        w13, w2 = w13[start:start + n], w2[start:start + n]
     with torch.no_grad():
-        if backend == "tp_sharded":
-            w1, w3 = w13[:, :i_full], w13[:, i_full:]
-            moe.experts_w13.copy_(torch.cat([w1[:, r * i:(r + 1) * i], w3[:, r * i:(r + 1) * i]],
-                                            1))
-            moe.experts_w2.copy_(w2[:, :, r * i:(r + 1) * i])
+        if qcfg is None:
+            moe.experts_w13.copy_(w13)
+            moe.experts_w2.copy_(w2)
+            # the storage the engine serves from (model.fuse_for_inference): the compiled
+            # ragged-group kernel reads only this layout; the loop's matmuls read either
+            moe.transpose_expert_storage()
         else:
-            moe.experts_w13.copy_(w13[start:start + n])
-            moe.experts_w2.copy_(w2[start:start + n])
+            for name, w in (("experts_w13", w13), ("experts_w2", w2)):
+                packed, scale = quantize_mxfp4(w.contiguous())
+                getattr(moe, f"{name}_packed").copy_(packed)
+                getattr(moe, f"{name}_scale").copy_(scale)
+    return moe
+
+
+def _quantized_twin(full: SparseMoE, qcfg: ModelConfig) -> SparseMoE:
+    """`full` with MXFP4 expert storage: the router and shared experts copied."""
+    moe = SparseMoE(qcfg).eval()
+    rest = {k: v for k, v in full.state_dict().items() if not k.startswith("experts_")}
+    missing, unexpected = moe.load_state_dict(rest, strict=False)
+    assert not unexpected and all(k.startswith("experts_") for k in missing)
     return moe
 
 
@@ -93,21 +116,26 @@ def _best_s(fn, repeats: int) -> float:
 
 
 def compare_on_ranks(ctx, raw: dict, backends: list[str], tokens: list[int], repeats: int,
-                     out_path: str) -> None:
+                     out_path: str, experts_format: str = "fp32") -> None:
     """On each rank: every backend's output vs `reference` (full module, this process) on
-    every routing and token count; times. Rank 0 writes {backend: {T: ...}} to out_path."""
+    every routing and token count; times. Rank 0 writes {backend: {T: ...}} to out_path.
+    `experts_format` "mxfp4": every module, the reference too, holds MXFP4 experts."""
     cfg = ModelConfig.from_dict(raw)
     full = random_moe(cfg)
+    qcfg = None
+    if experts_format == "mxfp4":
+        qcfg = dataclasses.replace(cfg, experts_quantization="mxfp4")
+        full_q = rank_share(full, "reference", ParallelContext(0, 1, 1, 1), qcfg)
     E, k, W = cfg.num_experts, cfg.num_experts_per_token, cfg.expert_width
     res: dict = {}
     for name in backends:
-        moe = rank_share(full, name, ctx)
+        moe = rank_share(full, name, ctx, qcfg)
         fn = BACKENDS[name]
         for T in tokens:
             x = torch.randn(T, W, generator=torch.Generator().manual_seed(T))
             err = 0.0
             for w, ids in routings(T, E, k, seed=T).values():
-                want = BACKENDS["reference"](full, x, w, ids)
+                want = BACKENDS["reference"](full if qcfg is None else full_q, x, w, ids)
                 err = max(err, (fn(moe, x, w, ids) - want).abs().max().item())
             w, ids = routings(T, E, k, seed=T)["random"]
             secs = _best_s(lambda fn=fn, moe=moe, x=x, w=w, ids=ids: fn(moe, x, w, ids),
@@ -174,6 +202,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--intermediate", type=int, default=128)
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS),
                    help="token counts per MoE call (default: %(default)s)")
+    p.add_argument("--experts-format", choices=("mxfp4", "fp32"), default="mxfp4",
+                   help="routed experts' storage (K3 ships MXFP4); the other format's "
+                        "grouped/reference ratio is reported too")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--layout-tokens", type=int, default=32,
                    help="greedy tokens per prompt in the TP=2 / EP=2 engine runs")
@@ -182,30 +213,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "step time)")
 
 
+def _mxfp4_shapes(cfg: ModelConfig, ranks: int = 1) -> bool:
+    """MXFP4 groups of 32 along each expert's input widths (per tensor-parallel shard)."""
+    return cfg.expert_width % 32 == 0 and (cfg.moe_intermediate_size // ranks) % 32 == 0
+
+
 def run(args: argparse.Namespace) -> int:
     from kdaserve.distributed.launch import run_ranks
 
     torch.set_num_threads(1)
     cfg = moe_config(args.experts, args.top_k, args.hidden, args.intermediate)
+    if args.experts_format == "mxfp4" and not _mxfp4_shapes(cfg, 2):
+        raise SystemExit("kdaserve bench moe: MXFP4 experts need --hidden and --intermediate/2 "
+                         "(the tensor-parallel shard) to be multiples of 32; use "
+                         "--experts-format fp32 for smaller shapes")
     raw = cfg.to_hf_dict()
     tokens = sorted(set(args.tokens))
     with tempfile.TemporaryDirectory() as tmp:
+        fmt = args.experts_format
+        other = "fp32" if fmt == "mxfp4" else "mxfp4"
         one = os.path.join(tmp, "one.json")
         compare_on_ranks(ParallelContext(0, 1, 1, 1), raw, ["reference", "grouped"], tokens,
-                         args.repeats, one)
+                         args.repeats, one, fmt)
+        other_backends = None
+        if other == "fp32" or _mxfp4_shapes(cfg):
+            compare_on_ranks(ParallelContext(0, 1, 1, 1), raw, ["reference", "grouped"],
+                             tokens[-1:], args.repeats, one + ".other", other)
+            with open(one + ".other") as f:
+                other_backends = json.load(f)
         two = os.path.join(tmp, "two.json")
         run_ranks(compare_on_ranks, 2, (raw, ["tp_sharded"], tokens, args.repeats,
-                                        two + ".tp"), tp=2)
+                                        two + ".tp", fmt), tp=2)
         run_ranks(compare_on_ranks, 2, (raw, ["ep_all2all"], tokens, args.repeats,
-                                        two + ".ep"), ep=2)
+                                        two + ".ep", fmt), ep=2)
         backends: dict = {}
         for path in (one, two + ".tp", two + ".ep"):
             with open(path) as f:
                 backends.update(json.load(f))
     top = str(tokens[-1])          # the ratios are taken at the largest token count
 
-    def ratio(a: str, b: str) -> float:
-        return backends[a][top]["tokens_per_s"] / backends[b][top]["tokens_per_s"]
+    def ratio(a: str, b: str, per: dict = backends) -> float:
+        return per[a][top]["tokens_per_s"] / per[b][top]["tokens_per_s"]
 
     result = {
         "experts": args.experts, "top_k": args.top_k, "hidden": args.hidden,
@@ -213,8 +261,14 @@ def run(args: argparse.Namespace) -> int:
         "backends": {b: {t: {"tokens_per_s": round(v["tokens_per_s"], 1),
                              "max_abs_err_vs_reference": v["max_abs_err"]}
                          for t, v in per.items()} for b, per in backends.items()},
+        "experts_format": args.experts_format,
         "ratio_tokens": int(top),
         "grouped_vs_reference": ratio("grouped", "reference"),
+        # both expert formats; in fp32 the loop's matmuls already run near the core's FP32
+        # peak at 256 tokens (docs/benchmarks.md), so only the loop's overhead is left to win
+        "grouped_vs_reference_by_format": {fmt: ratio("grouped", "reference"),
+                                           other: (ratio("grouped", "reference", other_backends)
+                                                   if other_backends else None)},
         # 2 ranks against one process's grouped kernel: each rank does half the expert work
         # but pays the collectives; on 2 shared cores this is overhead, not a speedup claim.
         "tp_sharded_vs_grouped": ratio("tp_sharded", "grouped"),

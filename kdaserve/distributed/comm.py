@@ -33,3 +33,20 @@ def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     out = torch.empty_like(counts)
     dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out
+
+
+def union_failures(failures: list, group=None) -> list:
+    """Cache-operation failures of every rank, each once (by entry and request), the same
+    list on every rank: a load that failed on one rank leaves its request out of the step on
+    all of them, so that they run the same rows (and the same collectives)."""
+    world = dist.get_world_size(group)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, failures, group=group)
+    seen, out = set(), []
+    for rank_failures in gathered:
+        for f in rank_failures:
+            key = (f.tier, f.kind, f.key, f.request_id)
+            if key not in seen:
+                seen.add(key)
+                out.append(f)
+    return out

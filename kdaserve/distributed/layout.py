@@ -45,20 +45,13 @@ def check_layout(cfg: ModelConfig, config: EngineConfig) -> None:
                      tp, flag)
         if cfg.moe_layers and ep == 1:
             _divides("expert width", cfg.moe_intermediate_size, tp, flag)
-        spec = config.speculative
-        if spec is not None and spec.method == "dspark":
-            raise ConfigError("DSpark drafts read the full embedding table; with "
-                              "--tensor-parallel-size > 1 use --speculative-method ngram")
     if ep > 1:
         if not cfg.moe_layers:
             raise ConfigError("--expert-parallel-size needs a model with routed experts")
         _divides("routed experts", cfg.num_experts, ep, "--expert-parallel-size")
-    if par.data_parallel_size > 1:
-        spec = config.speculative
-        if spec is not None and spec.method == "dspark":
-            raise ConfigError("--data-parallel-size > 1 serves n-gram speculation only "
-                              "(--speculative-method ngram); the DSpark draft is not wired "
-                              "for data-parallel ranks")
+    if par.data_parallel_size > 1 and config.cache.offload_tiers:
+        raise ConfigError("offload tiers do not combine with --data-parallel-size > 1 yet (each "
+                          "rank's cache holds other requests); TP and EP layouts support them")
     backend = par.moe_backend
     if backend == "ep_all2all" and ep == 1:
         raise ConfigError("--moe-backend ep_all2all needs --expert-parallel-size > 1")

@@ -297,7 +297,7 @@ class _EngineLoop:
             spec_accepted_tokens=core.scheduler.num_accepted_tokens,
             spec_adaptive=(core.scheduler.spec_policy.decisions()
                            if core.scheduler.spec_policy is not None else {}),
-            offload=(offload_stats(cache.offload, core.runner.cache_ops)
+            offload=(offload_stats(cache.offload, core.executor.transfer_stats())
                      if cache.offload is not None else {}))
 
 

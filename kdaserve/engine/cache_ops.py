@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from kdaserve.cache.offload import CHAIN_BYTES, HEADER_BYTES, Offload
+from kdaserve.cache.offload import Offload
 from kdaserve.cache.ops import (
     BLOCK,
     SNAPSHOT,
@@ -38,8 +38,6 @@ from kdaserve.cache.ops import (
     StoreBlock,
     StoreSnapshot,
 )
-from kdaserve.cache.stores import DiskStore, HostStore, OffloadError
-from kdaserve.cache.tiers import Tier, TierEntry
 from kdaserve.model.batch import HybridCache
 
 logger = logging.getLogger("kdaserve")
@@ -74,8 +72,15 @@ class CacheOpRunner:
         self.stores = dict(stores)
         self.stats = {name: TransferStats() for name in self.stores}
         self._failures_logged = 0
+        # several ranks, each with its share of every entry: makes the failures the same on
+        # every rank (kdaserve.distributed.comm.union_failures); None with one rank
+        self.agree: Callable[[list[OpFailure]], list[OpFailure]] | None = None
 
     def run(self, ops: list[CacheOp]) -> list[OpFailure]:
+        failures = self._run_all(ops)
+        return self.agree(failures) if self.agree is not None else failures
+
+    def _run_all(self, ops: list[CacheOp]) -> list[OpFailure]:
         failures: list[OpFailure] = []
         lost: set[str] = set()          # requests with a failed load: skip their other loads
         i = 0
@@ -224,68 +229,15 @@ def _kind(op: CacheOp) -> str:
     return BLOCK if isinstance(op, (StoreBlock, LoadBlock)) else SNAPSHOT
 
 
-# ---- startup ---------------------------------------------------------------------------------
-@dataclass
-class OffloadSetup:
-    offload: Offload                   # the bookkeeping (to the cache manager)
-    stores: dict[str, Store]           # the bytes (to the runner)
-
-
-def open_offload(tiers: tuple[str, ...], capacities: tuple[int, ...], directory: str | None,
-                 identity: tuple[bytes, dict] | None, block_bytes: int, snapshot_bytes: int,
-                 mla_bytes_per_token: int, device: torch.device) -> OffloadSetup:
-    """Open the tiers (fastest first) and seed the bookkeeping with what a persistent tier
-    kept from an earlier run. Raises OffloadError when a tier cannot work at all."""
-    index: list[Tier] = []
-    stores: dict[str, Store] = {}
-    for name, cap in zip(tiers, capacities):
-        if name == "host":
-            stores[name] = HostStore(alloc=_pinned_alloc if device.type == "cuda" else None)
-            index.append(Tier(name, cap, snapshot_bytes, mla_bytes_per_token))
-        elif name == "disk":
-            if directory is None or identity is None:
-                raise OffloadError("the disk tier needs a directory and a model identity")
-            one_entry = max(block_bytes, snapshot_bytes) + (1 << 20)
-            stores[name] = DiskStore(directory, identity[0], identity[1], one_entry)
-            index.append(Tier(name, cap, snapshot_bytes, mla_bytes_per_token, granule=4096))
-        else:
-            raise OffloadError(f"unknown offload tier {name!r}")
-    off = Offload(index, block_bytes, snapshot_bytes)
-    for tier in index:
-        store: Any = stores[tier.name]
-        if not store.persistent:
-            continue
-        # snapshots first, so blocks know what they lead to when the cap trims them; each
-        # kind oldest first (the scan's order)
-        found = sorted(store.scan(), key=lambda e: e.kind != SNAPSHOT)
-        kept = [TierEntry(e.kind, e.key, tier.cost(
-            block_bytes if e.kind == BLOCK else snapshot_bytes,
-            HEADER_BYTES + CHAIN_BYTES * len(e.chain)), e.position, e.chain) for e in found]
-        for e in off.seed(tier, kept):
-            store.drop(e.kind, e.key)
-        if kept:
-            logger.info("offload: the %s tier kept %d entries (%.1f MiB) from an earlier run",
-                        tier.name, tier.num_entries, tier.bytes_held / 2**20)
-        free = store.free_bytes()
-        if free + tier.bytes_held < tier.capacity:
-            logger.warning("offload: %s has %.1f GiB free, less than the %.1f GiB cap; writes "
-                           "past that will fail and count as misses", store.root, free / 2**30,
-                           tier.capacity / 2**30)
-    return OffloadSetup(off, stores)
-
-
-def _pinned_alloc(n: int) -> memoryview:
-    # the memoryview keeps the numpy array alive, which keeps the pinned tensor alive
-    return memoryview(torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy())
-
-
-def offload_stats(offload: Offload | None, runner: CacheOpRunner) -> dict[str, dict[str, float]]:
-    """Per tier: what it holds, what moved, and how lookups went (for /metrics)."""
+def offload_stats(offload: Offload | None,
+                  moved_by_tier: Mapping[str, TransferStats]) -> dict[str, dict[str, float]]:
+    """Per tier: what it holds, what moved (`moved_by_tier`: CacheOpRunner.stats), and how
+    lookups went (for /metrics)."""
     if offload is None:
         return {}
     out = {}
     for t in offload.tiers:
-        c, moved = offload.counters[t.name], runner.stats.get(t.name, TransferStats())
+        c, moved = offload.counters[t.name], moved_by_tier.get(t.name, TransferStats())
         out[t.name] = {"entries": t.num_entries, "bytes": t.bytes_held, "capacity": t.capacity,
                        "evictions": t.evictions, "queries": c.queries, "hits": c.hits,
                        "hit_rate": c.hits / c.queries if c.queries else 0.0,

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import torch
 
-from kdaserve.cache.identity import cache_layout, offload_identity
 from kdaserve.cache.manager import CacheManager
 from kdaserve.cache.planner import CachePlan, cache_budget, plan_cache
 from kdaserve.cache.spec import specs_for
 from kdaserve.config import EngineConfig, SchedulerConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
-from kdaserve.engine.cache_ops import OffloadSetup, open_offload
+from kdaserve.engine.offload_setup import open_tiers
 from kdaserve.engine.executor import Executor, ExecutorError
 from kdaserve.engine.executor.uniproc import UniProcExecutor
 from kdaserve.engine.runner import ModelRunner
@@ -26,8 +25,9 @@ from kdaserve.engine.spec.proposer import NgramDrafts, Proposer
 from kdaserve.engine.step_message import StepMessages
 from kdaserve.media import MediaItem, check_media
 from kdaserve.model.base import HybridForCausalLM
-from kdaserve.model.loader import load_model
+from kdaserve.model.loader import checkpoint_has_vision, load_model
 from kdaserve.model.registry import load_config
+from kdaserve.model.vision.tower import vision_config_of
 from kdaserve.ops.host_memory import tune_host_allocator
 from kdaserve.outputs import RequestDelta
 from kdaserve.request import Request, RequestStatus, SamplingParams, child_seed
@@ -81,6 +81,9 @@ class EngineCore:
 
             cfg = load_config(config.model)
             check_layout(cfg, config)                 # refused here, before any process starts
+            # the ranks load the model; the engine checks images against the config alone
+            self._vision = (vision_config_of(cfg)
+                            if checkpoint_has_vision(config.model) else None)
             rank_cfg = rank_model_config(cfg, par.tensor_parallel_size)
         else:
             if model is None:
@@ -94,6 +97,8 @@ class EngineCore:
 
                 set_moe_backend(model, par.moe_backend)
             cfg = rank_cfg = model.config
+            tower = getattr(model, "vision_tower", None)
+            self._vision = tower.cfg if tower is not None else None
             self._log_weights(model, config)
         self.model_config = cfg
         if tokenizer is None and config.model and _has_tokenizer(Path(config.model)):
@@ -118,9 +123,7 @@ class EngineCore:
             snapshot_bytes=snapshot_bytes, max_model_len=max_len,
         )
         self.max_model_len = sched.max_model_len
-        if cc.offload_tiers and par.executor != "uni":
-            raise ValueError("offload tiers run with the in-process executor only (one rank)")
-        tiers = open_tiers(config, cfg, latent, state, chunk, device)
+        tiers = open_tiers(config, rank_cfg, chunk, device)
         self.cache = CacheManager(
             self.plan.num_blocks, self.plan.block_size, self.plan.num_state_slots,
             enable_prefix_caching=cc.enable_prefix_caching, num_snapshots=self.plan.num_snapshots,
@@ -192,15 +195,16 @@ class EngineCore:
             self._tracked[cid] = _Tracked(request_id, i, detok)
         self._children[request_id] = children
 
+    @property
+    def vision_config(self):
+        """The vision tower's config (every rank holds the tower whole), None without one."""
+        return self._vision
+
     def _check_media(self, media: Sequence[MediaItem], prompt: list[int]) -> None:
-        if self.model is None:
-            raise ValueError("images are not supported with a multi-process layout yet "
-                             "(--tensor-parallel-size/--expert-parallel-size 1 serves them)")
-        tower = getattr(self.model, "vision_tower", None)
-        if tower is None:
+        if self._vision is None:
             raise ValueError("this model has no vision tower; images are not supported")
-        check_media(media, prompt, self.model.config.media_placeholder_token_id,
-                    tower.cfg.merge_size)
+        check_media(media, prompt, self.model_config.media_placeholder_token_id,
+                    self._vision.merge_size)
 
     def abort(self, request_id: str) -> None:
         for cid in self._children.pop(request_id, []):
@@ -370,25 +374,6 @@ class EngineCore:
         kids = self._children.get(tr.parent)
         if kids is not None and all(k not in self._tracked for k in kids):
             del self._children[tr.parent]
-
-
-def open_tiers(config: EngineConfig, cfg, latent, state, chunk: int,
-               device: torch.device) -> OffloadSetup | None:
-    cc = config.cache
-    if not cc.offload_tiers:
-        return None
-    identity = None
-    if "disk" in cc.offload_tiers:
-        if not config.model:
-            raise ValueError("the disk offload tier needs a model directory")
-        identity = offload_identity(config.model, cache_layout(
-            cfg, cc.block_size, config.dtype, chunk, device.type))
-    setup = open_offload(cc.offload_tiers, cc.offload_capacities(), cc.offload_dir, identity,
-                         latent.bytes_per_block, state.bytes_per_slot, latent.bytes_per_token,
-                         device)
-    logger.info("kdaserve offload: %s", ", ".join(
-        f"{t.name} {t.capacity / 2**30:.2f} GiB" for t in setup.offload.tiers))
-    return setup
 
 
 def build_proposer(config: EngineConfig, model: HybridForCausalLM,

@@ -92,7 +92,7 @@ class LLM:
         self.engine = EngineCore(self.config, progress=True)
         self.tokenizer = self.engine.tokenizer
         self.vision = (VisionInput.for_model(path, self.tokenizer)
-                       if getattr(self.engine.model, "vision_tower", None) is not None else None)
+                       if self.engine.vision_config is not None else None)
         self.image_limits = ImageLimits()
         self._ids = itertools.count()
 

@@ -201,10 +201,14 @@ class DSparkDraft(nn.Module):
         """[...] previous tokens -> [..., V] additive logits."""
         return self.markov_out(self.markov_in(prev))
 
-    def bind_target(self, embed_weight: torch.Tensor) -> None:
-        """Share what the target owns: for the K3 layout, the mask token's embedding."""
+    def bind_target(self, embed: nn.Module) -> None:
+        """Share what the target owns: for the K3 layout, the mask token's embedding. Read
+        through the target's embedding module, not its weight: under tensor parallelism the
+        table is split by vocabulary and the module gathers the row (every rank calls this)."""
         if self.config.mask_token_id is not None:
-            self.mask_embedding.copy_(embed_weight[self.config.mask_token_id].detach())
+            ids = torch.tensor([self.config.mask_token_id], device=self.mask_embedding.device)
+            with torch.no_grad():
+                self.mask_embedding.copy_(embed(ids)[0].detach())
 
     # ---- files ------------------------------------------------------------------------------
     def save_pretrained(self, path: str | Path) -> None:

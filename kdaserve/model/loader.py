@@ -56,18 +56,24 @@ _RESHAPEABLE = ("A_log", "dt_bias")
 
 
 def _read(h, name: str, want: tuple[int, ...] | None, shard, reshapeable: bool) -> torch.Tensor:
-    """The checkpoint tensor, or this rank's slice of it when the model holds a share: the one
-    dimension whose size differs is split evenly over the tensor-parallel ranks, and only that
-    slice is read from the file."""
+    """The checkpoint tensor, or this rank's slice of it when the model holds a share: only
+    that slice is read from the file."""
     if shard is None or shard.tp_size == 1 or want is None:
         return h.get_tensor(name)
     sl = h.get_slice(name)
-    full = tuple(sl.get_shape())
+    return _share(sl, tuple(sl.get_shape()), want, shard, name, reshapeable,
+                  lambda: h.get_tensor(name))
+
+
+def _share(src, full: tuple[int, ...], want: tuple[int, ...], shard, name: str,
+           reshapeable: bool, whole) -> torch.Tensor:
+    """This rank's part of `src` (a safetensors slice or a tensor; `whole()` reads all of it):
+    the one dimension whose size differs is split evenly over the tensor-parallel ranks."""
     if full == want:
-        return h.get_tensor(name)
+        return whole()
     tp, r = shard.tp_size, shard.tp_rank
     if len(full) != len(want) and reshapeable:          # A_log [H] vs [1,1,H,1]: tiny
-        t = h.get_tensor(name).reshape(-1)
+        t = whole().reshape(-1)
         n = t.numel() // tp
         return t[r * n:(r + 1) * n]
     diff = [d for d, (f, w) in enumerate(zip(full, want)) if f != w]
@@ -75,7 +81,7 @@ def _read(h, name: str, want: tuple[int, ...] | None, shard, reshapeable: bool) 
         raise CheckpointError(f"tensor '{name}' of shape {full} does not split into this "
                               f"rank's {want} over {tp} ranks")
     d, n = diff[0], want[diff[0]]
-    return sl[(slice(None),) * d + (slice(r * n, (r + 1) * n),)]
+    return src[(slice(None),) * d + (slice(r * n, (r + 1) * n),)]
 
 
 def _expert_target(name: str) -> tuple[str, int, str] | None:
@@ -123,6 +129,17 @@ def checkpoint_files(path: Path) -> list[Path]:
             "model.safetensors.index.json, *.safetensors); pickled checkpoints are not loaded"
         )
     return files
+
+
+def checkpoint_has_vision(path: str | os.PathLike) -> bool:
+    """Whether the checkpoint's files hold vision-tower tensors (read from the safetensors
+    headers, nothing loaded): an engine whose ranks load the model elsewhere asks this."""
+    for f in checkpoint_files(Path(path)):
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            # ours: vision_tower.*; transformers' kimi_k25: model.vision_tower.*
+            if any({"vision_tower", "vision_model"} & set(n.split(".")[:2]) for n in h.keys()):
+                return True
+    return False
 
 
 def _canonical(name: str, params: dict[str, torch.Tensor]) -> str:
@@ -218,13 +235,17 @@ def _load_one(name: str, src, params: dict[str, torch.Tensor], loaded: dict[str,
         if not 0 <= e_local < shard.num_local_experts:
             return 0
         expert = (expert[0], e_local, expert[2])
-    if isinstance(src, torch.Tensor):
-        t = src
-    else:
-        want_shape = (tuple(params[key].shape) if expert is None else
-                      tuple(_expert_slice(params[key], expert[1], expert[2]).shape)
-                      if expert[1] < params[key].shape[0] else None)
+    want_shape = (tuple(params[key].shape) if expert is None else
+                  tuple(_expert_slice(params[key], expert[1], expert[2]).shape)
+                  if expert[1] < params[key].shape[0] else None)
+    if not isinstance(src, torch.Tensor):
         t = _read(src, name, want_shape, shard, key.endswith(_RESHAPEABLE))
+    elif shard is not None and shard.tp_size > 1 and want_shape is not None:
+        # converted from another layout (kimi_k25's HF names) in memory: cut the share here
+        t = _share(src, tuple(src.shape), want_shape, shard, name, key.endswith(_RESHAPEABLE),
+                   lambda: src)
+    else:
+        t = src
     keep32 = key.endswith(FP32_PARAM_SUFFIXES)
     dtype = params[key].dtype if not params[key].is_floating_point() else (
         torch.float32 if keep32 else target)

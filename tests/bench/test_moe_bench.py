@@ -17,7 +17,7 @@ def test_bench_moe_json(capsys):
     from kdaserve.cli import main
 
     assert main(["bench", "moe", "--json", "--experts", "8", "--top-k", "2", "--hidden", "32",
-                 "--intermediate", "16", "--tokens", "1", "8", "--repeats", "1",
+                 "--intermediate", "64", "--tokens", "1", "8", "--repeats", "1",
                  "--layout-tokens", "4"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(KEYS) <= set(out), sorted(out)
@@ -29,6 +29,8 @@ def test_bench_moe_json(capsys):
             # fp32 sums in another order (sharded widths, dispatched tokens): rounding only
             assert row["max_abs_err_vs_reference"] < 1e-5, (name, t, row)
     assert out["ratio_tokens"] == 8
+    assert out["experts_format"] == "mxfp4"          # K3's format, the default
+    assert set(out["grouped_vs_reference_by_format"]) == {"mxfp4", "fp32"}
     for key in ("grouped_vs_reference", "tp_sharded_vs_grouped", "ep_all2all_vs_grouped",
                 "tp2_step_vs_one", "ep2_step_vs_one", "dp2_ep2_step_vs_one"):
         assert out[key] > 0, key
@@ -36,3 +38,16 @@ def test_bench_moe_json(capsys):
     assert out["dp2_ep2_identical"] is True
     assert out["pp2_identical"] is None          # pipeline parallelism is not built
     assert set(out["decode_step_s"]) == {"one", "tp2", "ep2", "dp2_ep2"}
+
+
+def test_bench_moe_fp32_experts(capsys):
+    from kdaserve.cli import main
+
+    assert main(["bench", "moe", "--json", "--experts", "8", "--top-k", "2", "--hidden", "32",
+                 "--intermediate", "16", "--tokens", "4", "--repeats", "1", "--no-layouts",
+                 "--experts-format", "fp32"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["experts_format"] == "fp32"
+    for name, per in out["backends"].items():
+        assert per["4"]["max_abs_err_vs_reference"] < 1e-5, name
+    assert out["grouped_vs_reference"] == out["grouped_vs_reference_by_format"]["fp32"]

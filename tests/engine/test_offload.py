@@ -8,29 +8,10 @@ import logging
 import shutil
 
 import pytest
-import torch
+from offload_cases import SMALL, generate, rounds
 
-from kdaserve import LLM, SamplingParams
+from kdaserve import LLM
 from kdaserve.cache.stores import OffloadError
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-# a device pool of 16 blocks of 4 tokens and four snapshots: each prompt evicts the last one
-SMALL = dict(block_size=4, num_blocks=16, state_snapshot_interval=8)
-
-
-def rounds(vocab: int) -> list[list[list[int]]]:
-    """Two rounds over three 30-token roots with fresh suffixes: round 2 hits what round 1
-    computed, long after the device pool dropped it."""
-    g = torch.Generator().manual_seed(7)
-    roots = [torch.randint(3, vocab, (30,), generator=g).tolist() for _ in range(3)]
-    return [[r + torch.randint(3, vocab, (3,), generator=g).tolist() for r in roots]
-            for _ in range(2)]
-
-
-def generate(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """One prompt at a time (each evicts the previous); (tokens, cached tokens) per prompt."""
-    outs = [llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0] for p in prompts]
-    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +27,7 @@ def setup(hf_checkpoint):
 def tier(llm: LLM, name: str) -> dict:
     from kdaserve.engine.cache_ops import offload_stats
 
-    return offload_stats(llm.engine.cache.offload, llm.engine.runner.cache_ops)[name]
+    return offload_stats(llm.engine.cache.offload, llm.engine.runner.cache_ops.stats)[name]
 
 
 def test_host_and_disk_tiers_hit_and_match_caching_off(setup, tmp_path):

@@ -122,7 +122,7 @@ def test_deferred_context_matches_writing_it_each_step(hf_checkpoint, tmp_path):
     path, _ = hf_checkpoint
     target = load_model(path, progress=False)
     draft = load_draft(_random_draft(path, tmp_path / "draft", block=4))
-    draft.bind_target(target.model.embed_tokens.weight)
+    draft.bind_target(target.model.embed_tokens)
     lazy = DSparkProposer(draft, target, 3, num_blocks=6, block_size=4, device=torch.device("cpu"))
     eager = DSparkProposer(draft, target, 3, num_blocks=6, block_size=4, device=torch.device("cpu"))
     g = torch.Generator().manual_seed(0)

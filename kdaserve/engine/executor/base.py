@@ -32,5 +32,9 @@ class Executor(ABC):
     def num_forward_tokens(self) -> int:
         return 0
 
+    def transfer_stats(self) -> dict:
+        """Bytes the offload tiers moved, per tier (rank 0's; every rank moves its share)."""
+        return {}
+
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""

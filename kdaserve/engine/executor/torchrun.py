@@ -160,6 +160,9 @@ class TorchrunExecutor(Executor):
     def num_forward_tokens(self) -> int:
         return self._call(("num_forward_tokens",), "reporting")
 
+    def transfer_stats(self) -> dict:
+        return self._call(("transfer_stats",), "reporting")
+
     def validate_guided(self, guided: GuidedDecoding) -> None:
         self._structured.validate(guided)
 

@@ -25,3 +25,6 @@ class UniProcExecutor(Executor):
 
     def num_forward_tokens(self) -> int:
         return self.runner.num_forward_tokens
+
+    def transfer_stats(self) -> dict:
+        return self.runner.cache_ops.stats

@@ -41,6 +41,9 @@ def build_worker_runner(config: EngineConfig, plan, ctx, local_rank: int | None 
     """`local_rank`: this rank's GPU on its node (torchrun's LOCAL_RANK; Ray shows each actor
     one GPU); by default the global rank modulo the node's GPUs."""
     from kdaserve.engine.core import _has_tokenizer, build_proposer, engine_chunk_size
+    from kdaserve.distributed.comm import union_failures
+    from kdaserve.distributed.layout import rank_model_config
+    from kdaserve.engine.offload_setup import worker_stores
     from kdaserve.engine.runner import ModelRunner
     from kdaserve.model.loader import load_model
     from kdaserve.structured.manager import StructuredOutputs
@@ -57,9 +60,15 @@ def build_worker_runner(config: EngineConfig, plan, ctx, local_rank: int | None 
                        moe_backend=config.parallel.moe_backend)
     model.fuse_for_inference()
     tok = Tokenizer.from_pretrained(config.model) if _has_tokenizer(Path(config.model)) else None
-    return ModelRunner(model, plan, device, seed=config.seed,
-                       proposer=build_proposer(config, model, device, plan),
-                       structured=StructuredOutputs(tok, model.config.vocab_size))
+    rank_cfg = rank_model_config(model.config, ctx.tp_size)     # what the engine sized
+    stores = worker_stores(config, rank_cfg, engine_chunk_size(config), device, ctx.rank,
+                           ctx.world_size)
+    runner = ModelRunner(model, plan, device, seed=config.seed,
+                         proposer=build_proposer(config, model, device, plan), stores=stores,
+                         structured=StructuredOutputs(tok, model.config.vocab_size))
+    if stores and ctx.world_size > 1:
+        runner.cache_ops.agree = union_failures
+    return runner
 
 
 @dataclass
@@ -114,6 +123,8 @@ def handle(runner, msg: tuple, rank: int, world_size: int, data_parallel: bool) 
         return runner.execute(msg[1])
     if kind == "cache_ops":
         return runner.cache_ops.run(msg[1])
+    if kind == "transfer_stats":
+        return runner.cache_ops.stats
     if kind == "num_forward_tokens":
         result = runner.num_forward_tokens
         if data_parallel:            # each rank computed its own requests' tokens

@@ -45,7 +45,7 @@ class DSparkProposer:
                     num_blocks: int, block_size: int) -> DSparkProposer:
         path = Path(spec.draft_model) if spec.draft_model else Path(config.model) / "draft"
         draft = load_draft(path, dtype=target.dtype, device=device)
-        draft.bind_target(target.model.embed_tokens.weight)
+        draft.bind_target(target.model.embed_tokens)
         if draft.config.hidden_size != target.config.hidden_size or \
                 draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"draft {path} does not fit the target (hidden/vocab size differ)")
