@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from tiny_models import random_model, tiny_config
 
+from kdaserve.config import ConfigError
 from kdaserve.engine.executor.multiproc import free_port
 from kdaserve.engine.llm import LLM
 from kdaserve.model.loader import save_model
@@ -90,14 +91,14 @@ def test_torchrun_matches_one_process(model_dir, script):
     assert tokens == one
 
 
-def test_world_size_must_match_layout(model_dir, script):
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), str(script), str(model_dir), "1", "generate",
-         json.dumps(PROMPTS)],
-        env=_env(), capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode != 0
-    assert "torchrun started 2 ranks but the layout needs 1" in proc.stderr
+@pytest.mark.parametrize("rank", [0, 1])
+def test_world_size_must_match_layout(model_dir, monkeypatch, rank):
+    """Checked on every rank before it joins the group (no rendezvous left waiting)."""
+    for name, value in {"RANK": rank, "WORLD_SIZE": 2, "LOCAL_RANK": rank,
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}.items():
+        monkeypatch.setenv(name, str(value))
+    with pytest.raises(ConfigError, match="torchrun started 2 ranks but the layout needs 1"):
+        LLM(str(model_dir), num_threads=1, cache_memory=8 << 20, max_model_len=256)
 
 
 def _rank(script, model_dir, rank: int, port: int) -> subprocess.Popen:
