@@ -55,6 +55,7 @@ class ModelRunner:
         self.encoder_cache = EncoderCache()     # image embeddings by content hash
         # compiled single-token decode for few rows (built on first use; False: not available)
         self._fused: fused_decode.FusedDecoder | None | bool = None
+        self._threads = torch.get_num_threads()     # torch's, as the engine configured it
 
     def _generator(self, req: RunnerRequest) -> torch.Generator:
         seed = req.sampling_params.seed
@@ -133,11 +134,24 @@ class ModelRunner:
         capture = self.proposer.capture_layers if self.proposer is not None else ()
         # grammar masks are computed on a worker thread while the model runs
         masks = self.structured.prepare(seqs, requests) if self.structured is not None else None
-        if fused is not None:      # decode rows only: no drafts, media or prompt logprobs
+        verifying = bool(speculating) and fused is not None
+        parts = (fused_decode.split_parts(self._threads, len(seqs), capture, fused)
+                 if fused is not None and not verifying else 1)
+        # one torch thread while the rows run on `parts` threads (split_parts says why); the
+        # configured count comes back with the next step that is not split
+        torch.set_num_threads(1 if parts > 1 else self._threads)
+        kept = None
+        if fused is not None:      # decode rows, maybe with drafts: no media or prompt logprobs
             captured = []
             positions, state_slots, table = fused_decode.step_inputs(seqs)
+            # a token and its drafts are rows of their own; rejected drafts roll back to `kept`
+            kept = fused_decode.Kept.allocate(self.cache, len(ids)) if verifying else None
+            last = [starts[b] + lens[b] - 1 for b in range(len(seqs))]
             logits = fused(ids, positions, state_slots, table, self.cache,
-                           [(b, sid) for b, _, sid in snaps], capture, captured)
+                           [(last[b], sid) for b, _, sid in snaps], capture, captured, parts,
+                           kept)
+            if verifying:
+                logits = logits[wanted]
             cache_slots = None
             if self.proposer is not None:       # where the draft's context pages go
                 bs = self.cache.block_size
@@ -157,7 +171,7 @@ class ModelRunner:
             self.structured.advance(sampled)
         valid = [len(sampled[s.request_id]) if s.num_draft_tokens else n
                  for s, n in zip(seqs, lens)]
-        dropped = self._settle_speculation(fb, seqs, valid, spec_snaps)
+        dropped = self._settle_speculation(fb, seqs, valid, spec_snaps, kept, starts)
         drafts: dict[str, list[int]] = {}
         if self.proposer is not None and sampled:
             hidden = torch.cat(captured, -1) if captured else None
@@ -172,8 +186,6 @@ class ModelRunner:
 
     def _fused_decoder(self, seqs: list[ScheduledSequence], num_decode: int
                        ) -> fused_decode.FusedDecoder | None:
-        # a step that verifies drafts takes the torch forward; a plain decode step of a
-        # speculating engine (adaptive speculation chose k = 0) may take this path
         if self._fused is False or not fused_decode.applies(seqs, num_decode):
             return None
         if self._fused is None or not self._fused.still_valid():
@@ -220,21 +232,32 @@ class ModelRunner:
         return out
 
     def _settle_speculation(self, fb, seqs: list[ScheduledSequence], valid: list[int],
-                            spec_snaps: list[tuple[int, int, int]]) -> list[int]:
+                            spec_snaps: list[tuple[int, int, int]],
+                            kept: fused_decode.Kept | None = None,
+                            starts: list[int] | None = None) -> list[int]:
         """Commit the KDA state after each verify row's last accepted token, take the
-        snapshots that fall on accepted positions; returns the snapshot ids dropped."""
+        snapshots that fall on accepted positions; returns the snapshot ids dropped. The
+        states after each position come from the torch forward (`fb`) or, for a fused step,
+        from `kept` (one row per token: token j of sequence b is row starts[b] + j)."""
         rolled = [(b, valid[b] - 1, s.state_slot) for b, s in enumerate(seqs)
                   if s.num_draft_tokens and valid[b] < len(s.token_ids)]
-        if rolled and self.cfg.kda_layers:
-            b, upto, slot = (torch.tensor(c, device=self.device) for c in zip(*rolled))
-            self.cache.commit_decode(fb, b, upto, slot)
         taken, dropped = [], []
         for b, p, sid in spec_snaps:
             upto = p - seqs[b].context_len
             (taken if upto <= valid[b] else dropped).append((b, upto - 1, sid))
-        if taken and self.cfg.kda_layers:
-            b, upto, sid = (torch.tensor(c, device=self.device) for c in zip(*taken))
-            self.cache.snapshot_decode(fb, b, upto, sid)
+        c = self.cache
+        for todo, states, convs in ((rolled, c.kda_states, c.kda_conv),
+                                    (taken, c.snap_states, c.snap_conv)):
+            if not todo or not self.cfg.kda_layers:
+                continue
+            b, upto, dest = (torch.tensor(x, device=self.device) for x in zip(*todo))
+            if kept is not None:
+                rows = torch.tensor(starts, device=self.device)[b] + upto
+                kept.copy_to(rows, states, convs, dest)
+            elif states is c.kda_states:
+                c.commit_decode(fb, b, upto, dest)
+            else:
+                c.snapshot_decode(fb, b, upto, dest)
         return [sid for _, _, sid in dropped]
 
     def _keep_proposals(self, props: dict[str, Proposal]) -> dict[str, list[int]]:

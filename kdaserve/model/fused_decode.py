@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -32,13 +33,41 @@ from kdaserve.model.kda import KimiDeltaAttention
 from kdaserve.model.layers import MLP
 from kdaserve.model.mla import MultiHeadLatentAttention
 from kdaserve.model.moe import SparseMoE
-from kdaserve.ops.cpu_kernels import decode_block_kernels
+from kdaserve.ops.cpu_kernels import decode_block_kernels, thread_pool
 
 _I, _F = ctypes.c_int64, ctypes.c_float
 
-# above this many decode rows the batched torch matmuls read each weight once for all rows
-# and beat per-row matrix-vector products (docs/benchmarks.md, "Fused decode")
-MAX_FUSED_ROWS = 4
+# the blocks read each weight once per step for all rows (decode_blocks.h, matmat); up to this
+# many decode rows they beat the batched torch forward (docs/benchmarks.md, "Fused decode")
+MAX_FUSED_ROWS = 64
+# rows per thread below which one thread runs the whole step (a pool hand-off costs more)
+MIN_ROWS_PER_THREAD = 4
+
+
+_NULL = ctypes.c_void_p(None)
+
+
+@dataclass
+class Kept:
+    """Every row's KDA state and conv window after its token, per KDA layer (by kda_index):
+    states [rows, H, D, D] fp32, conv [rows, K-1, 3HD] in the cache's dtype."""
+
+    states: list[torch.Tensor]
+    conv: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, cache: HybridCache, rows: int) -> Kept:
+        return cls([torch.empty((rows,) + tuple(s.shape[1:]), dtype=s.dtype)
+                    for s in cache.kda_states],
+                   [torch.empty((rows,) + tuple(c.shape[1:]), dtype=c.dtype)
+                    for c in cache.kda_conv])
+
+    def copy_to(self, rows: torch.Tensor, states: list[torch.Tensor],
+                convs: list[torch.Tensor], dest: torch.Tensor) -> None:
+        """The kept entries of `rows` into `dest` of states/convs (slots or snapshots)."""
+        for ks, kc, st, cv in zip(self.states, self.conv, states, convs):
+            st.index_copy_(0, dest, ks[rows].to(st.dtype))
+            cv.index_copy_(0, dest, kc[rows].to(cv.dtype))
 
 
 def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -63,13 +92,16 @@ class FusedDecoder:
             layer.input_layernorm.weight for layer in model.model.layers]
         self._witness = self._fingerprint()
         self.layers: list[tuple] = []
-        scratch = 0
+        # scratch floats of a block for B rows: per_row * B + fixed (decode_blocks.h)
+        per_row, fixed = 5 * self.hidden, 4 * self.hidden
         for layer in model.model.layers:
             mixer, ffn = self._mixer(layer), self._ffn(layer)
-            scratch = max(scratch, mixer[2], ffn[2])
+            per_row = max(per_row, mixer[2][0], ffn[2][0])
+            fixed = max(fixed, mixer[2][1], ffn[2][1])
             self.layers.append((mixer, ffn))
         self.head = self._head()
-        self.scratch = torch.empty(scratch + 1024, dtype=torch.float32)
+        self._scratch_size = (per_row, fixed + 1024)
+        self._scratch: dict[int, torch.Tensor] = {}      # by part (row split), grown as needed
 
     def _t(self, t: torch.Tensor) -> ctypes.c_void_p:
         """A vector (norm weight, bias) or fp32-kept matrix (router), as fp32."""
@@ -112,7 +144,7 @@ class FusedDecoder:
                       self._w(attn.o_proj.weight), _F(D ** -0.5)),
                 index=attn.kda_index)
             P = 3 * H * D + D + G + H
-            return ("kda", static, hd + P + 6 * H * D + 3 * D)
+            return ("kda", static, (2 * hd + P + 6 * H * D, 3 * D + 4 * max(hd, H * D, D)))
         H, N, R = attn.num_heads, attn.nope, attn.rope
         Dc, Vd = attn.kv_lora_rank, attn.v_dim
         static = dict(
@@ -123,7 +155,8 @@ class FusedDecoder:
                      self._w(attn.kv_b_proj.weight)),
             tail=(self._w(attn.o_proj.weight), _F(attn.scale)),
             index=attn.mla_index)
-        return ("mla", static, hd + H * (N + R) + 2 * (Dc + R) + H * Dc + H * Vd)
+        return ("mla", static, (2 * hd + H * (N + R) + Dc + R + H * Vd,
+                                H * Dc + Dc + R + 4 * max(hd, H * Vd)))
 
     def _ffn(self, layer: DecoderLayer) -> tuple:
         ffn, norm = layer.ffn, layer.post_attention_layernorm
@@ -133,7 +166,7 @@ class FusedDecoder:
             args = (_I(hd), _I(i), None, self._t(norm.weight), _F(norm.eps),
                     self._w(ffn.gate_proj.weight), self._w(ffn.up_proj.weight),
                     self._w(ffn.down_proj.weight))
-            return ("mlp", args, 3 * hd + 3 * i)
+            return ("mlp", args, (3 * hd + 2 * i, 4 * max(hd, i)))
         sh = ffn.shared_experts
         i_s = sh.gate_proj.weight.shape[0] if sh is not None else 0
         E, inter = ffn.num_experts, ffn.intermediate
@@ -145,7 +178,9 @@ class FusedDecoder:
                 self._w(sh.up_proj.weight) if sh is not None else ctypes.c_void_p(None),
                 self._w(sh.down_proj.weight) if sh is not None else ctypes.c_void_p(None),
                 _I(i_s))
-        return ("moe", args, 4 * hd + 2 * E + 3 * inter + 3 * i_s)
+        K = r.top_k
+        return ("moe", args, (3 * hd + E + 2 * K + K * (2 * hd + 3 * inter) + 2 * i_s,
+                              E + 4 * max(hd, 2 * inter, i_s)))
 
     def _head(self) -> tuple:
         m = self.model
@@ -172,26 +207,70 @@ class FusedDecoder:
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_table: torch.Tensor, cache: HybridCache,
                  snapshots: list[tuple[int, int]] = (), capture: tuple[int, ...] = (),
-                 captured: list[torch.Tensor] | None = None) -> torch.Tensor:
+                 captured: list[torch.Tensor] | None = None, parts: int = 1,
+                 kept: Kept | None = None) -> torch.Tensor:
         """ids, positions, slots [B] int64; block_table [B, width] int64 (contiguous).
         Writes the rows' KDA states, conv windows and MLA latents into the cache and returns
         the logits [B, vocab]. snapshots: (row, snapshot id) pairs whose state after this
         token is saved (a decode row can only snapshot its final state). The stream after
         each layer in `capture` is appended to `captured` (a speculative draft's context),
-        as the torch forward's capture_layers."""
+        as the torch forward's capture_layers. parts > 1 (see split_parts): the rows are
+        split over that many threads. Rows may share a slot: a token and its drafts at
+        consecutive positions, each continuing the state the one before left; `kept` then
+        receives every row's state after its token (a rejected draft's rollback)."""
         model = self.model
+        if self.k.parallel:      # the team size is per calling thread: torch's, every step
+            self.k.threads(torch.get_num_threads())
         x = model.model.embed_tokens(ids).float().contiguous()
-        B = _I(x.shape[0])
-        xp, sp = _p(x), _p(self.scratch)
-        slots_p, pos_p, bt_p = _p(slots), _p(positions), _p(block_table)
+        slots, positions = slots.contiguous(), positions.contiguous()
+        block_table = block_table.contiguous()
+        logits = torch.empty(x.shape[0], self.head[1].value, dtype=torch.float32)
+        B = x.shape[0]
+        if parts <= 1 or capture or kept is not None:
+            self._rows(0, 0, B, x, positions, slots, block_table, cache, logits, capture,
+                       captured, kept)
+        else:
+            # decode rows are independent through the whole stack (each its own state slot
+            # and pages): each thread runs every layer for its share (the calls drop the GIL)
+            bounds = [B * i // parts for i in range(parts + 1)]
+            futures = [thread_pool(parts).submit(self._rows, i, bounds[i], bounds[i + 1], x,
+                                           positions, slots, block_table, cache, logits)
+                       for i in range(parts)]
+            for f in futures:
+                f.result()
+        if snapshots and cache.snap_states:
+            src = slots[[r for r, _ in snapshots]]
+            dest = torch.tensor([d for _, d in snapshots], dtype=torch.long)
+            for st, cv, sst, scv in zip(cache.kda_states, cache.kda_conv, cache.snap_states,
+                                        cache.snap_conv):
+                sst.index_copy_(0, dest, st[src])
+                scv.index_copy_(0, dest, cv[src].to(scv.dtype))
+        return logits
+
+    def _rows(self, part: int, lo: int, hi: int, x: torch.Tensor, positions: torch.Tensor,
+              slots: torch.Tensor, block_table: torch.Tensor, cache: HybridCache,
+              logits: torch.Tensor, capture: tuple[int, ...] = (),
+              captured: list[torch.Tensor] | None = None, kept: Kept | None = None) -> None:
+        """Rows [lo, hi) through every layer and the head, with scratch `part`."""
+        n = hi - lo
+        per_row, fixed = self._scratch_size
+        need = per_row * n + fixed
+        scratch = self._scratch.get(part)
+        if scratch is None or scratch.numel() < need:
+            scratch = self._scratch[part] = torch.empty(need, dtype=torch.float32)
+        B, sp = _I(n), _p(scratch)
+        xp = _p(x[lo:hi])
+        slots_p, pos_p, bt_p = _p(slots[lo:hi]), _p(positions[lo:hi]), _p(block_table[lo:hi])
         width = _I(block_table.shape[1])
         bs = _I(cache.block_size)
         k = self.k
         for li, ((kind, st, _), (fkind, fargs, _)) in enumerate(self.layers):
             if kind == "kda":
                 i = st["index"]
+                ks, kc = ((_p(kept.states[i][lo:hi]), _p(kept.conv[i][lo:hi]))
+                          if kept is not None else (_NULL, _NULL))
                 k.kda(B, *st["head"], xp, *st["norm"], _p(cache.kda_conv[i]),
-                      _p(cache.kda_states[i]), slots_p, *st["conv"], sp)
+                      _p(cache.kda_states[i]), slots_p, *st["conv"], sp, ks, kc)
             else:
                 pages = cache.mla_pages[st["index"]]
                 k.mla(B, *st["head"], xp, *st["weights"], _p(pages), bs, bt_p, width, pos_p,
@@ -202,16 +281,19 @@ class FusedDecoder:
                 k.moe(B, *fargs[:4], xp, *fargs[5:], sp)
             if li in capture and captured is not None:
                 captured.append(x.clone())
-        if snapshots and cache.snap_states:
-            src = slots[[r for r, _ in snapshots]]
-            dest = torch.tensor([d for _, d in snapshots], dtype=torch.long)
-            for st, cv, sst, scv in zip(cache.kda_states, cache.kda_conv, cache.snap_states,
-                                        cache.snap_conv):
-                sst.index_copy_(0, dest, st[src])
-                scv.index_copy_(0, dest, cv[src].to(scv.dtype))
-        logits = torch.empty(x.shape[0], self.head[1].value, dtype=torch.float32)
-        k.head(B, *self.head[:2], xp, *self.head[2:], _p(logits), sp)
-        return logits
+        k.head(B, *self.head[:2], xp, *self.head[2:], _p(logits[lo:hi]), sp)
+
+
+def split_parts(threads: int, rows: int, capture: tuple[int, ...] = (),
+                decoder: FusedDecoder | None = None) -> int:
+    """Threads of our own to split a fused step's rows over: 1 when the blocks run in
+    parallel themselves (built with OpenMP, on torch's threads). Otherwise the caller runs the
+    step's torch ops on one thread when this is above 1: torch's OpenMP workers spin-wait after
+    each parallel op and would take the cores the row threads need (measured: 1,350 vs 2,220
+    tok/s at 32 rows on 2 cores)."""
+    if capture or (decoder is not None and decoder.k.parallel):
+        return 1
+    return max(1, min(threads, rows // MIN_ROWS_PER_THREAD))
 
 
 def fused_decoder(model: HybridForCausalLM, cache: HybridCache) -> FusedDecoder | None:
@@ -258,18 +340,27 @@ def supports(model: HybridForCausalLM, cache: HybridCache) -> bool:
 
 
 def step_inputs(seqs) -> tuple[torch.Tensor, ...]:
-    """positions, slots [B] and the block table [B, width] of single-token decode rows
-    (kdaserve.outputs.ScheduledSequence)."""
+    """positions, slots [R] and the block table [R, width] of the step's rows, one row per
+    token: a decode row's token and its drafts (kdaserve.outputs.ScheduledSequence) each get
+    their own position, sharing the request's slot and pages."""
     width = max(len(s.block_ids) for s in seqs)
+    n = [len(s.token_ids) for s in seqs]
     table = torch.zeros(len(seqs), width, dtype=torch.long)
     for b, s in enumerate(seqs):
         table[b, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.long)
-    return (torch.tensor([s.context_len for s in seqs], dtype=torch.long),
-            torch.tensor([s.state_slot for s in seqs], dtype=torch.long), table)
+    rep = torch.tensor(n, dtype=torch.long)
+    positions = torch.tensor([s.context_len + j for s, m in zip(seqs, n) for j in range(m)],
+                             dtype=torch.long)
+    slots = torch.tensor([s.state_slot for s in seqs], dtype=torch.long)
+    if all(m == 1 for m in n):
+        return positions, slots, table
+    return (positions, slots.repeat_interleave(rep),
+            table.repeat_interleave(rep, dim=0).contiguous())
 
 
 def applies(seqs, num_decode: int) -> bool:
-    """Rows that each carry one sampled token with context, few enough of them."""
-    return (0 < len(seqs) <= MAX_FUSED_ROWS and num_decode == len(seqs)
-            and all(len(s.token_ids) == 1 and s.sample and not s.num_draft_tokens
-                    for s in seqs))
+    """Decode rows that each sample (one token, or one and its drafts to verify), few enough
+    tokens in all."""
+    return (0 < len(seqs) and num_decode == len(seqs)
+            and sum(len(s.token_ids) for s in seqs) <= MAX_FUSED_ROWS
+            and all(s.sample and len(s.token_ids) == 1 + s.num_draft_tokens for s in seqs))

@@ -45,13 +45,25 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+# sources whose kernels run on threads of their own when the compiler has OpenMP (they share
+# torch's libgomp: csrc/decode_cpu.c); built without it where it is missing
+_OPENMP_SOURCES = {"decode_cpu.c"}
+
+
 def _build(src: Path) -> Path | None:
+    if src.name in _OPENMP_SOURCES:
+        return _build_with(src, ["-fopenmp"]) or _build_with(src, [], quiet=False)
+    return _build_with(src, [], quiet=False)
+
+
+def _build_with(src: Path, extra: list[str], quiet: bool = True) -> Path | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
+    flags = [*_FLAGS, *extra]
     headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))
     key = hashlib.sha256(src.read_bytes() + headers + " ".join(
-        [cc, *_FLAGS, platform.machine(), platform.node()]).encode()).hexdigest()[:16]
+        [cc, *flags, platform.machine(), platform.node()]).encode()).hexdigest()[:16]
     for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "kdaserve-kernels"):
         out = folder / f"{src.stem}-{key}.so"
         if out.is_file():
@@ -63,14 +75,15 @@ def _build(src: Path) -> Path | None:
             continue
         os.close(fd)
         try:
-            subprocess.run([cc, *_FLAGS, str(src), "-o", tmp, "-lm"], check=True,
+            subprocess.run([cc, *flags, str(src), "-o", tmp, "-lm"], check=True,
                            capture_output=True, timeout=120)
             os.replace(tmp, out)  # atomic: concurrent builders each install a whole file
             return out
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
-            log.warning("kdaserve: building %s failed (%s); using the torch reference. %s",
-                        src.name, e, detail.decode(errors="replace")[-500:])
+            if not quiet:
+                log.warning("kdaserve: building %s failed (%s); using the torch reference. %s",
+                            src.name, e, detail.decode(errors="replace")[-500:])
             Path(tmp).unlink(missing_ok=True)
             return None
     return None
@@ -85,7 +98,7 @@ _PARALLEL_MIN_STEPS = 4096
 
 
 @cache
-def _pool(n: int) -> ThreadPoolExecutor:
+def thread_pool(n: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=n, thread_name_prefix="kdaserve-kernel")
 
 
@@ -116,7 +129,7 @@ def _split_rows(fn: Callable[..., None], num_rows: int, work: int, *args) -> Non
         fn(0, num_rows, *args)
         return
     bounds = [num_rows * i // n for i in range(n + 1)]
-    futures = [_pool(n).submit(fn, bounds[i], bounds[i + 1], *args) for i in range(n)]
+    futures = [thread_pool(n).submit(fn, bounds[i], bounds[i + 1], *args) for i in range(n)]
     for f in futures:
         f.result()
 
@@ -315,4 +328,9 @@ def decode_block_kernels(weights: str = "f32"):
         fns[key] = fn
     fns["head"] = getattr(lib, f"head_block_{weights}")
     fns["head"].restype = None
+    lib.decode_blocks_parallel.restype = ctypes.c_int64
+    fns["parallel"] = bool(lib.decode_blocks_parallel())
+    fns["threads"] = lib.decode_blocks_threads
+    fns["threads"].restype = None
+    fns["threads"].argtypes = [ctypes.c_int64]
     return SimpleNamespace(**fns)

@@ -60,11 +60,17 @@ def mla_prefill_attention(
 ) -> torch.Tensor:
     """q [B,Q,H,N+R], k [B,L,H,N+R], v [B,L,H,Vd]; mask [B,1,Q,L] bool or None (plain causal,
     Q == L). Returns [B,Q,H,Vd]."""
+    vd = v.shape[-1]
+    if vd < q.shape[-1]:
+        # torch's CPU flash kernel wants one head size for q, k and v, and falls back to the
+        # math path (the whole score matrix, 7x slower at 2k tokens) when v is narrower: zero
+        # columns make v as wide, and their outputs (zero) are cut off
+        v = F.pad(v, (0, q.shape[-1] - vd))
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask, is_causal=mask is None, scale=scale,
     )
-    return out.transpose(1, 2)
+    return out.transpose(1, 2)[..., :vd]
 
 
 # ---- blockwise (flash-style) attention ---------------------------------------------------------

@@ -95,6 +95,87 @@ def test_step_matches_torch_forward(gate, rows):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_verify_rows_match_the_torch_verify_forward():
+    """A token and its 3 drafts as 4 rows sharing a slot (consecutive positions), beside a
+    plain decode row: the logits of every position, the states kept after each position (a
+    rejected draft's rollback) and the final cache match the torch forward's verify step."""
+    from kdaserve.model.fused_decode import Kept
+
+    cfg = tiny_config()
+    model = random_model(cfg, seed=11).fuse_for_inference()
+    bs = 4
+    cache = HybridCache.allocate(cfg, 32, bs, 4, num_snapshots=2)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (7, 10)]
+    tables, slots = [list(range(1, 9)), list(range(9, 17))], [1, 3]
+    _prefill(model, cache, tables, slots, prompts)
+    ref_cache = _clone(cache)
+    lens, ctx = [4, 1], [len(p) for p in prompts]
+    ids = torch.randint(0, cfg.vocab_size, (sum(lens),), generator=g)
+    fb = build_forward_batch(lens, ctx, num_decode=2, conv_kernel=cfg.conv_kernel_size,
+                             chunk_size=model.chunk_size, cache=ref_cache, block_tables=tables,
+                             state_slots=slots, logits_indices=list(range(sum(lens))))
+    with torch.inference_mode():
+        want, _ = model(ids, fb)
+    fused = fused_decoder(model, cache)
+    kept = Kept.allocate(cache, sum(lens))
+    positions = torch.tensor([ctx[0] + j for j in range(4)] + [ctx[1]])
+    row_slots = torch.tensor([1, 1, 1, 1, 3])
+    table = torch.tensor([tables[0]] * 4 + [tables[1]])
+    got = fused(ids, positions, row_slots, table, cache, kept=kept)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for i in range(len(cache.kda_states)):
+        for j in range(4):                 # the states after each position of the verify row
+            torch.testing.assert_close(kept.states[i][j], fb.decode_states[i][0, j],
+                                       rtol=1e-4, atol=1e-5)
+    for name in ("kda_states", "kda_conv", "mla_pages"):
+        for a, b in zip(getattr(cache, name), getattr(ref_cache, name)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # rolling the verify row back to its second position: the slot holds what kept says
+    kept.copy_to(torch.tensor([1]), cache.kda_states, cache.kda_conv, torch.tensor([1]))
+    ref_cache.commit_decode(fb, torch.tensor([0]), torch.tensor([1]), torch.tensor([1]))
+    for name in ("kda_states", "kda_conv"):
+        for a, b in zip(getattr(cache, name), getattr(ref_cache, name)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_split_over_threads_equal_one_row_at_a_time(dtype):
+    """13 rows (odd: the kernels' 2-row tiles leave one) in one step, split over 2 threads,
+    give each row exactly what it gets alone (logits and cache): the dot products sum in the
+    same order whatever the batch; in fp32 the logits match the torch forward of the rows."""
+    cfg = tiny_config()
+    model = random_model(cfg, seed=5).to(dtype).fuse_for_inference()
+    rows, bs = 13, 4
+    cache = HybridCache.allocate(cfg, 4 * rows + 1, bs, rows + 1, dtype=dtype)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, cfg.vocab_size, (3 + i,), generator=g).tolist()
+               for i in range(rows)]
+    tables = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(rows)]
+    slots = list(range(1, rows + 1))
+    _prefill(model, cache, tables, slots, prompts)
+    alone_cache, ref_cache = _clone(cache), _clone(cache)
+    fused = fused_decoder(model, cache)
+    ids = torch.randint(0, cfg.vocab_size, (rows,), generator=g)
+    ctx = torch.tensor([len(p) for p in prompts])
+    table, slot_t = torch.tensor(tables), torch.tensor(slots)
+    together = fused(ids, ctx, slot_t, table, cache, parts=2)
+    alone = torch.cat([fused(ids[i:i + 1], ctx[i:i + 1], slot_t[i:i + 1], table[i:i + 1],
+                             alone_cache) for i in range(rows)])
+    assert torch.equal(together, alone)
+    for name in ("kda_states", "kda_conv", "mla_pages"):
+        for a, b in zip(getattr(cache, name), getattr(alone_cache, name)):
+            assert torch.equal(a, b), name
+    if dtype != torch.float32:     # bf16 against fp32: test_bf16_step_matches_fp32_...
+        return
+    fb = build_forward_batch([1] * rows, ctx.tolist(), num_decode=rows,
+                             conv_kernel=cfg.conv_kernel_size, chunk_size=model.chunk_size,
+                             cache=ref_cache, block_tables=tables, state_slots=slots)
+    with torch.inference_mode():
+        want, _ = model(ids, fb)
+    torch.testing.assert_close(together, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("gate", ["low_rank", "full_rank"])
 @pytest.mark.parametrize("experts", ["transposed", "checkpoint"])
 def test_bf16_step_matches_fp32_forward_of_the_rounded_weights(gate, experts):

@@ -7,52 +7,78 @@
 #define CAT(a, b) CAT_(a, b)
 #define NAME(f) CAT(f, SFX)
 
-/* y[n] = W[n, :] . x for W [N, K] row-major: four rows at a time, eight lanes each, so
- * independent sums overlap; weights are read once, converted to fp32 in registers. */
+/* Y[b, n] = W[n, :] . X[b, :] for b < B: W [N, K] row-major, X rows ldx apart, Y rows ldy
+ * apart. Tiles of four weight rows by two input rows, eight lanes per vector (GCC/Clang vector
+ * extensions: the compiler's own vectorisation of the scalar form ran at a fifth of this), so
+ * each weight row is read from memory once per step for all B rows. Every (b, n) sums lane l
+ * over i = l, l+8, ..., then the tail, then the lanes in order: the same order for any B and
+ * for one row, so a row's result does not depend on its batch. */
+static void NAME(matmat)(const WT *restrict W, const float *restrict X, int64_t ldx,
+                         float *restrict Y, int64_t ldy, int64_t N, int64_t K, int64_t B) {
+    const int64_t K8 = K - K % 8, N4 = N - N % 4;
+#pragma omp parallel for schedule(static) if (N4 * K * B >= PAR_MIN_MACS)
+    for (int64_t n = 0; n < N4; n += 4) {
+        const WT *w0 = W + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+        int64_t b = 0;
+        for (; b + 2 <= B; b += 2) {
+            const float *x0 = X + b * ldx, *x1 = x0 + ldx;
+            v8f a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0};
+            v8f a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
+            for (int64_t i = 0; i < K8; i += 8) {
+                const v8f xa = ld8f(x0 + i), xb = ld8f(x1 + i);
+                const v8f v0 = LDW8(w0 + i), v1 = LDW8(w1 + i), v2 = LDW8(w2 + i),
+                          v3 = LDW8(w3 + i);
+                a00 += v0 * xa; a01 += v1 * xa; a02 += v2 * xa; a03 += v3 * xa;
+                a10 += v0 * xb; a11 += v1 * xb; a12 += v2 * xb; a13 += v3 * xb;
+            }
+            float t00 = 0.0f, t01 = 0.0f, t02 = 0.0f, t03 = 0.0f;
+            float t10 = 0.0f, t11 = 0.0f, t12 = 0.0f, t13 = 0.0f;
+            for (int64_t i = K8; i < K; ++i) {
+                const float u0 = LDW(w0[i]), u1 = LDW(w1[i]), u2 = LDW(w2[i]), u3 = LDW(w3[i]);
+                t00 += u0 * x0[i]; t01 += u1 * x0[i]; t02 += u2 * x0[i]; t03 += u3 * x0[i];
+                t10 += u0 * x1[i]; t11 += u1 * x1[i]; t12 += u2 * x1[i]; t13 += u3 * x1[i];
+            }
+            float *y0 = Y + b * ldy + n, *y1 = y0 + ldy;
+            y0[0] = lanes_sum(a00, t00); y0[1] = lanes_sum(a01, t01);
+            y0[2] = lanes_sum(a02, t02); y0[3] = lanes_sum(a03, t03);
+            y1[0] = lanes_sum(a10, t10); y1[1] = lanes_sum(a11, t11);
+            y1[2] = lanes_sum(a12, t12); y1[3] = lanes_sum(a13, t13);
+        }
+        for (; b < B; ++b) {
+            const float *x0 = X + b * ldx;
+            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t i = 0; i < K8; i += 8) {
+                const v8f xa = ld8f(x0 + i);
+                a0 += LDW8(w0 + i) * xa; a1 += LDW8(w1 + i) * xa;
+                a2 += LDW8(w2 + i) * xa; a3 += LDW8(w3 + i) * xa;
+            }
+            float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+            for (int64_t i = K8; i < K; ++i) {
+                t0 += LDW(w0[i]) * x0[i]; t1 += LDW(w1[i]) * x0[i];
+                t2 += LDW(w2[i]) * x0[i]; t3 += LDW(w3[i]) * x0[i];
+            }
+            float *y0 = Y + b * ldy + n;
+            y0[0] = lanes_sum(a0, t0); y0[1] = lanes_sum(a1, t1);
+            y0[2] = lanes_sum(a2, t2); y0[3] = lanes_sum(a3, t3);
+        }
+    }
+    for (int64_t n = N4; n < N; ++n) {
+        const WT *w = W + n * K;
+        for (int64_t b = 0; b < B; ++b) {
+            const float *x0 = X + b * ldx;
+            v8f a = {0};
+            for (int64_t i = 0; i < K8; i += 8) a += LDW8(w + i) * ld8f(x0 + i);
+            float t = 0.0f;
+            for (int64_t i = K8; i < K; ++i) t += LDW(w[i]) * x0[i];
+            Y[b * ldy + n] = lanes_sum(a, t);
+        }
+    }
+}
+
+/* y[n] = W[n, :] . x for W [N, K] row-major (one row of matmat). */
 static void NAME(matvec)(const WT *restrict W, const float *restrict x, float *restrict y,
                          int64_t N, int64_t K) {
-    int64_t n = 0;
-    for (; n + 4 <= N; n += 4) {
-        const WT *w0 = W + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-        float a0[8] = {0.0f}, a1[8] = {0.0f}, a2[8] = {0.0f}, a3[8] = {0.0f};
-        int64_t i = 0;
-        for (; i + 8 <= K; i += 8)
-            for (int l = 0; l < 8; ++l) {
-                const float xv = x[i + l];
-                a0[l] += LDW(w0[i + l]) * xv;
-                a1[l] += LDW(w1[i + l]) * xv;
-                a2[l] += LDW(w2[i + l]) * xv;
-                a3[l] += LDW(w3[i + l]) * xv;
-            }
-        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-        for (; i < K; ++i) {
-            s0 += LDW(w0[i]) * x[i];
-            s1 += LDW(w1[i]) * x[i];
-            s2 += LDW(w2[i]) * x[i];
-            s3 += LDW(w3[i]) * x[i];
-        }
-        for (int l = 0; l < 8; ++l) {
-            s0 += a0[l];
-            s1 += a1[l];
-            s2 += a2[l];
-            s3 += a3[l];
-        }
-        y[n] = s0;
-        y[n + 1] = s1;
-        y[n + 2] = s2;
-        y[n + 3] = s3;
-    }
-    for (; n < N; ++n) {
-        const WT *w = W + n * K;
-        float lanes[8] = {0.0f};
-        int64_t i = 0;
-        for (; i + 8 <= K; i += 8)
-            for (int l = 0; l < 8; ++l) lanes[l] += LDW(w[i + l]) * x[i + l];
-        float s = 0.0f;
-        for (; i < K; ++i) s += LDW(w[i]) * x[i];
-        for (int l = 0; l < 8; ++l) s += lanes[l];
-        y[n] = s;
-    }
+    NAME(matmat)(W, x, K, y, N, N, K, 1);
 }
 
 /* y[0:N) = x . W for W [K, N] row-major (the transposed expert layouts). */
@@ -66,85 +92,171 @@ static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *r
     }
 }
 
+/* vecmat for B rows (X [B, K] rows ldx apart, Y [B, N] contiguous): weight row i is read once
+ * for all rows (widened into wbuf [N]); each row sums over i in vecmat's order. */
+static void NAME(vecmat_rows)(const float *restrict X, int64_t ldx, const WT *restrict W,
+                              float *restrict Y, int64_t K, int64_t N, int64_t B,
+                              float *restrict wbuf) {
+    if (B == 1) {
+        NAME(vecmat)(X, W, Y, K, N);
+        return;
+    }
+    for (int64_t j = 0; j < B * N; ++j) Y[j] = 0.0f;
+    for (int64_t i = 0; i < K; ++i) {
+#if WIDEN
+        for (int64_t n = 0; n < N; ++n) wbuf[n] = LDW(W[i * N + n]);
+        const float *w = wbuf;
+#else
+        const float *w = W + i * N;
+#endif
+        for (int64_t b = 0; b < B; ++b) {
+            const float xi = X[b * ldx + i];
+            float *y = Y + b * N;
+            for (int64_t n = 0; n < N; ++n) y[n] += xi * w[n];
+        }
+    }
+}
+
+/* Row norms of B rows of x [B, Hd] into h [B, Hd]. */
+static void NAME(norm_rows)(const float *x, const float *w, float eps, int64_t Hd, int64_t B,
+                            float *h) {
+    for (int64_t b = 0; b < B; ++b) rms_norm(x + b * Hd, w, eps, Hd, h + b * Hd);
+}
+
+/* What one (row, head) of a KDA block reads and writes (kda_decode_block). */
+struct NAME(kda_heads) {
+    int64_t H, D, G, P, C, HD;
+    const float *pre;
+    float *conv, *gdec, *gate, *o, *state_store;
+    const int64_t *slots;
+    const float *dt_bias, *a;
+    float lower_bound;
+    int64_t use_bound;
+    const float *o_norm_w;
+    float o_eps, q_scale;
+};
+
+/* One head of one row: q/k norms, decay, the delta-rule step on the slot's state, the gated
+ * output norm. Heads are independent; rows too unless they share a slot. */
+static void NAME(kda_head)(const struct NAME(kda_heads) *st, int64_t b, int64_t hh) {
+    const int64_t D = st->D, HD = st->HD;
+    float kv[D], delta[D], decay[D];
+    float *cb = st->conv + b * st->C;
+    const float *braw = st->pre + b * st->P + st->C + D + st->G;
+    float *qh = cb + hh * D, *kh = cb + HD + hh * D;
+    const float *vh = cb + 2 * HD + hh * D;
+    const float nq = st->q_scale / sqrtf(sumsq(qh, D) + 1e-6f);
+    const float nk = 1.0f / sqrtf(sumsq(kh, D) + 1e-6f);
+    for (int64_t d = 0; d < D; ++d) {
+        qh[d] *= nq;
+        kh[d] *= nk;
+    }
+    const float ah = st->a[hh];
+    float *gh = st->gdec + b * HD + hh * D;
+    const float *bias = st->dt_bias + hh * D;
+    if (st->use_bound)
+        for (int64_t d = 0; d < D; ++d) gh[d] = st->lower_bound * sigmoid(ah * (gh[d] + bias[d]));
+    else
+        for (int64_t d = 0; d < D; ++d) gh[d] = -ah * softplus_f(gh[d] + bias[d]);
+    const float bt = sigmoid(braw[hh]);
+    float *S = st->state_store + (st->slots[b] * st->H + hh) * D * D;
+    float *out = st->o + b * HD + hh * D;
+    kda_step(S, qh, kh, vh, gh, bt, out, D, D, kv, delta, decay);
+    /* gated RMSNorm per head */
+    const float r = 1.0f / sqrtf(sumsq(out, D) / (float)D + st->o_eps);
+    const float *gt = st->gate + b * HD + hh * D;
+    for (int64_t d = 0; d < D; ++d)
+        out[d] = st->o_norm_w[d] * (out[d] * r) * sigmoid(gt[d]);
+}
+
 /* One KDA token mixer for B decode rows. w_in [P, Hd] stacks q | k | v (3HD rows), f_a (D),
  * the gate input (G = D low-rank or HD full-rank) and b (H). conv_store [S, W, 3HD] and
  * state_store [S, H, D, D] are the engine's slots (updated in place at slots[b]); conv_wt
  * [W+1, 3HD]; f_b [HD, D]; g_b [HD, D] or NULL (full-rank gate: the gate input is the gate);
- * o_norm_w [D]; o_proj [Hd, HD]. scratch: at least P + 5*HD + 2*D floats. */
+ * o_norm_w [D]; o_proj [Hd, HD]. The projections run for all rows at once (weights read once
+ * per step), the conv and recurrence row by row, in row order: rows may share a slot (a token
+ * and its drafts, at consecutive positions), each continuing the state the row before left.
+ * kept_states [B, H, D, D] and kept_conv [B, W, 3HD], or NULL: the slot's state and window
+ * after each row (what a rejected draft rolls back to). scratch: at least
+ * B (2Hd + P + 3HD + 3HD) + 3D + 4 max(Hd, HD, D) floats. */
 void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t G, int64_t taps,
                       float *x, const float *norm_w, float eps, const WT *w_in,
                       CT *conv_store, float *state_store, const int64_t *slots,
                       const float *conv_wt, const WT *f_b, const float *dt_bias,
                       const float *a, float lower_bound, int64_t use_bound, const WT *g_b,
                       const float *o_norm_w, float o_eps, const WT *o_proj, float q_scale,
-                      float *scratch) {
+                      float *scratch, float *kept_states, CT *kept_conv) {
     const int64_t HD = H * D, C = 3 * HD, W = taps - 1, P = C + D + G + H;
-    float *h = scratch;             /* [Hd] */
-    float *pre = h + Hd;            /* [P] */
-    float *conv = pre + P;          /* [C] */
-    float *gdec = conv + C;         /* [HD] */
-    float *gate = gdec + HD;        /* [HD] */
-    float *o = gate + HD;           /* [HD] */
-    float *kv = o + HD, *delta = kv + D, *decay = delta + D;
+    float *h = scratch;             /* [B, Hd] */
+    float *pre = h + B * Hd;        /* [B, P] */
+    float *conv = pre + B * P;      /* [B, C] */
+    float *gdec = conv + B * C;     /* [B, HD] */
+    float *gate = gdec + B * HD;    /* [B, HD] */
+    float *o = gate + B * HD;       /* [B, HD] */
+    float *y = o + B * HD;          /* [B, Hd] */
+    /* rows may run in parallel unless two share a slot (a token and its drafts) */
+    int distinct = 1;
+    for (int64_t b = 1; b < B && distinct; ++b)
+        for (int64_t c = 0; c < b; ++c)
+            if (slots[b] == slots[c]) { distinct = 0; break; }
+    NAME(norm_rows)(x, norm_w, eps, Hd, B, h);
+    NAME(matmat)(w_in, h, Hd, pre, P, P, Hd, B);
+#pragma omp parallel for schedule(static) if (distinct && B > 1)
     for (int64_t b = 0; b < B; ++b) {
-        float *xb = x + b * Hd;
-        rms_norm(xb, norm_w, eps, Hd, h);
-        NAME(matvec)(w_in, h, pre, P, Hd);
-        const float *f_a = pre + C, *g_in = pre + C + D, *braw = pre + C + D + G;
         /* causal depthwise conv over the slot's window, then the window moves on */
+        const float *pb = pre + b * P;
+        float *cb = conv + b * C;
         CT *win = conv_store + slots[b] * W * C;
         const float *wl = conv_wt + W * C;
-        for (int64_t c = 0; c < C; ++c) conv[c] = 0.0f;
+        for (int64_t c = 0; c < C; ++c) cb[c] = 0.0f;
         for (int64_t j = 0; j < W; ++j) {
             const CT *in = win + j * C;
             const float *wj = conv_wt + j * C;
-            for (int64_t c = 0; c < C; ++c) conv[c] += LDC(in[c]) * wj[c];
+            for (int64_t c = 0; c < C; ++c) cb[c] += LDC(in[c]) * wj[c];
         }
-        for (int64_t c = 0; c < C; ++c) conv[c] = silu(conv[c] + pre[c] * wl[c]);
+        for (int64_t c = 0; c < C; ++c) cb[c] = silu(cb[c] + pb[c] * wl[c]);
         if (W > 0) {
             memmove(win, win + C, sizeof(CT) * (W - 1) * C);
             CT *last = win + (W - 1) * C;
-            for (int64_t c = 0; c < C; ++c) last[c] = STC(pre[c]);
+            for (int64_t c = 0; c < C; ++c) last[c] = STC(pb[c]);
         }
-        NAME(matvec)(f_b, f_a, gdec, HD, D);
-        if (g_b) NAME(matvec)(g_b, g_in, gate, HD, D);
-        else memcpy(gate, g_in, sizeof(float) * HD);
-        for (int64_t hh = 0; hh < H; ++hh) {
-            float *qh = conv + hh * D, *kh = conv + HD + hh * D;
-            const float *vh = conv + 2 * HD + hh * D;
-            const float nq = q_scale / sqrtf(sumsq(qh, D) + 1e-6f);
-            const float nk = 1.0f / sqrtf(sumsq(kh, D) + 1e-6f);
-            for (int64_t d = 0; d < D; ++d) {
-                qh[d] *= nq;
-                kh[d] *= nk;
-            }
-            const float ah = a[hh];
-            float *gh = gdec + hh * D;
-            const float *bias = dt_bias + hh * D;
-            if (use_bound)
-                for (int64_t d = 0; d < D; ++d) gh[d] = lower_bound * sigmoid(ah * (gh[d] + bias[d]));
-            else
-                for (int64_t d = 0; d < D; ++d) gh[d] = -ah * softplus_f(gh[d] + bias[d]);
-            const float bt = sigmoid(braw[hh]);
-            float *S = state_store + (slots[b] * H + hh) * D * D;
-            float *out = o + hh * D;
-            kda_step(S, qh, kh, vh, gh, bt, out, D, D, kv, delta, decay);
-            /* gated RMSNorm per head */
-            const float r = 1.0f / sqrtf(sumsq(out, D) / (float)D + o_eps);
-            const float *gt = gate + hh * D;
-            for (int64_t d = 0; d < D; ++d)
-                out[d] = o_norm_w[d] * (out[d] * r) * sigmoid(gt[d]);
-        }
-        NAME(matvec)(o_proj, o, h, Hd, HD);
-        for (int64_t i = 0; i < Hd; ++i) xb[i] += h[i];
+        if (kept_conv) memcpy(kept_conv + b * W * C, win, sizeof(CT) * W * C);
     }
+    NAME(matmat)(f_b, pre + C, P, gdec, HD, HD, D, B);           /* f_a rows */
+    if (g_b) NAME(matmat)(g_b, pre + C + D, P, gate, HD, HD, D, B);
+    else
+        for (int64_t b = 0; b < B; ++b) memcpy(gate + b * HD, pre + b * P + C + D, sizeof(float) * HD);
+    const struct NAME(kda_heads) st = {H, D, G, P, C, HD, pre, conv, gdec, gate, o, state_store,
+                                       slots, dt_bias, a, lower_bound, use_bound, o_norm_w,
+                                       o_eps, q_scale};
+    const size_t state_bytes = sizeof(float) * (size_t)(H * D * D);
+    if (distinct) {
+#pragma omp parallel for collapse(2) schedule(static) if (B * H > 1)
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t hh = 0; hh < H; ++hh) NAME(kda_head)(&st, b, hh);
+        if (kept_states)            /* one row per slot: its state after the step */
+            for (int64_t b = 0; b < B; ++b)
+                memcpy(kept_states + b * H * D * D, state_store + slots[b] * H * D * D,
+                       state_bytes);
+    } else {
+        for (int64_t b = 0; b < B; ++b) {     /* in row order: each continues the last */
+#pragma omp parallel for schedule(static) if (H > 1)
+            for (int64_t hh = 0; hh < H; ++hh) NAME(kda_head)(&st, b, hh);
+            if (kept_states)
+                memcpy(kept_states + b * H * D * D, state_store + slots[b] * H * D * D,
+                       state_bytes);
+        }
+    }
+    NAME(matmat)(o_proj, o, HD, y, Hd, Hd, HD, B);
+    for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
 /* One MLA token mixer (q_proj, no rope, no output gate) for B decode rows, absorbed: the
  * queries move into the latent space and attend over the cached latents of their pages.
  * w_q [H(N+R), Hd]; w_kva [Dc+R, Hd]; kv_norm_w [Dc]; kv_b [H(N+Vd), Dc]; pages [NB*bs, Dc+R]
  * (the new latent is written at its slot first); block_table [B, width]; positions [B];
- * o_proj [Hd, H*Vd]. scratch: at least Hd + H(N+R) + 2(Dc+R) + H*Dc + H*Vd floats. */
+ * o_proj [Hd, H*Vd]. scratch: at least B (2Hd + H(N+R) + Dc+R + H*Vd) + H*Dc + Dc+R
+ * + 4 max(Hd, H*Vd) floats. */
 void NAME(mla_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t R, int64_t Dc,
                       int64_t Vd, float *x, const float *norm_w, float eps, const WT *w_q,
                       const WT *w_kva, const float *kv_norm_w, float kv_eps,
@@ -152,22 +264,29 @@ void NAME(mla_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t
                       int64_t width, const int64_t *positions, const WT *o_proj,
                       float scale, float *scratch) {
     const int64_t QD = N + R, LD = Dc + R;
-    float *h = scratch, *q = h + Hd, *ckv = q + H * QD, *qlat = ckv + LD;
-    float *ctx = qlat + H * Dc, *o = ctx + LD;   /* ctx [Dc]; o [H*Vd] */
+    float *h = scratch, *q = h + B * Hd, *ckv = q + B * H * QD, *o = ckv + B * LD;
+    float *y = o + B * H * Vd;
+    NAME(norm_rows)(x, norm_w, eps, Hd, B, h);
+    NAME(matmat)(w_q, h, Hd, q, H * QD, H * QD, Hd, B);
+    NAME(matmat)(w_kva, h, Hd, ckv, LD, LD, Hd, B);
+    /* every row's latent first: then each (row, head) attends on its own (a row sharing its
+     * pages with later rows, a token before its drafts, reads only positions up to its own) */
     for (int64_t b = 0; b < B; ++b) {
-        float *xb = x + b * Hd;
-        const int64_t pos = positions[b], L = pos + 1;
+        const int64_t pos = positions[b];
         const int64_t *bt = block_table + b * width;
-        rms_norm(xb, norm_w, eps, Hd, h);
-        NAME(matvec)(w_q, h, q, H * QD, Hd);
-        NAME(matvec)(w_kva, h, ckv, LD, Hd);
+        float *cb = ckv + b * LD;
         CT *dst = pages + (bt[pos / bs] * bs + pos % bs) * LD;
-        rms_norm(ckv, kv_norm_w, kv_eps, Dc, ckv);
-        for (int64_t i = 0; i < LD; ++i) dst[i] = STC(ckv[i]);
-        float *scores = malloc(sizeof(float) * (size_t)L);
+        rms_norm(cb, kv_norm_w, kv_eps, Dc, cb);
+        for (int64_t i = 0; i < LD; ++i) dst[i] = STC(cb[i]);
+    }
+#pragma omp parallel for collapse(2) schedule(dynamic) if (B * H > 1)
+    for (int64_t b = 0; b < B; ++b) {
         for (int64_t hh = 0; hh < H; ++hh) {
-            const float *qn = q + hh * QD, *qp = qn + N;
-            float *ql = qlat + hh * Dc;
+            const int64_t L = positions[b] + 1;
+            const int64_t *bt = block_table + b * width;
+            float *scores = malloc(sizeof(float) * (size_t)L);
+            float ql[Dc], ctx[Dc];
+            const float *qn = q + b * H * QD + hh * QD, *qp = qn + N;
             /* q_lat = q_nope . W_uk[h]  (W_uk rows of kv_b: h*(N+Vd) + n) */
             NAME(vecmat)(qn, kv_b + hh * (N + Vd) * Dc, ql, N, Dc);
             float m = -INFINITY;
@@ -197,99 +316,124 @@ void NAME(mla_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t
                 const float p = scores[t] * inv;
                 for (int64_t i = 0; i < Dc; ++i) ctx[i] += p * LDC(lat[i]);
             }
-            NAME(matvec)(kv_b + (hh * (N + Vd) + N) * Dc, ctx, o + hh * Vd, Vd, Dc);
+            NAME(matvec)(kv_b + (hh * (N + Vd) + N) * Dc, ctx, o + b * H * Vd + hh * Vd, Vd, Dc);
+            free(scores);
         }
-        free(scores);
-        NAME(matvec)(o_proj, o, h, Hd, H * Vd);
-        for (int64_t i = 0; i < Hd; ++i) xb[i] += h[i];
     }
+    NAME(matmat)(o_proj, o, H * Vd, y, Hd, Hd, H * Vd, B);
+    for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
-/* A SwiGLU MLP on h (gate [I, Hd], up [I, Hd], down [Hd, I]) added into y. */
+/* A SwiGLU MLP on B rows of h [B, Hd] (gate [I, Hd], up [I, Hd], down [Hd, I]) added into
+ * y [B, Hd]. tmp: at least B (2I + Hd) + 4 max(Hd, I) floats. */
 static void NAME(swiglu_add)(const float *h, const WT *gate, const WT *up, const WT *down,
-                       int64_t Hd, int64_t I, float *y, float *tmp) {
-    float *g = tmp, *u = tmp + I, *d = tmp + 2 * I;
-    NAME(matvec)(gate, h, g, I, Hd);
-    NAME(matvec)(up, h, u, I, Hd);
-    for (int64_t j = 0; j < I; ++j) g[j] = silu(g[j]) * u[j];
-    NAME(matvec)(down, g, d, Hd, I);
-    for (int64_t i = 0; i < Hd; ++i) y[i] += d[i];
+                       int64_t Hd, int64_t I, int64_t B, float *y, float *tmp) {
+    float *g = tmp, *u = g + B * I, *d = u + B * I;
+    NAME(matmat)(gate, h, Hd, g, I, I, Hd, B);
+    NAME(matmat)(up, h, Hd, u, I, I, Hd, B);
+    for (int64_t j = 0; j < B * I; ++j) g[j] = silu(g[j]) * u[j];
+    NAME(matmat)(down, g, I, d, Hd, Hd, I, B);
+    for (int64_t i = 0; i < B * Hd; ++i) y[i] += d[i];
 }
 
 /* A dense SwiGLU feed-forward for B rows: x += down(silu(gate h) * up h), h = norm(x).
- * scratch: at least 2*Hd + 3*I floats. */
+ * scratch: at least B (3Hd + 2I) + 4 max(Hd, I) floats. */
 void NAME(mlp_decode_block)(int64_t B, int64_t Hd, int64_t I, float *x, const float *norm_w,
                       float eps, const WT *gate, const WT *up, const WT *down,
                       float *scratch) {
-    float *h = scratch, *y = h + Hd, *tmp = y + Hd;
-    for (int64_t b = 0; b < B; ++b) {
-        float *xb = x + b * Hd;
-        rms_norm(xb, norm_w, eps, Hd, h);
-        for (int64_t i = 0; i < Hd; ++i) y[i] = 0.0f;
-        NAME(swiglu_add)(h, gate, up, down, Hd, I, y, tmp);
-        for (int64_t i = 0; i < Hd; ++i) xb[i] += y[i];
-    }
+    float *h = scratch, *y = h + B * Hd, *tmp = y + B * Hd;
+    NAME(norm_rows)(x, norm_w, eps, Hd, B, h);
+    for (int64_t i = 0; i < B * Hd; ++i) y[i] = 0.0f;
+    NAME(swiglu_add)(h, gate, up, down, Hd, I, B, y, tmp);
+    for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
 /* A sparse MoE feed-forward for B rows: sigmoid router over E experts with a selection-only
  * bias, top-k (ties to the lower id), optional renormalisation, routed scaling; SiLU-GLU
  * experts w13 [E, 2I, Hd] (gate | up), w2 [E, Hd, I], or with `transposed` stored as
  * [E, Hd, 2I] and [E, I, Hd] (the CPU layout, SparseMoE.transpose_expert_storage); shared
- * (sh_gate/sh_up [Is, Hd], sh_down [Hd, Is]) or NULL. scratch: at least
- * 3*Hd + 2*E + 3*I + 3*Is floats. */
+ * (sh_gate/sh_up [Is, Hd], sh_down [Hd, Is]) or NULL. Each expert runs once for every (row,
+ * top-k slot) that chose it, its weights read once per step; then each row adds its experts'
+ * outputs in its top-k order, as the one-row form does (the sums round the same whatever B).
+ * scratch: at least B (2Hd + E + 2K + K (2Hd + 3I) + 2Is + Hd) + E + 4 max(Hd, 2I, Is)
+ * floats. */
 void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t K, float *x,
                       const float *norm_w, float eps, const float *router, const float *bias,
                       int64_t renormalize, float scaling, const WT *w13, const WT *w2,
                       int64_t transposed,
                       const WT *sh_gate, const WT *sh_up, const WT *sh_down,
                       int64_t Is, float *scratch) {
-    float *h = scratch, *y = h + Hd, *d = y + Hd, *score = d + Hd, *choice = score + E;
-    float *gu = choice + E, *act = gu + 2 * I, *tmp = act + I;
-    int64_t ids[K];
-    float wts[K];
+    const int64_t S = B * K;                          /* (row, slot) pairs */
+    float *h = scratch, *y = h + B * Hd, *score = y + B * Hd, *choice = score + B * E;
+    float *wts = choice + E;                          /* [S] */
+    float *idf = wts + S;                             /* [S] expert ids (floats: exact) */
+    float *de = idf + S;                              /* [S, Hd] each slot's expert output */
+    float *tmp = de + S * Hd;                         /* swiglu_add's scratch */
+    NAME(norm_rows)(x, norm_w, eps, Hd, B, h);
+    matmat_f32(router, h, Hd, score, E, E, Hd, B);   /* the router stays fp32 */
     for (int64_t b = 0; b < B; ++b) {
-        float *xb = x + b * Hd;
-        rms_norm(xb, norm_w, eps, Hd, h);
-        matvec_f32(router, h, score, E, Hd);   /* the router stays fp32 (as torch keeps it) */
+        float *sb = score + b * E;
         for (int64_t e = 0; e < E; ++e) {
-            score[e] = 1.0f / (1.0f + expf(-score[e]));
-            choice[e] = score[e] + bias[e];
+            sb[e] = 1.0f / (1.0f + expf(-sb[e]));
+            choice[e] = sb[e] + bias[e];
         }
         float total = 0.0f;
         for (int64_t k = 0; k < K; ++k) {
             int64_t best = -1;
             for (int64_t e = 0; e < E; ++e)
                 if (choice[e] != -INFINITY && (best < 0 || choice[e] > choice[best])) best = e;
-            ids[k] = best;
-            wts[k] = score[best];
+            idf[b * K + k] = (float)best;
+            wts[b * K + k] = sb[best];
             choice[best] = -INFINITY;
-            total += wts[k];
+            total += wts[b * K + k];
         }
         for (int64_t k = 0; k < K; ++k)
-            wts[k] = (renormalize ? wts[k] / (total + 1e-20f) : wts[k]) * scaling;
-        for (int64_t i = 0; i < Hd; ++i) y[i] = 0.0f;
-        for (int64_t k = 0; k < K; ++k) {
-            const int64_t e = ids[k];
-            if (transposed) NAME(vecmat)(h, w13 + e * Hd * 2 * I, gu, Hd, 2 * I);
-            else NAME(matvec)(w13 + e * 2 * I * Hd, h, gu, 2 * I, Hd);
-            for (int64_t j = 0; j < I; ++j) act[j] = silu(gu[j]) * gu[I + j];
-            if (transposed) NAME(vecmat)(act, w2 + e * I * Hd, d, I, Hd);
-            else NAME(matvec)(w2 + e * Hd * I, act, d, Hd, I);
-            for (int64_t i = 0; i < Hd; ++i) y[i] += wts[k] * d[i];
-        }
-        if (sh_gate) NAME(swiglu_add)(h, sh_gate, sh_up, sh_down, Hd, Is, y, tmp);
-        for (int64_t i = 0; i < Hd; ++i) xb[i] += y[i];
+            wts[b * K + k] = (renormalize ? wts[b * K + k] / (total + 1e-20f) : wts[b * K + k])
+                             * scaling;
     }
+    /* experts in parallel, each with buffers of its own for the rows that chose it */
+#pragma omp parallel for schedule(dynamic) if (S > 1)
+    for (int64_t e = 0; e < E; ++e) {
+        int64_t slot[S];
+        int64_t n = 0;
+        for (int64_t s = 0; s < S; ++s)
+            if ((int64_t)idf[s] == e) slot[n++] = s;
+        if (!n) continue;
+        float *xe = malloc(sizeof(float) * (size_t)(n * (Hd + 3 * I) + 2 * I + Hd));
+        float *gu = xe + n * Hd, *act = gu + n * 2 * I, *wbuf = act + n * I;
+        for (int64_t r = 0; r < n; ++r)
+            memcpy(xe + r * Hd, h + (slot[r] / K) * Hd, sizeof(float) * Hd);
+        if (transposed) NAME(vecmat_rows)(xe, Hd, w13 + e * Hd * 2 * I, gu, Hd, 2 * I, n, wbuf);
+        else NAME(matmat)(w13 + e * 2 * I * Hd, xe, Hd, gu, 2 * I, 2 * I, Hd, n);
+        for (int64_t r = 0; r < n; ++r)
+            for (int64_t j = 0; j < I; ++j)
+                act[r * I + j] = silu(gu[r * 2 * I + j]) * gu[r * 2 * I + I + j];
+        /* outputs land at their (row, slot) place in de [S, Hd] */
+        float *out = xe;                             /* xe is free again: [n, Hd] */
+        if (transposed) NAME(vecmat_rows)(act, I, w2 + e * I * Hd, out, I, Hd, n, wbuf);
+        else NAME(matmat)(w2 + e * Hd * I, act, I, out, Hd, Hd, I, n);
+        for (int64_t r = 0; r < n; ++r) memcpy(de + slot[r] * Hd, out + r * Hd, sizeof(float) * Hd);
+        free(xe);
+    }
+    for (int64_t b = 0; b < B; ++b) {
+        float *yb = y + b * Hd;
+        for (int64_t i = 0; i < Hd; ++i) yb[i] = 0.0f;
+        for (int64_t k = 0; k < K; ++k) {
+            const float wk = wts[b * K + k];
+            const float *d = de + (b * K + k) * Hd;
+            for (int64_t i = 0; i < Hd; ++i) yb[i] += wk * d[i];
+        }
+    }
+    if (sh_gate) NAME(swiglu_add)(h, sh_gate, sh_up, sh_down, Hd, Is, B, y, tmp);
+    for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
 /* The final norm and the LM head for B rows: logits [B, V] = W [V, Hd] . norm(x).
- * scratch: at least Hd floats. */
+ * scratch: at least B Hd + 4 Hd floats. */
 void NAME(head_block)(int64_t B, int64_t Hd, int64_t V, const float *x, const float *norm_w,
                       float eps, const WT *W, float *logits, float *scratch) {
-    for (int64_t b = 0; b < B; ++b) {
-        rms_norm(x + b * Hd, norm_w, eps, Hd, scratch);
-        NAME(matvec)(W, scratch, logits + b * V, V, Hd);
-    }
+    NAME(norm_rows)(x, norm_w, eps, Hd, B, scratch);
+    NAME(matmat)(W, scratch, Hd, logits, V, V, Hd, B);
 }
 
 #undef CAT_
@@ -302,3 +446,5 @@ void NAME(head_block)(int64_t B, int64_t Hd, int64_t V, const float *x, const fl
 #undef LDC
 #undef STC
 #undef SFX
+#undef WIDEN
+#undef LDW8

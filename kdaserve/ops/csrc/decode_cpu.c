@@ -17,6 +17,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "fastmath.h"
 #include "kda_step.h"
 
@@ -62,20 +66,78 @@ static inline float softplus_f(float x) {
 }
 
 
+/* Eight fp32 lanes (one AVX2 register; the compiler pairs them on AVX-512). The typedef's
+ * alignment of 4 lets a vector load from any float address. */
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
+
+static inline v8f ld8f(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* eight bf16 values widened to fp32 (a shift into the top half of each lane) */
+static inline v8f ld8bf16(const uint16_t *p) {
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    const v8u u = __builtin_convertvector(h, v8u) << 16;
+    v8f f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* s + lane 0 + lane 1 + ... + lane 7, in that order */
+static inline float lanes_sum(v8f a, float s) {
+    for (int l = 0; l < 8; ++l) s += a[l];
+    return s;
+}
+
+/* With OpenMP (built with -fopenmp; it then shares torch's libgomp, loaded first under the
+ * same soname, so the blocks run on torch's threads and obey torch.set_num_threads), matrix
+ * products of at least this many multiply-adds split their output rows over the threads, and
+ * rows (or heads) of the per-row parts run in parallel where independent. */
+#define PAR_MIN_MACS 32768
+
+/* 1 when the blocks run their work on several threads themselves (the caller should not
+ * split rows over threads of its own on top). */
+int64_t decode_blocks_parallel(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The calling thread's team size for the blocks' parallel parts (OpenMP keeps it per thread:
+ * the engine's thread takes torch's setting, e.g. --torch-threads 1, before each step). */
+void decode_blocks_threads(int64_t n) {
+#ifdef _OPENMP
+    omp_set_num_threads((int)(n > 0 ? n : 1));
+#else
+    (void)n;
+#endif
+}
+
 /* fp32 weights, fp32 cache */
 #define WT float
 #define CT float
 #define LDW(v) (v)
+#define LDW8(p) ld8f(p)
 #define LDC(v) (v)
 #define STC(v) (v)
 #define SFX _f32
+#define WIDEN 0
 #include "decode_blocks.h"
 
 /* bf16 weights and cache (--dtype bfloat16), fp32 activations and accumulation */
 #define WT uint16_t
 #define CT uint16_t
 #define LDW(v) bf16_to_f32(v)
+#define LDW8(p) ld8bf16(p)
 #define LDC(v) bf16_to_f32(v)
 #define STC(v) f32_to_bf16(v)
 #define SFX _bf16
+#define WIDEN 1
 #include "decode_blocks.h"
