@@ -19,9 +19,18 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--greedy", action="store_true", help="temperature 0")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    for flag in ("tensor", "expert", "data", "pipeline"):     # docs/parallelism.md
-        p.add_argument(f"--{flag}-parallel-size", type=int, default=1,
-                       help=f"{flag}-parallel ranks (as for serve; default: %(default)s)")
+    from kdaserve.config import EXECUTORS
+
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--expert-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--distributed-executor", choices=EXECUTORS, default=None,
+                   help="default: torchrun's ranks under torchrun, else uni for one rank, "
+                        "else mp (docs/parallelism.md)")
+    p.add_argument("--ray-address", default=None, help="with --distributed-executor ray")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's)")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -31,7 +40,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size,
               expert_parallel_size=args.expert_parallel_size,
               data_parallel_size=args.data_parallel_size,
-              pipeline_parallel_size=args.pipeline_parallel_size)
+              pipeline_parallel_size=args.pipeline_parallel_size,
+              distributed_executor=args.distributed_executor, ray_address=args.ray_address,
+              num_threads=args.torch_threads)     # a torchrun rank > 0 ends in here
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -41,6 +52,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     params = sampling_params_with_defaults(llm.config.model, fields)
     out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
     sys.stdout.write(prompt + out.text + "\n")
+    llm.shutdown()
     return 0
 
 

@@ -681,6 +681,7 @@ class SpeculativeConfig:
 
 
 MOE_BACKENDS = ("auto", "reference", "grouped", "ep_all2all", "tp_sharded")
+EXECUTORS = ("uni", "mp", "torchrun", "ray")
 
 
 @dataclass(frozen=True)
@@ -692,7 +693,9 @@ class ParallelConfig:
     runs its own requests' attention, when data_parallel_size equals expert_parallel_size);
     pipeline parallelism splits the decoder layers into stages, one rank each.
     `distributed_executor`: "mp" (one spawned process per rank, also used for a single rank
-    when asked for) or "uni" (in-process; one rank only)."""
+    when asked for), "uni" (in-process; one rank only), "torchrun" (torchrun started the
+    ranks; chosen by itself when WORLD_SIZE > 1 is in the environment) or "ray" (one Ray actor
+    per rank, on the cluster at `ray_address`)."""
 
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
@@ -703,8 +706,10 @@ class ParallelConfig:
     # (kdaserve/distributed/pipeline.py); only with the other sizes 1
     pipeline_parallel_size: int = 1
     moe_backend: str = "auto"
-    distributed_executor: str | None = None    # None: "uni" for one rank, else "mp"
+    distributed_executor: str | None = None    # None: torchrun's, else uni (1 rank) or mp
     worker_timeout_s: float = 300.0            # a collective that waits longer fails
+    # "ray": the cluster to join (None: RAY_ADDRESS, else a local cluster started for us)
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "expert_parallel_size", "data_parallel_size",
@@ -729,8 +734,8 @@ class ParallelConfig:
         if self.moe_backend not in MOE_BACKENDS:
             raise ConfigError(f"moe_backend must be one of {MOE_BACKENDS}, "
                               f"got {self.moe_backend!r}")
-        if self.distributed_executor not in (None, "uni", "mp"):
-            raise ConfigError("distributed_executor must be 'uni' or 'mp', "
+        if self.distributed_executor not in (None, *EXECUTORS):
+            raise ConfigError(f"distributed_executor must be one of {EXECUTORS}, "
                               f"got {self.distributed_executor!r}")
         if self.distributed_executor == "uni" and self.world_size > 1:
             raise ConfigError("the in-process executor runs one rank; use 'mp' for "
@@ -743,7 +748,11 @@ class ParallelConfig:
 
     @property
     def executor(self) -> str:
-        return self.distributed_executor or ("uni" if self.world_size == 1 else "mp")
+        if self.distributed_executor:
+            return self.distributed_executor
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:     # torchrun started us: its ranks
+            return "torchrun"
+        return "uni" if self.world_size == 1 else "mp"
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ def check_layout(cfg: ModelConfig, config: EngineConfig) -> None:
     par = config.parallel
     tp, ep = par.tensor_parallel_size, par.expert_parallel_size
     have = available_ranks(config.device)
-    if par.world_size > have:
+    # torchrun and Ray place ranks on other machines too: they check their own resources
+    if par.executor == "mp" and par.world_size > have:
         where = "GPUs" if config.device.startswith("cuda") else "CPU cores"
         raise ConfigError(f"the layout needs {par.world_size} ranks but this machine has "
                           f"{have} {where}")

@@ -25,6 +25,10 @@ class ParallelContext:
     group: object | None = None          # the ranks' process group (None: the default group)
     dp_size: int = 1                     # >1: each rank holds its own tokens (attention DP)
     pp_size: int = 1                     # >1: rank r is pipeline stage r (its layers only)
+    # the step messages rank 0 broadcasts (gloo, also under NCCL: they are Python objects).
+    # Its timeout is long: the other ranks wait here for as long as the engine idles, while
+    # the model's collectives keep the worker timeout, so a dead rank still fails them fast.
+    control: object | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -44,6 +48,7 @@ class ParallelContext:
 
 
 _CONTEXT: ParallelContext | None = None
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
 def init_distributed(rank: int, world_size: int, tp: int, ep: int, init_method: str,
@@ -53,7 +58,11 @@ def init_distributed(rank: int, world_size: int, tp: int, ep: int, init_method: 
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    _CONTEXT = ParallelContext(rank, world_size, tp, ep, dp_size=dp, pp_size=pp)
+    control = None
+    if world_size > 1:
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    _CONTEXT = ParallelContext(rank, world_size, tp, ep, dp_size=dp, control=control,
+                               pp_size=pp)
     return _CONTEXT
 
 

@@ -143,9 +143,9 @@ class EngineCore:
                 proposer=build_proposer(config, model, device, self.plan),
                 stores=tiers.stores if tiers else None, structured=structured))
         else:
-            from kdaserve.engine.executor.multiproc import MultiprocExecutor
+            from kdaserve.engine.executor import start_ranks
 
-            self.executor = MultiprocExecutor(config, self.plan, structured)
+            self.executor = start_ranks(config, self.plan, structured)
         self._messages = StepMessages()
         self.eos_ids = frozenset(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}

@@ -47,10 +47,15 @@ class LLM:
                  expert_parallel_size: int = 1, data_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1,
                  moe_backend: str = "auto",
-                 distributed_executor: str | None = None,
+                 distributed_executor: str | None = None, ray_address: str | None = None,
                  num_threads: int | None = None) -> None:
         """`offload`: "host", "disk" or "host,disk" (evicted prefix-cache entries go there);
-        `offload_bytes`: one cap, or one per tier; `offload_dir`: the disk tier's directory."""
+        `offload_bytes`: one cap, or one per tier; `offload_dir`: the disk tier's directory.
+
+        Under torchrun (docs/parallelism.md) every rank runs the script: on rank 0 this is
+        the engine; on any other rank the constructor runs that rank's worker loop until rank
+        0 shuts down and then ends the process (the rest of the script runs on rank 0 only).
+        `ray_address`: with distributed_executor="ray", the cluster to join."""
         tiers = tuple(t.strip() for t in (offload.split(",") if isinstance(offload, str)
                                           else offload or ()) if t.strip())
         caps = (offload_bytes,) if isinstance(offload_bytes, int) else tuple(offload_bytes or ())
@@ -63,7 +68,8 @@ class LLM:
                                     data_parallel_size=data_parallel_size,
                                     pipeline_parallel_size=pipeline_parallel_size,
                                     moe_backend=moe_backend,
-                                    distributed_executor=distributed_executor),
+                                    distributed_executor=distributed_executor,
+                                    ray_address=ray_address),
             cache=CacheConfig(block_size=block_size, cache_memory_bytes=cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization,
                               num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
@@ -81,6 +87,10 @@ class LLM:
                                           adaptive=speculative_adaptive)
             if speculative_method else None,
         )
+        from kdaserve.engine.executor.torchrun import is_torchrun_worker, run_torchrun_rank
+
+        if is_torchrun_worker(self.config.parallel):
+            raise SystemExit(run_torchrun_rank(self.config))
         self.engine = EngineCore(self.config, progress=True)
         self.tokenizer = self.engine.tokenizer
         self.vision = (VisionInput.for_model(path, self.tokenizer)

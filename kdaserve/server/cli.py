@@ -18,7 +18,7 @@ from typing import Any
 import uvicorn
 
 from kdaserve.assets import DEMO_MODEL_DIR, default_model_path
-from kdaserve.config import (MOE_BACKENDS, CacheConfig, EngineConfig, ModelConfig,
+from kdaserve.config import (EXECUTORS, MOE_BACKENDS, CacheConfig, EngineConfig, ModelConfig,
                              ParallelConfig, SchedulerConfig,
                              SpeculativeConfig)
 from kdaserve.engine.async_engine import (
@@ -197,9 +197,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-backend", choices=MOE_BACKENDS, default="auto",
                    help="how routed experts run; auto picks by topology and logs why "
                         "(default: %(default)s)")
-    p.add_argument("--distributed-executor", choices=("uni", "mp"), default=None,
-                   help="in-process (one rank) or one spawned process per rank (default: uni "
-                        "for one rank, else mp)")
+    p.add_argument("--distributed-executor", choices=EXECUTORS, default=None,
+                   help="in-process (one rank), one spawned process per rank (mp), the ranks "
+                        "torchrun started, or one Ray actor per rank (ray) (default: torchrun's "
+                        "ranks under torchrun, else uni for one rank, else mp)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --distributed-executor ray: the cluster to join, e.g. "
+                        "10.0.0.1:6379 (default: $RAY_ADDRESS, else a local cluster)")
     p.add_argument("--torch-threads", type=_positive_int, default=None,
                    help="torch intra-op threads of the engine process (default: torch's)")
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
@@ -290,7 +294,8 @@ def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
             data_parallel_size=getattr(args, "data_parallel_size", 1),
             pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
             moe_backend=getattr(args, "moe_backend", "auto"),
-            distributed_executor=getattr(args, "distributed_executor", None)),
+            distributed_executor=getattr(args, "distributed_executor", None),
+            ray_address=getattr(args, "ray_address", None)),
     )
 
 
@@ -375,6 +380,8 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Toke
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from kdaserve.engine.executor.torchrun import is_torchrun_worker, run_torchrun_rank
+
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(level)       # also when the caller configured logging first
@@ -384,9 +391,12 @@ def run_serve(args: argparse.Namespace) -> int:
         tokenizer = Tokenizer.from_pretrained(model_dir)
         defaults = load_generation_defaults(model_dir)
         config = _engine_config(args, model_dir)
+        worker = is_torchrun_worker(config.parallel)
     except (OSError, ValueError) as exc:
         logger.error("%s", exc)
         return 2
+    if worker:                       # a torchrun rank > 0: the worker loop, no server
+        return run_torchrun_rank(config)
     if defaults:
         logger.info("sampling defaults from generation_config.json: %s", defaults)
     name = served_model_name(model_dir, args.served_model_name)

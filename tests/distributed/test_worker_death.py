@@ -98,3 +98,24 @@ def test_workers_die_with_killed_engine(model_dir):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     _wait_gone(pids, 15)
+
+
+def test_idle_longer_than_worker_timeout(model_dir):
+    """The other ranks wait for the next step without the worker timeout (which bounds the
+    model's collectives): an engine idle for longer than it still runs the next request."""
+    from kdaserve.config import EngineConfig, ParallelConfig
+    from kdaserve.engine.core import EngineCore
+    from kdaserve.request import SamplingParams
+
+    config = EngineConfig(model=str(model_dir), num_threads=1,
+                          parallel=ParallelConfig(tensor_parallel_size=2, worker_timeout_s=2.0))
+    eng = EngineCore(config)
+    try:
+        for name in ("before", "after"):
+            eng.add_request(name, [3, 4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
+            while eng.has_unfinished():
+                eng.step()
+            if name == "before":
+                time.sleep(4.0)          # twice the worker timeout with no step
+    finally:
+        eng.shutdown()

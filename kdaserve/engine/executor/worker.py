@@ -1,6 +1,10 @@
-"""One rank's process: joins the process group, loads its share of the model, then runs the
-steps rank 0 broadcasts until told to stop. Only rank 0 talks to the engine core (a pipe);
-the other ranks receive each message through torch.distributed (broadcast from rank 0)."""
+"""One rank of a multi-rank engine, whoever started it: a process the engine spawned
+(multiproc.py), a process `torchrun` started (torchrun.py) or a Ray actor (ray_executor.py).
+It joins the process group, loads its share of the model, then runs the messages rank 0
+broadcasts until told to stop. The code is the same for all three: `start_rank` sets a rank
+up, `publish` hands rank 0's message to every rank, `handle` runs one message on one rank and
+`follow` is the loop of every rank but 0. Only rank 0 answers the engine core (how depends on
+the launcher: a pipe, an in-process call, a Ray method)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,9 @@ import logging
 import os
 import signal
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +37,9 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def build_worker_runner(config: EngineConfig, plan, ctx):
+def build_worker_runner(config: EngineConfig, plan, ctx, local_rank: int | None = None):
+    """`local_rank`: this rank's GPU on its node (torchrun's LOCAL_RANK; Ray shows each actor
+    one GPU); by default the global rank modulo the node's GPUs."""
     from kdaserve.engine.core import _has_tokenizer, build_proposer, engine_chunk_size
     from kdaserve.distributed.comm import union_failures
     from kdaserve.distributed.layout import rank_model_config
@@ -44,7 +52,8 @@ def build_worker_runner(config: EngineConfig, plan, ctx):
 
     device = torch.device(config.device)
     if device.type == "cuda":
-        device = torch.device("cuda", ctx.rank % max(torch.cuda.device_count(), 1))
+        index = ctx.rank if local_rank is None else local_rank
+        device = torch.device("cuda", index % max(torch.cuda.device_count(), 1))
         torch.cuda.set_device(device)
     model = load_model(config.model, dtype=config.dtype, device=str(device),
                        chunk_size=engine_chunk_size(config), progress=False, parallel=ctx,
@@ -62,78 +71,134 @@ def build_worker_runner(config: EngineConfig, plan, ctx):
     return runner
 
 
+@dataclass
+class RankState:
+    """What one rank holds once started: its place in the layout and its runner."""
+
+    ctx: Any                 # ParallelContext
+    runner: Any              # ModelRunner
+    config: EngineConfig     # rank 0's (every rank runs the engine's configuration)
+
+    @property
+    def data_parallel(self) -> bool:
+        return self.config.parallel.data_parallel_size > 1
+
+
+def start_rank(rank: int, world_size: int, init_method: str, config: EngineConfig,
+               plan=None, local_rank: int | None = None) -> RankState:
+    """Join the group, take rank 0's configuration and cache plan (a rank that torchrun
+    started has no plan of its own), load this rank's share of the model."""
+    from kdaserve.distributed.parallel_state import init_distributed
+
+    par = config.parallel
+    ctx = init_distributed(rank, world_size, par.tensor_parallel_size,
+                           par.expert_parallel_size, init_method, config.device,
+                           par.worker_timeout_s, par.data_parallel_size,
+                           pp=par.pipeline_parallel_size)
+    box = [(config, plan) if rank == 0 else None]
+    if world_size > 1:
+        dist.broadcast_object_list(box, src=0, group=ctx.control)
+    config, plan = box[0]
+    runner = build_worker_runner(config, plan, ctx, local_rank)
+    dist.barrier()
+    return RankState(ctx, runner, config)
+
+
+def publish(ctx, msg: tuple | None = None) -> tuple:
+    """Rank 0's message, on every rank (rank 0 passes it, the others receive it)."""
+    if ctx.world_size == 1:
+        return msg
+    box = [msg]
+    dist.broadcast_object_list(box, src=0, group=ctx.control)
+    return box[0]
+
+
+def handle(runner, msg: tuple, rank: int, world_size: int, data_parallel: bool) -> Any:
+    """Run one message on this rank; what it returns matters on rank 0 only."""
+    from kdaserve.distributed import pipeline
+    from kdaserve.distributed.data_parallel import execute_step
+
+    kind = msg[0]
+    if kind == "execute" and data_parallel:
+        return execute_step(runner, msg[1], rank, world_size)
+    if kind == "execute" and pipeline.active():
+        return pipeline.execute_step(runner, msg[1])
+    if kind == "execute":
+        return runner.execute(msg[1])
+    if kind == "cache_ops":
+        return runner.cache_ops.run(msg[1])
+    if kind == "transfer_stats":
+        return runner.cache_ops.stats
+    if kind == "num_forward_tokens":
+        result = runner.num_forward_tokens
+        if data_parallel:            # each rank computed its own requests' tokens
+            total = torch.tensor([result], dtype=torch.long)
+            dist.all_reduce(total)
+            result = int(total.item())
+        return result
+    raise ValueError(f"unknown worker message {kind!r}")
+
+
+def run_on_rank(state: RankState, msg: tuple) -> Any:
+    return handle(state.runner, msg, state.ctx.rank, state.ctx.world_size, state.data_parallel)
+
+
+def follow(state: RankState) -> None:
+    """Every rank but 0: run what rank 0 publishes until it says stop. A failure ends the
+    process: the ranks may now disagree on which collective comes next."""
+    while True:
+        msg = publish(state.ctx)
+        if msg[0] == "shutdown":
+            return
+        try:
+            run_on_rank(state, msg)
+        except Exception:           # noqa: BLE001
+            logger.error("step failed:\n%s", traceback.format_exc())
+            os._exit(1)
+
+
 def worker_main(rank: int, world_size: int, init_method: str, config: EngineConfig, plan,
                 conn: Connection, parent_pid: int, log_level: int) -> None:
+    """A process the engine spawned (multiproc.py): rank 0 talks to the engine over `conn`."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # the engine decides when workers stop
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
     torch.set_num_threads(config.num_threads or 1)
-    par = config.parallel
     try:
-        from kdaserve.distributed.parallel_state import init_distributed
-
-        ctx = init_distributed(rank, world_size, par.tensor_parallel_size,
-                               par.expert_parallel_size, init_method, config.device,
-                               par.worker_timeout_s, par.data_parallel_size,
-                               pp=par.pipeline_parallel_size)
-        runner = build_worker_runner(config, plan, ctx)
-        dist.barrier()
+        state = start_rank(rank, world_size, init_method, config, plan)
     except BaseException as exc:    # noqa: BLE001 - reported to the engine, then exit
         conn.send(("failed", f"rank {rank}: {type(exc).__name__}: {exc}"))
         logger.error("worker failed to start:\n%s", traceback.format_exc())
         os._exit(1)
     conn.send(("ready", rank))
-    _loop(rank, world_size, runner, conn, par.data_parallel_size > 1)
+    if rank == 0:
+        _loop(state, conn)
+    else:
+        follow(state)
     conn.close()
     dist.destroy_process_group()
 
 
-def _loop(rank: int, world_size: int, runner, conn: Connection, data_parallel: bool) -> None:
-    from kdaserve.distributed import pipeline
-    from kdaserve.distributed.data_parallel import execute_step
-
+def _loop(state: RankState, conn: Connection) -> None:
+    """Rank 0 of spawned workers: each message from the engine's pipe, published, run."""
+    world_size = state.ctx.world_size
     while True:
-        msg = None
-        if rank == 0:
-            try:
-                msg = conn.recv()
-            except EOFError:             # the engine is gone
-                msg = ("shutdown",)
-        if world_size > 1:
-            box = [msg]
-            dist.broadcast_object_list(box, src=0)
-            msg = box[0]
-        kind = msg[0]
-        if kind == "shutdown":
+        try:
+            msg = conn.recv()
+        except EOFError:             # the engine is gone
+            msg = ("shutdown",)
+        msg = publish(state.ctx, msg)
+        if msg[0] == "shutdown":
             return
         try:
-            if kind == "execute" and data_parallel:
-                result = execute_step(runner, msg[1], rank, world_size)
-            elif kind == "execute" and pipeline.active():
-                result = pipeline.execute_step(runner, msg[1])
-            elif kind == "execute":
-                result = runner.execute(msg[1])
-            elif kind == "cache_ops":
-                result = runner.cache_ops.run(msg[1])
-            elif kind == "transfer_stats":
-                result = runner.cache_ops.stats
-            elif kind == "num_forward_tokens":
-                result = runner.num_forward_tokens
-                if data_parallel:            # each rank computed its own requests' tokens
-                    total = torch.tensor([result], dtype=torch.long)
-                    dist.all_reduce(total)
-                    result = int(total.item())
-            else:
-                raise ValueError(f"unknown worker message {kind!r}")
+            result = run_on_rank(state, msg)
         except Exception as exc:        # noqa: BLE001
             logger.error("step failed:\n%s", traceback.format_exc())
             if world_size > 1:
                 # the ranks may now disagree on which collective comes next: no rank can go on
-                if rank == 0:
-                    conn.send(("fatal", f"rank {rank}: {type(exc).__name__}: {exc}"))
+                conn.send(("fatal", f"rank 0: {type(exc).__name__}: {exc}"))
                 os._exit(1)
             conn.send(("error", exc))
             continue
-        if rank == 0:
-            conn.send(("ok", result))
+        conn.send(("ok", result))
