@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_harness import assert_openai_error, start_server, wait_idle
+from server_harness import assert_openai_error, metrics, start_server, wait_idle
 
 SHORT = {"prompt": "Day", "max_tokens": 2, "ignore_eos": True}
 BIG = 10 << 20          # a 10 MB prompt
@@ -134,7 +134,13 @@ def test_heavy_request_does_not_starve_a_short_one(rel):
     async def scenario():
         async with httpx.AsyncClient(base_url=rel.base_url, timeout=300) as c:
             heavy = asyncio.ensure_future(c.post("/completions", json=heavy_body))
-            await asyncio.sleep(1.0)
+            # the short request goes in once the heavy one holds the slots (a fixed sleep
+            # was longer than the whole heavy request once decoding got fast)
+            deadline = time.monotonic() + 60
+            while (await asyncio.to_thread(metrics, rel.url))[
+                    "kdaserve:num_requests_running"] < 16:
+                assert not heavy.done() and time.monotonic() < deadline
+                await asyncio.sleep(0.01)
             short = await c.post("/completions", json=SHORT)
             return short, heavy.done(), await heavy
 
