@@ -38,3 +38,47 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""
+
+
+class RankExecutor(Executor):
+    """An executor whose ranks run the worker's message loop (spawned processes, torchrun,
+    Ray): every request is a message `_call` sends to rank 0; data-parallel layouts place each
+    request on a rank first. Subclasses set `_finalizer` (what stops the ranks) and define
+    `_call`."""
+
+    def _init_ranks(self, config, structured) -> None:
+        par = config.parallel
+        self._structured = structured    # grammars are validated here, compiled again per rank
+        self.world_size = par.world_size
+        self._placement = None
+        if par.data_parallel_size > 1:
+            from kdaserve.distributed.data_parallel import Placement
+
+            self._placement = Placement(par.data_parallel_size)
+        self._closed = False
+
+    @abstractmethod
+    def _call(self, msg: tuple, doing: str): ...
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if self._placement is not None:
+            out.dp_ranks = self._placement.assign(out)
+        return self._call(("execute", out), "running a step")
+
+    def run_cache_ops(self, ops: list[CacheOp]) -> list[OpFailure]:
+        return self._call(("cache_ops", ops), "running cache operations")
+
+    def num_forward_tokens(self) -> int:
+        return self._call(("num_forward_tokens",), "reporting")
+
+    def transfer_stats(self) -> dict:
+        return self._call(("transfer_stats",), "reporting")
+
+    def validate_guided(self, guided: GuidedDecoding) -> None:
+        self._structured.validate(guided)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer()

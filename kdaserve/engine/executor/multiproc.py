@@ -14,13 +14,10 @@ from multiprocessing.connection import Connection, wait
 
 import torch.multiprocessing as tmp
 
-from kdaserve.cache.ops import CacheOp, OpFailure
 from kdaserve.config import EngineConfig
-from kdaserve.engine.executor.base import Executor, ExecutorError
+from kdaserve.engine.executor.base import ExecutorError, RankExecutor
 from kdaserve.engine.executor.worker import worker_main
-from kdaserve.outputs import ModelRunnerOutput, SchedulerOutput
 from kdaserve.structured.manager import StructuredOutputs
-from kdaserve.structured.spec import GuidedDecoding
 
 logger = logging.getLogger("kdaserve")
 
@@ -53,18 +50,12 @@ def _stop(procs: list, conns: list[Connection], grace_s: float = 5.0) -> None:
         c.close()
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankExecutor):
     def __init__(self, config: EngineConfig, plan, structured: StructuredOutputs,
                  startup_timeout_s: float = 900.0) -> None:
-        self._structured = structured    # grammars are validated here, compiled again per rank
+        self._init_ranks(config, structured)
         par = config.parallel
-        self.world_size = par.world_size
         self.timeout_s = par.worker_timeout_s
-        self._placement = None
-        if par.data_parallel_size > 1:
-            from kdaserve.distributed.data_parallel import Placement
-
-            self._placement = Placement(par.data_parallel_size)
         ctx = tmp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.procs, self.conns = [], []
@@ -79,7 +70,6 @@ class MultiprocExecutor(Executor):
             self.procs.append(p)
             self.conns.append(ours)
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
-        self._closed = False
         try:
             for rank in range(self.world_size):
                 kind, detail = self._recv(rank, startup_timeout_s, "starting")
@@ -146,25 +136,3 @@ class MultiprocExecutor(Executor):
         self.shutdown()
         raise ExecutorError(f"a worker failed while {doing}: {value}")
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        if self._placement is not None:
-            out.dp_ranks = self._placement.assign(out)
-        return self._call(("execute", out), "running a step")
-
-    def run_cache_ops(self, ops: list[CacheOp]) -> list[OpFailure]:
-        return self._call(("cache_ops", ops), "running cache operations")
-
-    def num_forward_tokens(self) -> int:
-        return self._call(("num_forward_tokens",), "reporting")
-
-    def transfer_stats(self) -> dict:
-        return self._call(("transfer_stats",), "reporting")
-
-    def validate_guided(self, guided: GuidedDecoding) -> None:
-        self._structured.validate(guided)
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer()

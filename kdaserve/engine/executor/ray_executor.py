@@ -18,12 +18,9 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from kdaserve.cache.ops import CacheOp, OpFailure
 from kdaserve.config import ConfigError, EngineConfig
-from kdaserve.engine.executor.base import Executor, ExecutorError
-from kdaserve.outputs import ModelRunnerOutput, SchedulerOutput
+from kdaserve.engine.executor.base import ExecutorError, RankExecutor
 from kdaserve.structured.manager import StructuredOutputs
-from kdaserve.structured.spec import GuidedDecoding
 
 logger = logging.getLogger("kdaserve")
 
@@ -159,25 +156,18 @@ def _stop(held: _Held, grace_s: float = 10.0) -> None:
         ray.shutdown()
 
 
-class RayExecutor(Executor):
+class RayExecutor(RankExecutor):
     def __init__(self, config: EngineConfig, plan, structured: StructuredOutputs,
                  startup_timeout_s: float = 900.0, placement_timeout_s: float = 120.0) -> None:
         ray = _import_ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self._structured = structured
+        self._init_ranks(config, structured)
         par = config.parallel
-        self.world_size = par.world_size
         self.timeout_s = par.worker_timeout_s + 30.0    # rank 0's collectives fail first
-        self._placement = None
-        if par.data_parallel_size > 1:
-            from kdaserve.distributed.data_parallel import Placement
-
-            self._placement = Placement(par.data_parallel_size)
         self._held = _Held(started=connect(par.ray_address))
         self._finalizer = weakref.finalize(self, _stop, self._held)
-        self._closed = False
         self.actors = self._held.actors
         gpu = config.device.startswith("cuda")
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
@@ -283,29 +273,7 @@ class RayExecutor(Executor):
             raise ExecutorError("the executor is shut down")
         return self._get(self.actors[0].call.remote(msg), self.timeout_s, doing)
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        if self._placement is not None:
-            out.dp_ranks = self._placement.assign(out)
-        return self._call(("execute", out), "running a step")
-
-    def run_cache_ops(self, ops: list[CacheOp]) -> list[OpFailure]:
-        return self._call(("cache_ops", ops), "running cache operations")
-
-    def num_forward_tokens(self) -> int:
-        return self._call(("num_forward_tokens",), "reporting")
-
-    def transfer_stats(self) -> dict:
-        return self._call(("transfer_stats",), "reporting")
-
-    def validate_guided(self, guided: GuidedDecoding) -> None:
-        self._structured.validate(guided)
 
     def _abort(self) -> None:
         self._held.graceful = False
         self.shutdown()
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer()

@@ -16,13 +16,10 @@ import os
 import weakref
 from dataclasses import dataclass
 
-from kdaserve.cache.ops import CacheOp, OpFailure
 from kdaserve.config import ConfigError, EngineConfig, ParallelConfig
-from kdaserve.engine.executor.base import Executor, ExecutorError
+from kdaserve.engine.executor.base import ExecutorError, RankExecutor
 from kdaserve.engine.executor.worker import follow, publish, run_on_rank, start_rank
-from kdaserve.outputs import ModelRunnerOutput, SchedulerOutput
 from kdaserve.structured.manager import StructuredOutputs
-from kdaserve.structured.spec import GuidedDecoding
 
 logger = logging.getLogger("kdaserve")
 
@@ -105,7 +102,7 @@ def _stop(ctx) -> None:
     destroy_distributed()
 
 
-class TorchrunExecutor(Executor):
+class TorchrunExecutor(RankExecutor):
     """Rank 0 under torchrun: its runner in the engine core's process."""
 
     def __init__(self, config: EngineConfig, plan, structured: StructuredOutputs) -> None:
@@ -114,13 +111,8 @@ class TorchrunExecutor(Executor):
         env = require_torchrun(config.parallel)
         if env.rank != 0:
             raise ConfigError("under torchrun only rank 0 runs the engine core")
-        self._structured = structured
+        self._init_ranks(config, structured)
         self.world_size = env.world_size
-        self._placement = None
-        if config.parallel.data_parallel_size > 1:
-            from kdaserve.distributed.data_parallel import Placement
-
-            self._placement = Placement(config.parallel.data_parallel_size)
         try:
             self._state = start_rank(0, env.world_size, "env://", config, plan, env.local_rank)
         except Exception as exc:       # noqa: BLE001 - any failure to start is fatal here
@@ -128,7 +120,6 @@ class TorchrunExecutor(Executor):
             raise ExecutorError(f"rank 0 could not start with the other torchrun ranks "
                                 f"({env.master_addr}:{env.master_port}): "
                                 f"{type(exc).__name__}: {exc}") from None
-        self._closed = False
         # at exit too (a script that never calls shutdown): the other ranks stop with us
         self._finalizer = weakref.finalize(self, _stop, self._state.ctx)
         logger.info("kdaserve: torchrun rank 0 of %d ready", env.world_size)
@@ -149,25 +140,3 @@ class TorchrunExecutor(Executor):
                                 "fails rank 0's collectives; see the other ranks' logs)"
                                 ) from None
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        if self._placement is not None:
-            out.dp_ranks = self._placement.assign(out)
-        return self._call(("execute", out), "running a step")
-
-    def run_cache_ops(self, ops: list[CacheOp]) -> list[OpFailure]:
-        return self._call(("cache_ops", ops), "running cache operations")
-
-    def num_forward_tokens(self) -> int:
-        return self._call(("num_forward_tokens",), "reporting")
-
-    def transfer_stats(self) -> dict:
-        return self._call(("transfer_stats",), "reporting")
-
-    def validate_guided(self, guided: GuidedDecoding) -> None:
-        self._structured.validate(guided)
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer()
