@@ -14,6 +14,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from k3_models import k3_raw, write_k3_checkpoint
+from test_layouts import _assert_same
 from tiny_models import random_model, tiny_config
 
 from kdaserve.engine.executor import ExecutorError
@@ -88,13 +89,7 @@ def test_ray_matches_one_process(request, cluster, model, layout):
     one = _generate(path)
     many = _generate(path, distributed_executor="ray", **layout)
     assert one[2].num_cached_tokens >= 32          # the prefix hit happened
-    for a, b in zip(one, many):
-        x, y = a.outputs[0], b.outputs[0]
-        assert x.token_ids == y.token_ids
-        assert a.num_cached_tokens == b.num_cached_tokens
-        for i, (lx, ly) in enumerate(zip(x.logprobs, y.logprobs)):
-            for tok, lp in lx.items():
-                assert abs(lp - ly[tok]) < 1e-4, (i, tok)
+    _assert_same(one, many)
     assert _cpus_back(2), "the actors or the placement group outlived shutdown"
 
 
