@@ -195,7 +195,9 @@ class ModelRunner:
                  if fused is not None and not verifying else 1)
         # one torch thread while the rows run on `parts` threads (split_parts says why); the
         # configured count comes back with the next step that is not split
-        torch.set_num_threads(1 if parts > 1 else self._threads)
+        threads = 1 if parts > 1 else self._threads
+        if torch.get_num_threads() != threads:      # most steps: already so
+            torch.set_num_threads(threads)
         if fused is not None:      # decode rows, maybe with drafts: no media or prompt logprobs
             captured = []
             positions, state_slots, table = fused_decode.step_inputs(seqs)
