@@ -47,6 +47,8 @@ class SchedulerOutput:
 
     draft_limits: dict[str, int] | None = None
     # speculation: how many drafts to propose for each request's next step (absent: the most)
+    drafting: bool = True
+    # False while adaptive speculation's drafter sleeps: no hidden-state capture, no proposals
     request_data: dict[str, RequestData] = field(default_factory=dict)
     # what the runner needs of each scheduled request besides its tokens (prompt, params,
     # output so far): filled on rank 0 before the step leaves the engine core

@@ -90,7 +90,7 @@ def execute_step(runner, out: SchedulerOutput) -> ModelRunnerOutput | None:
         y = run_stage(model, stage, st.ids, st.fb, carry, embeds)
         if stage.last:
             results.append(runner.finish(st, y, [], st.fb.positions, st.fb.mla.slot_mapping,
-                                         masks, out.draft_limits))
+                                         masks, out.draft_limits, out.drafting))
         else:
             sends += [dist.isend(t, dst=ctx.rank + 1, tag=m * _TAGS + k)
                       for k, t in enumerate(y.tensors())]

@@ -110,9 +110,9 @@ class ModelRunner:
             return ModelRunnerOutput(sampled={}, dropped_snapshots=lost_snaps,
                                      cache_op_failures=failures)
         masks = self.start_masks(step)
-        logits, captured, positions, cache_slots = self.forward(step)
+        logits, captured, positions, cache_slots = self.forward(step, out.drafting)
         result = self.finish(step, logits, captured, positions, cache_slots, masks,
-                             out.draft_limits)
+                             out.draft_limits, out.drafting)
         result.dropped_snapshots.extend(lost_snaps)
         result.cache_op_failures = failures
         return result
@@ -185,10 +185,11 @@ class ModelRunner:
             return None
         return self.structured.prepare(step.seqs, self.requests)
 
-    def forward(self, step: PreparedStep):
+    def forward(self, step: PreparedStep, drafting: bool = True):
         """The whole model over the step: (logits of the wanted rows, captured hidden
         states, positions [T], MLA cache slots [T] or None)."""
-        capture = self.proposer.capture_layers if self.proposer is not None else ()
+        capture = (self.proposer.capture_layers if self.proposer is not None and drafting
+                   else ())
         seqs, fused, fb = step.seqs, step.fused, step.fb
         verifying = fused is not None and any(s.num_draft_tokens for s in seqs)
         parts = (fused_decode.split_parts(self._threads, len(seqs), capture, fused)
@@ -211,7 +212,7 @@ class ModelRunner:
             if verifying:
                 logits = logits[step.wanted]
             cache_slots = None
-            if self.proposer is not None:       # where the draft's context pages go
+            if capture:                         # where the draft's context pages go
                 bs = self.cache.block_size
                 cache_slots = (table.gather(1, (positions // bs)[:, None])[:, 0] * bs
                                + positions % bs)
@@ -224,7 +225,8 @@ class ModelRunner:
 
     def finish(self, step: PreparedStep, logits: torch.Tensor, captured: list[torch.Tensor],
                positions: torch.Tensor, cache_slots: torch.Tensor | None, masks,
-               draft_limits: dict[str, int] | None) -> ModelRunnerOutput:
+               draft_limits: dict[str, int] | None, drafting: bool = True
+               ) -> ModelRunnerOutput:
         """Sample (verify drafts), settle speculation in the cache, propose the next drafts."""
         requests, seqs = self.requests, step.seqs
         prompt_lps = (score(logits[step.n_sample:], step.prompt_rows) if step.prompt_rows
@@ -236,7 +238,9 @@ class ModelRunner:
             self.structured.advance(sampled)
         valid, dropped = self.settle(step, sampled)
         drafts: dict[str, list[int]] = {}
-        if self.proposer is not None and sampled:
+        if self.proposer is not None and not drafting:     # the drafter sleeps
+            self.proposer.missed(step.seqs)
+        elif self.proposer is not None and sampled:
             hidden = torch.cat(captured, -1) if captured else None
             rows = {rid: self._sampling_row(requests[rid]) for rid in sampled}
             props = self.proposer.propose(ProposalInput(

@@ -147,7 +147,7 @@ class Scheduler:
                       for req, _ in scheduled}
         return SchedulerOutput(sequences=seqs, preempted=preempted, finished=finished,
                                snapshot_requests=snaps, cache_ops=self.cache.take_ops(),
-                               draft_limits=limits)
+                               draft_limits=limits, drafting=self._drafting())
 
     def _allocate_or_preempt(self, req: Request, n: int, scheduled: list[tuple[Request, int]],
                              preempted: list[str], drafts: dict[str, int]) -> tuple[bool, int]:
@@ -226,6 +226,8 @@ class Scheduler:
             counts[req.group] += 1
             scheduled.append((req, n))
             budget -= n
+            if self.spec_policy is not None:
+                self.spec_policy.admitted(len(self.running))
 
     def _num_drafts(self, req: Request, budget: int) -> int:
         """How many of the request's drafts to verify: never past max_tokens or max_model_len
@@ -296,7 +298,11 @@ class Scheduler:
         seq = self._to_sequence(req, n, snaps)
         finished, self._finished_since_step = self._finished_since_step, []
         return SchedulerOutput(sequences=[seq], preempted=[], finished=finished,
-                               snapshot_requests=snaps, cache_ops=self.cache.take_ops())
+                               snapshot_requests=snaps, cache_ops=self.cache.take_ops(),
+                               drafting=self._drafting())
+
+    def _drafting(self) -> bool:
+        return self.spec_policy is None or not self.spec_policy.dormant
 
     def _preempt(self, req: Request) -> None:
         self.cache.free(req.request_id)

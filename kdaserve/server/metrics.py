@@ -91,6 +91,11 @@ _SPEC_METRICS = (
      "Requests the last step gave at least one draft.", False),
     ("kdaserve:spec_decode_enabled", "enabled",
      "1 when the last step speculated, 0 when adaptive speculation turned it off.", False),
+    ("kdaserve:spec_decode_drafter_dormant", "dormant",
+     "1 while the drafter sleeps (no hidden-state capture, no proposals) because no request "
+     "earned a draft for a while; it wakes with a later admission.", False),
+    ("kdaserve:spec_decode_drafter_sleeps", "sleeps",
+     "Times the drafter fell asleep.", True),
     ("kdaserve:spec_decode_acceptance_estimate", "mean_acceptance_estimate",
      "Mean per-request draft acceptance the policy estimates (running requests).", False),
 )

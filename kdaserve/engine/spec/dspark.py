@@ -38,6 +38,10 @@ class DSparkProposer:
         # request drafts (adaptive speculation off) pay a copy instead of a draft projection.
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._pending_rows = 0
+        # blocks whose pages miss context: written by a step that ran while the drafter slept
+        # (adaptive speculation). A block is whole again once a step that captures writes it
+        # from its first slot; a request drafts only if no block of its context is stale.
+        self._stale: set[int] = set()
 
     @classmethod
     def from_config(cls, spec: SpeculativeConfig, config: EngineConfig,
@@ -68,6 +72,9 @@ class DSparkProposer:
         # 2. one block per request that sampled: its newest token, then mask positions
         drafting = [(b, s) for b, s in enumerate(seqs) if s.request_id in inp.new_tokens
                     and inp.limit(s.request_id, self.num_tokens) > 0]
+        if self._stale:
+            self._refresh(seqs, inp.num_valid)
+            drafting = [(b, s) for b, s in drafting if self._whole(s, inp.num_valid[b])]
         if not drafting:
             if self._pending_rows >= self.MAX_PENDING:
                 self._ingest()
@@ -105,6 +112,24 @@ class DSparkProposer:
         props = self._pick(logits, first_tok, hist, [s.request_id for _, s in drafting])
         return {rid: Proposal(p.tokens[:n], None if p.probs is None else p.probs[:n])
                 for (rid, p), n in zip(props.items(), limits)}
+
+    def missed(self, seqs) -> None:
+        bs = self.block_size
+        for s in seqs:
+            lo, hi = s.context_len, s.context_len + len(s.token_ids)
+            self._stale.update(s.block_ids[lo // bs:(hi - 1) // bs + 1])
+
+    def _refresh(self, seqs, num_valid: list[int]) -> None:
+        """Blocks this (capturing) step wrote from their first slot are whole again."""
+        bs = self.block_size
+        for s, m in zip(seqs, num_valid):
+            lo = s.context_len
+            for i in range(-(-lo // bs), (lo + m - 1) // bs + 1):
+                self._stale.discard(s.block_ids[i])
+
+    def _whole(self, s, valid: int) -> bool:
+        n = -(-(s.context_len + valid) // self.block_size)
+        return self._stale.isdisjoint(s.block_ids[:n])
 
     def _ingest(self) -> None:
         """Writes the pending context into the draft's pages, oldest first, so a slot ends up

@@ -41,6 +41,9 @@ class Proposer(Protocol):
 
     def propose(self, inp: ProposalInput) -> dict[str, Proposal]: ...
 
+    def missed(self, seqs: list[ScheduledSequence]) -> None:
+        """A step ran without capture (the drafter sleeps): what it wrote is not context."""
+
 
 class NgramDrafts:
     """The n-gram proposer behind the Proposer interface."""
@@ -52,6 +55,9 @@ class NgramDrafts:
 
         self.num_tokens = num_tokens
         self.lookup = NgramProposer(num_tokens, ngram_min, ngram_max)
+
+    def missed(self, seqs: list[ScheduledSequence]) -> None:
+        """Nothing to keep: the n-gram lookup reads the token ids, which are all there."""
 
     def propose(self, inp: ProposalInput) -> dict[str, Proposal]:
         out = {}
