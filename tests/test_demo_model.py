@@ -1,16 +1,17 @@
-"""The bundled demo model: loads through kdaserve and transformers with the same greedy tokens."""
+"""The bundled Kimi Linear demo: loads through kdaserve and transformers with the same greedy
+tokens. (The K3 demo that `kdaserve serve` serves: tests/test_k3_demo_model.py.)"""
 
 from __future__ import annotations
 
 import torch
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.assets import default_model_path
+from kdaserve.assets import kimi_linear_demo_path
 from kdaserve.config import ModelConfig
 
 
 def test_bundled_model_is_a_small_hybrid_moe():
-    path = default_model_path()
+    path = kimi_linear_demo_path()
     cfg = ModelConfig.from_pretrained(path)
     assert len(cfg.kda_layers) == 3 * len(cfg.mla_layers)
     assert cfg.num_experts == 32 and cfg.num_experts_per_token == 4
@@ -24,8 +25,8 @@ def test_bundled_model_is_a_small_hybrid_moe():
 def test_greedy_matches_transformers():
     from transformers import KimiLinearForCausalLM
 
-    path = default_model_path()
-    llm = LLM()
+    path = kimi_linear_demo_path()
+    llm = LLM(str(path))
     prompt = "ROMEO:\nBut soft, what light"
     ids = llm.tokenizer.encode(prompt)
     ours = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),

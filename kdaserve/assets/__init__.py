@@ -1,25 +1,30 @@
-"""The bundled models: the text demo model, and the small vision demo (the synthetic shapes
-task of kdaserve/train/shapes.py); each a directory with config.json, model.safetensors and
-tokenizer files."""
+"""The bundled models, each a directory with config.json, model.safetensors, tokenizer files and
+a DSpark draft in `draft/`:
+- `demo/`: what `kdaserve serve` serves by default, a tiny Kimi K3 (attention residuals, SiTU,
+  latent MoE, gated KDA/MLA) with its MoonViT tower, trained on Shakespeare and on the synthetic
+  shapes task (kdaserve/train/k3_demo.py; docs/demo-model.md);
+- `kimi-linear-demo/`: the text-only Kimi Linear demo, the checkpoint llama.cpp's converter and
+  transformers' KimiLinear take (bench compare, the transformers reference tests)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo"
-VISION_DEMO_DIR = Path(__file__).parent / "vision-demo"
+KIMI_LINEAR_DEMO_DIR = Path(__file__).parent / "kimi-linear-demo"
+
+
+def _bundled(path: Path, what: str) -> Path:
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the bundled {what} is missing at {path}; pass --model PATH")
+    return path
 
 
 def default_model_path() -> Path:
-    if not (DEMO_MODEL_DIR / "config.json").is_file():
-        raise FileNotFoundError(
-            f"the bundled demo model is missing at {DEMO_MODEL_DIR}; pass --model PATH"
-        )
-    return DEMO_MODEL_DIR
+    """The demo `kdaserve serve` serves: a tiny Kimi K3 that reads images too."""
+    return _bundled(DEMO_MODEL_DIR, "demo model")
 
 
-def default_vision_model_path() -> Path:
-    """The vision demo: `kdaserve serve --model <this>` names the colour and shape in an image."""
-    if not (VISION_DEMO_DIR / "config.json").is_file():
-        raise FileNotFoundError(f"the bundled vision demo model is missing at {VISION_DEMO_DIR}")
-    return VISION_DEMO_DIR
+def kimi_linear_demo_path() -> Path:
+    """The Kimi Linear demo (text only): the checkpoint both engines of bench compare run."""
+    return _bundled(KIMI_LINEAR_DEMO_DIR, "Kimi Linear demo model")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kdaserve.assets import default_model_path
+from kdaserve.assets import kimi_linear_demo_path
 from kdaserve.engine.llm import LLM
 from kdaserve.request import SamplingParams
 
@@ -129,7 +129,7 @@ def _agreement(a: list[int], b: list[int]) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: bundled demo)")
+    p.add_argument("--model", default=None, help="model directory (default: the bundled Kimi Linear demo, which llama.cpp converts)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--peers-dir", default=str(DEFAULT_PEERS),
                    help="where the llama.cpp virtualenv and GGUF files live")
@@ -151,7 +151,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = args.model or str(default_model_path())
+    model = args.model or str(kimi_linear_demo_path())
     peers = Path(args.peers_dir)
     if args.setup_peers:
         setup_peers(peers, model, args.dtype)

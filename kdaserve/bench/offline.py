@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from kdaserve.assets import default_model_path
+from kdaserve.assets import kimi_linear_demo_path
 from kdaserve.engine.llm import LLM
 from kdaserve.request import SamplingParams
 
@@ -62,7 +62,8 @@ def run_hf(hf, prompts: list[list[int]], out_len: int, batch: int) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: bundled demo)")
+    p.add_argument("--model", default=None,
+                   help="model directory (default: the Kimi Linear demo, which transformers runs)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -78,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
-    model = str(args.model or default_model_path())
+    model = str(args.model or kimi_linear_demo_path())
     # no prefix caching: repeated runs (and the single stream, which reuses a batch prompt)
     # must compute their prompts as transformers does
     llm = LLM(model, max_num_seqs=args.max_num_seqs,

@@ -191,7 +191,7 @@ def test_killed_stage_ends_engine_with_error(kimi_linear):
 def test_pp2_grammar_greedy_and_seeded_match_one_process():
     """The last stage samples: grammar masks, drafts checked against the grammar, and seeded
     per-request generators give one process's tokens."""
-    from kdaserve.assets import DEMO_MODEL_DIR
+    from kdaserve.assets import KIMI_LINEAR_DEMO_DIR
     from kdaserve.structured.spec import GuidedDecoding
 
     schema = {"type": "object", "properties": {
@@ -201,7 +201,7 @@ def test_pp2_grammar_greedy_and_seeded_match_one_process():
     guided = GuidedDecoding("json", json.dumps(schema))
     got = []
     for layout in ({}, {"pipeline_parallel_size": 2}):
-        llm = LLM(str(DEMO_MODEL_DIR), max_model_len=512, cache_memory=64 << 20, num_threads=1,
+        llm = LLM(str(KIMI_LINEAR_DEMO_DIR), max_model_len=512, cache_memory=64 << 20, num_threads=1,
                   speculative_method="ngram", num_speculative_tokens=4,
                   speculative_adaptive=False, **layout)
         try:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.assets import default_model_path
+from kdaserve.assets import kimi_linear_demo_path
 from kdaserve.config import ModelConfig
 from kdaserve.model.dspark import DraftConfig, DSparkDraft
 
@@ -84,7 +84,7 @@ def test_seeded_sampling_runs_with_draft(hf_checkpoint, prompts, tmp_path):
 
 
 def test_bundled_draft_identical_and_accepts():
-    demo = default_model_path()
+    demo = kimi_linear_demo_path()
     if not (demo / "draft" / "config.json").is_file():
         pytest.skip("the bundled draft is not built")
     llm_base = LLM(str(demo))
@@ -102,10 +102,10 @@ def test_extract_and_train_draft_smoke(tmp_path):
 
     text = tmp_path / "corpus.txt"
     text.write_text("ROMEO:\nBut soft, what light through yonder window breaks?\n" * 20)
-    meta = extract_hidden(str(default_model_path()), str(text), str(tmp_path / "hid"),
+    meta = extract_hidden(str(kimi_linear_demo_path()), str(text), str(tmp_path / "hid"),
                           prompt_len=8, generate=16, max_seqs=6, batch=4)
     assert meta["num_sequences"] == 6 and meta["sequence_length"] == 24
-    report = train_draft(str(default_model_path()), str(tmp_path / "hid"), str(tmp_path / "d"),
+    report = train_draft(str(kimi_linear_demo_path()), str(tmp_path / "hid"), str(tmp_path / "d"),
                          steps=3, batch=2, anchors=2, block=4)
     assert json.loads((tmp_path / "d" / "config.json").read_text())["block_size"] == 4
     assert 0.0 <= report["heldout_acceptance_rate"] <= 1.0

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.assets import default_model_path
+from kdaserve.assets import kimi_linear_demo_path
 from kdaserve.engine.spec.ngram import NgramProposer
 from kdaserve.engine.spec.proposer import NgramDrafts, ProposalInput
 from kdaserve.request import Request
@@ -90,7 +90,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def demo():
-    path = default_model_path()
+    path = kimi_linear_demo_path()
     if not (path / "model.safetensors").is_file():
         pytest.skip("the bundled demo model is missing")
     return str(path)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.assets import DEMO_MODEL_DIR
+from kdaserve.assets import KIMI_LINEAR_DEMO_DIR
 from kdaserve.structured.spec import GuidedDecoding
 
 SCHEMA = {"type": "object", "properties": {
@@ -30,13 +30,13 @@ def generate(llm: LLM, guided: GuidedDecoding | None, temperature: float = 0.0,
 
 @pytest.fixture(scope="module")
 def plain():
-    return LLM(str(DEMO_MODEL_DIR), max_model_len=512, cache_memory=64 << 20)
+    return LLM(str(KIMI_LINEAR_DEMO_DIR), max_model_len=512, cache_memory=64 << 20)
 
 
 @pytest.mark.parametrize("method,model", [
-    ("ngram", None), ("dspark", str(DEMO_MODEL_DIR / "draft"))])
+    ("ngram", None), ("dspark", str(KIMI_LINEAR_DEMO_DIR / "draft"))])
 def test_speculation_with_grammar_gives_the_same_tokens(plain, method, model):
-    spec = LLM(str(DEMO_MODEL_DIR), max_model_len=512, cache_memory=64 << 20,
+    spec = LLM(str(KIMI_LINEAR_DEMO_DIR), max_model_len=512, cache_memory=64 << 20,
                speculative_method=method, num_speculative_tokens=4, speculative_model=model,
                speculative_adaptive=False)
     g = GuidedDecoding("json", json.dumps(SCHEMA))

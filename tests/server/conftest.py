@@ -22,10 +22,10 @@ def server(tiny_model_dir, tmp_path_factory):
 def demo_server(tmp_path_factory):
     """The bundled demo model with K3's tool-call and reasoning parsers (structured outputs and
     tool tests)."""
-    from kdaserve.assets import DEMO_MODEL_DIR
+    from kdaserve.assets import KIMI_LINEAR_DEMO_DIR
 
     log = tmp_path_factory.mktemp("logs") / "demo.log"
-    srv = start_server(DEMO_MODEL_DIR, log, *MAIN_SERVER_ARGS, "--torch-threads", "1",
+    srv = start_server(KIMI_LINEAR_DEMO_DIR, log, *MAIN_SERVER_ARGS, "--torch-threads", "1",
                        "--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k3")
     yield srv
     srv.stop()

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.assets import DEMO_MODEL_DIR
+from kdaserve.assets import KIMI_LINEAR_DEMO_DIR
 from server_harness import start_server
 
 PROMPTS = ["The king and the queen", "Once upon a time", "Speak, for I"]
@@ -51,7 +51,7 @@ def _session(sid: int) -> list[int]:
 
 
 def _offline() -> list[tuple[str, list[int]]]:
-    llm = LLM(str(DEMO_MODEL_DIR), num_threads=1, cache_memory=64 << 20, max_model_len=512)
+    llm = LLM(str(KIMI_LINEAR_DEMO_DIR), num_threads=1, cache_memory=64 << 20, max_model_len=512)
     outs = llm.generate(PROMPTS, SamplingParams(**SAMPLING), use_tqdm=False)
     return [(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in outs]
 
@@ -63,7 +63,7 @@ def _offline() -> list[tuple[str, list[int]]]:
 ], ids=["tp2", "dp2-ep2", "pp2"])
 def test_parallel_server_matches_offline(tmp_path, layout):
     offline = _offline()
-    srv = start_server(DEMO_MODEL_DIR, tmp_path / "server.log", "--torch-threads", "1",
+    srv = start_server(KIMI_LINEAR_DEMO_DIR, tmp_path / "server.log", "--torch-threads", "1",
                        *layout, "--cache-memory", "64MiB", "--max-model-len", "512",
                        "--log-level", "info")
     try:

@@ -12,7 +12,7 @@ import pytest
 from server_harness import start_server, wait_idle
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.assets import default_model_path
+from kdaserve.assets import kimi_linear_demo_path
 
 PROMPTS = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo!", "HAMLET:\nTo be, or not to be", "KING:\n"]
 MAX_TOKENS = 24
@@ -20,7 +20,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
-    llm = LLM(str(default_model_path()), enable_prefix_caching=False)
+    llm = LLM(str(kimi_linear_demo_path()), enable_prefix_caching=False)
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
 
@@ -44,7 +44,7 @@ def _complete_all(base_url: str) -> list[list[int]]:
 @pytest.mark.parametrize(("method", "adaptive"),
                          [("ngram", False), ("dspark", False), ("dspark", True)])
 def test_speculative_server_is_identical(method, adaptive, reference, tmp_path):
-    srv = start_server(default_model_path(), tmp_path / "spec.log", "--cache-memory", "64MiB",
+    srv = start_server(kimi_linear_demo_path(), tmp_path / "spec.log", "--cache-memory", "64MiB",
                        "--speculative-method", method, "--speculative-tokens", "4",
                        "--speculative-adaptive" if adaptive else "--no-speculative-adaptive")
     try:
