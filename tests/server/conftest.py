@@ -26,6 +26,7 @@ def demo_server(tmp_path_factory):
 
     log = tmp_path_factory.mktemp("logs") / "demo.log"
     srv = start_server(KIMI_LINEAR_DEMO_DIR, log, *MAIN_SERVER_ARGS, "--torch-threads", "1",
+                       "--served-model-name", "kdaserve-demo",
                        "--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k3")
     yield srv
     srv.stop()

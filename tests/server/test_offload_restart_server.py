@@ -26,14 +26,16 @@ def _complete(base_url: str) -> list[int]:
 def test_restarted_server_hits_the_disk_tier(tmp_path):
     args = ("--cache-memory", "64MiB", "--offload", "disk", "--offload-dir",
             str(tmp_path / "tier"), "--offload-bytes", "256MiB", "--torch-threads", "1")
-    first = start_server(kimi_linear_demo_path(), tmp_path / "a.log", *args)
+    first = start_server(kimi_linear_demo_path(), tmp_path / "a.log", *args,
+                         "--served-model-name", "kdaserve-demo")
     try:
         before = _complete(first.base_url)
         wait_idle(first.url)
     finally:
         assert first.stop() == 0
     assert any((tmp_path / "tier").rglob("*")), "nothing was written to the disk tier"
-    second = start_server(kimi_linear_demo_path(), tmp_path / "b.log", *args)
+    second = start_server(kimi_linear_demo_path(), tmp_path / "b.log", *args,
+                          "--served-model-name", "kdaserve-demo")
     try:
         after = _complete(second.base_url)
         m = wait_idle(second.url)

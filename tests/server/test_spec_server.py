@@ -45,6 +45,7 @@ def _complete_all(base_url: str) -> list[list[int]]:
                          [("ngram", False), ("dspark", False), ("dspark", True)])
 def test_speculative_server_is_identical(method, adaptive, reference, tmp_path):
     srv = start_server(kimi_linear_demo_path(), tmp_path / "spec.log", "--cache-memory", "64MiB",
+                       "--served-model-name", "kdaserve-demo",
                        "--speculative-method", method, "--speculative-tokens", "4",
                        "--speculative-adaptive" if adaptive else "--no-speculative-adaptive")
     try:
