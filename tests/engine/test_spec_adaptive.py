@@ -173,6 +173,9 @@ def test_the_drafter_sleeps_when_nothing_earns_a_draft_and_wakes_with_an_admissi
     assert not p.dormant                 # 20 steps: the admission wakes it
     for _ in range(8):
         p.plan({"r": 7, "new": 7}, 2)
+    assert not p.dormant                 # no evidence since the wake: it does not sleep
+    for _ in range(p.sleep_trials):
+        p.record("new", 7, 0)
     # the woken drafter may probe at once (a probe keeps it awake until verified), then sleeps
     for _ in range(8):
         p.plan({"r": 7, "new": 7}, 2)

@@ -20,14 +20,15 @@ Requests that stopped speculating are probed with a block of drafts now and then
 of text is noticed, but probes are paid from a budget: at most `probe_share` of the predicted
 step time, so that a draft that never pays costs at most that much.
 
-An idle drafter still costs: the target's hidden states are captured every step, projected into
-the draft's pages, and the proposer runs. So after `sleep_after` plans in a row in which no request
-earned a draft, the drafter sleeps (`dormant`): steps capture nothing and propose nothing, and
-the plan is all zeros. It wakes when a request is admitted after `wake_after` steps asleep (or at
-another batch-size bucket than the one it fell asleep at); that request's context is then
-captured from its start (a drafter cannot draft for a request whose context it missed: the
-proposer tracks which context it holds). Each wake that finds nothing worth drafting doubles the
-wait before the next. No tensors here.
+An idle drafter still costs: the target's hidden states are captured every step, projected
+into the draft's pages, and the proposer runs. So after `sleep_after` plans in a row in which
+no request earned a draft, and once at least `sleep_trials` blocks were verified since it woke
+(probes count: the evidence), the drafter sleeps (`dormant`): steps capture nothing and
+propose nothing, and the plan is all zeros. It wakes when a request is admitted after
+`wake_after` steps asleep (or at another batch-size bucket than the one it fell asleep at);
+that request's context is then captured from its start (a drafter cannot draft for a request
+whose context it missed: the proposer tracks which context it holds). Each wake that finds
+nothing worth drafting doubles the wait before the next. No tensors here.
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ class AdaptiveSpeculation:
     probe_share: float = 0.03      # of the predicted step time, at most, spent on probes
     sleep_after: int | None = 64   # plans in a row without an earned draft: sleep (None: never)
     wake_after: int = 256          # steps asleep before an admission wakes the drafter
+    sleep_trials: int = 2          # verified blocks since waking, at least, before a sleep
     max_wake_after: int = 1 << 14
     cost: StepCostModel = field(default_factory=StepCostModel)
     realized: RealizedRates = field(default_factory=RealizedRates)
@@ -185,10 +187,12 @@ class AdaptiveSpeculation:
         self._sleep_bucket = 0
         self._wait = self.wake_after
         self._earned_since_wake = True    # the first sleep waits wake_after
+        self._trials_since_wake = 0       # verified blocks: the evidence a sleep rests on
 
     def record(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verification: `accepted` of `drafted` drafts stood (a prefix of them)."""
         a = self.alpha.get(request_id, self.shared_alpha)
+        self._trials_since_wake += drafted > 0
         trials = accepted + (1 if accepted < drafted else 0)
         for i in range(trials):
             hit = 1.0 if i < accepted else 0.0
@@ -259,9 +263,12 @@ class AdaptiveSpeculation:
             self._streak, self._earned_since_wake = 0, True
             return
         self._streak += 1
+        # asleep only on evidence: a few verified blocks (probes count) since waking, else a
+        # drafter whose first trials have not come yet would never get them
         if self.sleep_after is not None and self._streak >= self.sleep_after \
-                and not self._probing:
+                and not self._probing and self._trials_since_wake >= self.sleep_trials:
             self.dormant, self._asleep, self._streak = True, 0, 0
+            self._trials_since_wake = 0
             self._sleep_bucket = max(1, rows).bit_length()
             self.sleeps += 1
             # a wake that found nothing: wait longer before the next
