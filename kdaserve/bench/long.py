@@ -32,8 +32,30 @@ CONTEXTS = (1024, 16384, 131072, 1048576)
 MLA_CONTEXTS = (1024, 16384, 131072)
 
 
-def bench_config(max_len: int = 1 << 20) -> dict:
-    """The default bench model's config.json: 4 layers, KDA ×3 then MLA, one MLA head."""
+SHAPES = ("toy", "proportional")
+
+
+def bench_config(max_len: int = 1 << 20, shape: str = "toy") -> dict:
+    """A bench model's config.json: 4 layers, KDA ×3 then MLA.
+
+    toy: ~1 MB of weights, one MLA head: the 1M-token prefill ends in tens of minutes, but its
+    128k cache (25 MiB) is 25x its weights, so its decode step at 128k is almost only the
+    latent read. proportional: the same layer pattern with the released Kimi Linear's
+    proportion of cached latent bytes at 128k to weight bytes read per token (1 GiB of
+    latents at 128k against 6 GB of active bf16 weights, 0.18; here 40 MiB against 226 MB of
+    fp32 weights, 0.18), so TPOT(128k)/TPOT(1k) says what a user of the released model meets.
+    """
+    if shape == "proportional":
+        cfg = bench_config(max_len)
+        cfg.update({
+            "hidden_size": 512, "intermediate_size": 8192, "first_k_dense_replace": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 64,
+            "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+        })
+        cfg["linear_attn_config"] = dict(cfg["linear_attn_config"], num_heads=4, head_dim=128)
+        return cfg
+    if shape != "toy":
+        raise ValueError(f"unknown bench shape {shape!r}; one of {SHAPES}")
     return {
         "model_type": "kimi_linear", "vocab_size": 1024, "hidden_size": 128,
         "intermediate_size": 256, "num_hidden_layers": 4, "rms_norm_eps": 1e-5,
@@ -47,7 +69,8 @@ def bench_config(max_len: int = 1 << 20) -> dict:
     }
 
 
-def make_model_dir(out: Path, base: str | None, all_mla: bool, seed: int = 0) -> Path:
+def make_model_dir(out: Path, base: str | None, all_mla: bool, seed: int = 0,
+                   shape: str = "toy") -> Path:
     """A checkpoint to measure: `base` as is, or (no base) the bench config with random
     weights; all_mla: the same architecture with every layer MLA, random weights."""
     if base is not None and not all_mla:
@@ -56,7 +79,7 @@ def make_model_dir(out: Path, base: str | None, all_mla: bool, seed: int = 0) ->
     from kdaserve.model.random_init import init_random
     from kdaserve.model.registry import build_model, load_config
 
-    cfg = load_config(base if base is not None else bench_config())
+    cfg = load_config(base if base is not None else bench_config(shape=shape))
     if all_mla:
         cfg = replace(cfg, kda_layers=(), mla_layers=tuple(range(cfg.num_hidden_layers)))
     model = init_random(build_model(cfg), seed=seed).eval()
@@ -154,8 +177,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def summarize(hybrid: list[dict], all_mla: list[dict]) -> dict:
     """The issue's keys from the per-context runs."""
-    by = {r["context"]: r for r in hybrid}
-    mla_by = {r["context"]: r for r in all_mla}
+    by = {r["context"]: r for r in hybrid if r.get("completed")}
+    mla_by = {r["context"]: r for r in all_mla if r.get("completed")}
     both = sorted(set(by) & set(mla_by))
     longest = both[-1] if both else None
     one_m = by.get(1 << 20, {})
@@ -209,6 +232,10 @@ def plot(result: dict, path: str) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="model directory (default: a tiny random hybrid for 1M positions)")
+    p.add_argument("--shape", choices=SHAPES, default="toy",
+                   help="the random bench model without --model: toy (about 1 MB of weights, "
+                        "fastest to 1M) or proportional (the released Kimi Linear's ratio of "
+                        "latent bytes at 128k to weight bytes per token) (default: %(default)s)")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
                    help="prompt lengths of the hybrid model (default: %(default)s)")
     p.add_argument("--mla-contexts", default=",".join(map(str, MLA_CONTEXTS)),
@@ -242,13 +269,14 @@ def run(args: argparse.Namespace) -> int:
             plot(result, args.plot)
         return 0
     with tempfile.TemporaryDirectory(prefix="kdaserve-bench-long-") as tmp:
-        hybrid_dir = make_model_dir(Path(tmp), args.model, all_mla=False)
+        hybrid_dir = make_model_dir(Path(tmp), args.model, all_mla=False, shape=args.shape)
         hybrid = [_run_child(hybrid_dir, c, args) for c in _lengths(args.contexts)]
         all_mla = []
         if _lengths(args.mla_contexts):
-            mla_dir = make_model_dir(Path(tmp), args.model, all_mla=True)
+            mla_dir = make_model_dir(Path(tmp), args.model, all_mla=True, shape=args.shape)
             all_mla = [_run_child(mla_dir, c, args) for c in _lengths(args.mla_contexts)]
-    result = {"model": args.model or "bench tiny hybrid (kdaserve.bench.long.bench_config)",
+    result = {"model": args.model or f"bench {args.shape} hybrid (kdaserve.bench.long."
+                                      f"bench_config)",
               "threads": args.threads or None,
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "decode_tokens": args.decode_tokens, **summarize(hybrid, all_mla),

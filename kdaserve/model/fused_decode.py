@@ -2,9 +2,11 @@
 per token mixer and per feed-forward (ops/csrc/decode_cpu.c), instead of ~40 torch ops and
 their Python per layer.
 
-It serves the common case only: Kimi Linear layers on CPU (KDA with either gate, MLA with
-q_proj and no rope or output gate, SiLU dense MLP or sigmoid-routed MoE with plain top-k and
-unquantized, non-latent experts) and rows that each carry one token with context. Weights
+It serves Kimi Linear and Kimi K3 layers on CPU (KDA with either gate, MLA without rope, with
+q_proj or a query LoRA and K3's optional output gate, SiLU or SiTU dense MLP, sigmoid-routed
+MoE with plain top-k and unquantized experts, latent or not; K3's block attention-residuals
+mixed by one compiled call before each sublayer) and rows that each carry one token with
+context. Weights
 and cache are fp32, or bf16 (--dtype bfloat16: read as the model keeps them, activations and
 sums in fp32, so closer to the fp32 model than the torch bf16 forward, which rounds every
 op's output; on the bundled model's test prompts it decodes the fp32 greedy tokens, the torch
@@ -39,7 +41,7 @@ from kdaserve.model.kda import KimiDeltaAttention
 from kdaserve.model.layers import MLP
 from kdaserve.model.mla import MultiHeadLatentAttention
 from kdaserve.model.moe import SparseMoE
-from kdaserve.ops.cpu_kernels import decode_block_kernels, thread_pool
+from kdaserve.ops.cpu_kernels import activation_args, decode_block_kernels, thread_pool
 
 _I, _F = ctypes.c_int64, ctypes.c_float
 
@@ -76,6 +78,7 @@ class FusedDecoder:
             fixed = max(fixed, mixer[2][1], ffn[2][1])
             self.layers.append((mixer, ffn))
         self.head = self._head()
+        self.res = self._attn_res(model)
         self._scratch_size = (per_row, fixed + 1024)
         self._scratch: dict[int, torch.Tensor] = {}      # by part (row split), grown as needed
 
@@ -123,40 +126,75 @@ class FusedDecoder:
             return ("kda", static, (2 * hd + P + 6 * H * D, 3 * D + 4 * max(hd, H * D, D)))
         H, N, R = attn.num_heads, attn.nope, attn.rope
         Dc, Vd = attn.kv_lora_rank, attn.v_dim
+        if hasattr(attn, "q_proj"):
+            q_lora, Qr = (_NULL, _NULL, _F(0.0)), 0
+            w_q = attn.q_proj.weight
+        else:
+            qn = attn.q_a_layernorm
+            q_lora, Qr = (self._w(attn.q_a_proj.weight), self._t(qn.weight), _F(qn.eps)), \
+                attn.q_a_proj.weight.shape[0]
+            w_q = attn.q_b_proj.weight
+        gate = self._w(attn.g_proj.weight) if hasattr(attn, "g_proj") else _NULL
         static = dict(
             head=(_I(hd), _I(H), _I(N), _I(R), _I(Dc), _I(Vd)),
-            weights=(self._t(norm.weight), _F(norm.eps), self._w(attn.q_proj.weight),
+            weights=(self._t(norm.weight), _F(norm.eps), *q_lora, _I(Qr), self._w(w_q),
                      self._w(attn.kv_a_proj_with_mqa.weight),
                      self._t(attn.kv_a_layernorm.weight), _F(attn.kv_a_layernorm.eps),
                      self._w(attn.kv_b_proj.weight)),
-            tail=(self._w(attn.o_proj.weight), _F(attn.scale)),
+            tail=(gate, self._w(attn.o_proj.weight), _F(attn.scale)),
             index=attn.mla_index)
-        return ("mla", static, (2 * hd + H * (N + R) + Dc + R + H * Vd,
+        return ("mla", static, (2 * hd + H * (N + R) + Dc + R + 2 * H * Vd + Qr,
                                 H * Dc + Dc + R + 4 * max(hd, H * Vd)))
 
     def _ffn(self, layer: DecoderLayer) -> tuple:
         ffn, norm = layer.ffn, layer.post_attention_layernorm
         hd = self.hidden
+        act = tuple(f(v) for f, v in zip((_I, _F, _F), activation_args(ffn.act)))
         if isinstance(ffn, MLP):
             i = ffn.gate_proj.weight.shape[0]
             args = (_I(hd), _I(i), None, self._t(norm.weight), _F(norm.eps),
                     self._w(ffn.gate_proj.weight), self._w(ffn.up_proj.weight),
-                    self._w(ffn.down_proj.weight))
+                    self._w(ffn.down_proj.weight), *act)
             return ("mlp", args, (3 * hd + 2 * i, 4 * max(hd, i)))
         sh = ffn.shared_experts
         i_s = sh.gate_proj.weight.shape[0] if sh is not None else 0
-        E, inter = ffn.num_experts, ffn.intermediate
+        E, inter, Wd = ffn.num_experts, ffn.intermediate, ffn.width
         r = ffn.gate
+        if ffn.is_latent:
+            ln = ffn.routed_expert_norm
+            latent = (self._w(ffn.routed_expert_down_proj.weight),
+                      self._t(ln.weight) if ln is not None else _NULL,
+                      _F(ln.eps if ln is not None else 0.0),
+                      self._w(ffn.routed_expert_up_proj.weight))
+        else:
+            latent = (_NULL, _NULL, _F(0.0), _NULL)
         args = (_I(hd), _I(E), _I(inter), _I(r.top_k), None, self._t(norm.weight), _F(norm.eps),
                 self._t(r.weight), self._t(r.e_score_correction_bias), _I(r.renormalize),
                 _F(r.scaling), *self._experts(ffn),
-                self._w(sh.gate_proj.weight) if sh is not None else ctypes.c_void_p(None),
-                self._w(sh.up_proj.weight) if sh is not None else ctypes.c_void_p(None),
-                self._w(sh.down_proj.weight) if sh is not None else ctypes.c_void_p(None),
-                _I(i_s))
+                self._w(sh.gate_proj.weight) if sh is not None else _NULL,
+                self._w(sh.up_proj.weight) if sh is not None else _NULL,
+                self._w(sh.down_proj.weight) if sh is not None else _NULL,
+                _I(i_s), *act, _I(Wd), *latent)
         K = r.top_k
-        return ("moe", args, (3 * hd + E + 2 * K + K * (2 * hd + 3 * inter) + 2 * i_s,
+        return ("moe", args, (3 * hd + E + 2 * K + 2 * Wd + K * (Wd + 3 * inter) + 2 * i_s,
                               E + 4 * max(hd, 2 * inter, i_s)))
+
+    def _attn_res(self, model: HybridForCausalLM) -> dict | None:
+        """K3's block attention-residuals: per layer the folded mix vectors before the mixer
+        and the feed-forward (norm weight * proj weight, model/attn_res.py) and whether the
+        layer starts a block; the output mix's vector; the bank's size."""
+        new_bank = getattr(model, "new_bank", None)
+        if new_bank is None or new_bank() is None:
+            return None
+        fold = (lambda norm, proj: self._t(norm.weight.detach().float()
+                                          * proj.weight.detach().float().view(-1)))
+        layers = [(fold(ly.self_attention_res_norm, ly.self_attention_res_proj),
+                   fold(ly.mlp_res_norm, ly.mlp_res_proj), ly.is_block_start)
+                  for ly in model.model.layers]
+        m = model.model
+        return dict(layers=layers, out=fold(m.output_attn_res_norm, m.output_attn_res_proj),
+                    eps=_F(model.config.rms_norm_eps),
+                    sources=sum(start for _, _, start in layers))
 
     def _head(self) -> tuple:
         m = self.model
@@ -202,15 +240,19 @@ class FusedDecoder:
         block_table = block_table.contiguous()
         logits = torch.empty(x.shape[0], self.head[1].value, dtype=torch.float32)
         B = x.shape[0]
+        # K3: x is the in-block running sum P; mix [B, Hd] each sublayer's mixed input, bank
+        # [B, sources, Hd] the finished block sums (model/attn_res.py)
+        res = (torch.empty_like(x), torch.empty(B, max(1, self.res["sources"]), self.hidden))\
+            if self.res is not None else None
         if parts <= 1 or capture or kept is not None:
-            self._rows(0, 0, B, x, positions, slots, block_table, cache, logits, capture,
+            self._rows(0, 0, B, x, positions, slots, block_table, cache, logits, res, capture,
                        captured, kept)
         else:
             # decode rows are independent through the whole stack (each its own state slot
             # and pages): each thread runs every layer for its share (the calls drop the GIL)
             bounds = [B * i // parts for i in range(parts + 1)]
             futures = [thread_pool(parts).submit(self._rows, i, bounds[i], bounds[i + 1], x,
-                                           positions, slots, block_table, cache, logits)
+                                           positions, slots, block_table, cache, logits, res)
                        for i in range(parts)]
             for f in futures:
                 f.result()
@@ -223,10 +265,12 @@ class FusedDecoder:
                 scv.index_copy_(0, dest, cv[src].to(scv.dtype))
         return logits
 
+    @torch.inference_mode()      # also on the pool's threads (the mode is per thread)
     def _rows(self, part: int, lo: int, hi: int, x: torch.Tensor, positions: torch.Tensor,
               slots: torch.Tensor, block_table: torch.Tensor, cache: HybridCache,
-              logits: torch.Tensor, capture: tuple[int, ...] = (),
-              captured: list[torch.Tensor] | None = None, kept: Kept | None = None) -> None:
+              logits: torch.Tensor, res: tuple[torch.Tensor, torch.Tensor] | None = None,
+              capture: tuple[int, ...] = (), captured: list[torch.Tensor] | None = None,
+              kept: Kept | None = None) -> None:
         """Rows [lo, hi) through every layer and the head, with scratch `part`."""
         n = hi - lo
         per_row, fixed = self._scratch_size
@@ -240,24 +284,41 @@ class FusedDecoder:
         width = _I(block_table.shape[1])
         bs = _I(cache.block_size)
         k = self.k
+        hd = _I(self.hidden)
+        inp = xp                    # what each sublayer normalises: the stream, or K3's mix
+        if res is not None:
+            mix, bank = res[0][lo:hi], res[1][lo:hi]
+            inp, bank_p, stride = _p(mix), _p(bank), _I(bank.stride(0))
+            eps, banked = self.res["eps"], 0
         for li, ((kind, st, _), (fkind, fargs, _)) in enumerate(self.layers):
+            if res is not None:
+                w_attn, w_mlp, block_start = self.res["layers"][li]
+                k.mix(B, hd, _I(banked), bank_p, stride, xp, w_attn, eps, inp)
+                if block_start:     # P is banked after the mix and restarts from the mixer
+                    bank[:, banked].copy_(x[lo:hi])
+                    x[lo:hi].zero_()
+                    banked += 1
             if kind == "kda":
                 i = st["index"]
                 ks, kc = ((_p(kept.states[i][lo:hi]), _p(kept.conv[i][lo:hi]))
                           if kept is not None else (_NULL, _NULL))
-                k.kda(B, *st["head"], xp, *st["norm"], _p(cache.kda_conv[i]),
+                k.kda(B, *st["head"], xp, inp, *st["norm"], _p(cache.kda_conv[i]),
                       _p(cache.kda_states[i]), slots_p, *st["conv"], sp, ks, kc)
             else:
                 pages = cache.mla_pages[st["index"]]
-                k.mla(B, *st["head"], xp, *st["weights"], _p(pages), bs, bt_p, width, pos_p,
-                      *st["tail"], sp)
+                k.mla(B, *st["head"], xp, inp, *st["weights"], _p(pages), bs, bt_p, width,
+                      pos_p, *st["tail"], sp)
+            if res is not None:
+                k.mix(B, hd, _I(banked), bank_p, stride, xp, w_mlp, eps, inp)
             if fkind == "mlp":
-                k.mlp(B, *fargs[:2], xp, *fargs[3:], sp)
+                k.mlp(B, *fargs[:2], xp, inp, *fargs[3:], sp)
             else:
-                k.moe(B, *fargs[:4], xp, *fargs[5:], sp)
+                k.moe(B, *fargs[:4], xp, inp, *fargs[5:], sp)
             if li in capture and captured is not None:
                 captured.append(x.clone())
-        k.head(B, *self.head[:2], xp, *self.head[2:], _p(logits[lo:hi]), sp)
+        if res is not None:
+            k.mix(B, hd, _I(banked), bank_p, stride, xp, self.res["out"], eps, inp)
+        k.head(B, *self.head[:2], inp, *self.head[2:], _p(logits[lo:hi]), sp)
 
 
 def fused_decoder(model: HybridForCausalLM, cache: HybridCache) -> FusedDecoder | None:
@@ -272,8 +333,9 @@ def supports(model: HybridForCausalLM, cache: HybridCache) -> bool:
     cfg = model.config
     if getattr(model, "_rank_config", None) is not None:
         return False          # a parallel rank's share: its hooks all-reduce what fused skips
-    if type(model).final_hidden is not HybridForCausalLM.final_hidden:
-        return False          # K3's attention residuals mix the layer outputs differently
+    if type(model).final_hidden is not HybridForCausalLM.final_hidden and \
+            getattr(model, "new_bank", None) is None:
+        return False          # a residual scheme the blocks do not know
     dtype = model.dtype
     if dtype not in (torch.float32, torch.bfloat16) or \
             model.model.embed_tokens.weight.device.type != "cpu":
@@ -285,21 +347,18 @@ def supports(model: HybridForCausalLM, cache: HybridCache) -> bool:
             return False
         attn, ffn = layer.self_attn, layer.ffn
         if isinstance(attn, MultiHeadLatentAttention):
-            if (not hasattr(attn, "q_proj") or attn.use_rope or hasattr(attn, "g_proj")):
+            if attn.use_rope:
                 return False
         elif not isinstance(attn, KimiDeltaAttention):
             return False
-        if isinstance(ffn, MLP):
-            if ffn.act.code != 0:
-                return False
-        elif isinstance(ffn, SparseMoE):
-            r = ffn.gate
-            if (ffn.quantized or ffn.is_latent or ffn.act.code != 0 or r.groups > 1
-                    or r.activation != "sigmoid"
-                    or (ffn.shared_experts is not None and ffn.shared_experts.act.code != 0)):
-                return False
-        else:
+        if not isinstance(ffn, (MLP, SparseMoE)):
             return False
+        if isinstance(ffn, SparseMoE):
+            r = ffn.gate
+            if (ffn.quantized or r.groups > 1 or r.activation != "sigmoid"
+                    or (ffn.shared_experts is not None
+                        and ffn.shared_experts.act != ffn.act)):
+                return False
     return cfg.num_hidden_layers == len(model.model.layers)
 
 

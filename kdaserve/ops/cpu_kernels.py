@@ -225,7 +225,7 @@ def kda_prepare_kernel() -> KDAPrepare | None:
 MoEExperts = Callable[..., torch.Tensor]
 
 
-def _activation_args(act: GLUActivation | None) -> tuple[int, float, float]:
+def activation_args(act: GLUActivation | None) -> tuple[int, float, float]:
     """(selector, beta, linear_beta) of the MoE kernels' activation: SiLU for None;
     linear_beta <= 0 means no up clip."""
     if act is None or act.code == 0:
@@ -262,7 +262,7 @@ def moe_experts_kernel() -> MoEExperts | None:
         assert token.dtype == offsets.dtype == torch.int64 and offsets.numel() == E + 1
         assert w2t.shape == (E, I2 // 2, H) and x.shape[1] == H == out.shape[1]
         fn(0, x.shape[0], E, H, I2 // 2, _ptr(x), _ptr(token), _ptr(offsets), _ptr(slot_w),
-           _ptr(w13t), _ptr(w2t), _ptr(out), *_activation_args(act))
+           _ptr(w13t), _ptr(w2t), _ptr(out), *activation_args(act))
         return out
 
     return run
@@ -304,7 +304,7 @@ def moe_experts_mxfp4_kernel() -> MoEExperts | None:
         assert x.dim() == 2 and x.shape[1] == H == out.shape[1] and out.shape[0] == x.shape[0]
         assert slot_w.numel() == token.numel()
         fn(0, x.shape[0], E, H, I, _ptr(x), _ptr(token), _ptr(offsets), _ptr(slot_w),
-           *(_ptr(t) for t in weights), _ptr(out), *_activation_args(act))
+           *(_ptr(t) for t in weights), _ptr(out), *activation_args(act))
         return out
 
     return run
@@ -312,7 +312,8 @@ def moe_experts_mxfp4_kernel() -> MoEExperts | None:
 
 @cache
 def decode_block_kernels(weights: str = "f32"):
-    """The fused single-token decode blocks of csrc/decode_cpu.c (kda, mla, mlp, moe, head) for
+    """The fused single-token decode blocks of csrc/decode_cpu.c (kda, mla, mlp, moe, head, and
+    mix: K3's attention-residual mix) for
     fp32 ("f32") or bf16 ("bf16") weights and cache, or None. Called with ctypes objects built
     once per model (kdaserve.model.fused_decode), so no argument types are declared: each call
     converts nothing."""
@@ -328,6 +329,8 @@ def decode_block_kernels(weights: str = "f32"):
         fns[key] = fn
     fns["head"] = getattr(lib, f"head_block_{weights}")
     fns["head"].restype = None
+    fns["mix"] = lib.attn_res_mix_rows          # K3's attention residuals (fp32 activations)
+    fns["mix"].restype = None
     lib.decode_blocks_parallel.restype = ctypes.c_int64
     fns["parallel"] = bool(lib.decode_blocks_parallel())
     fns["threads"] = lib.decode_blocks_threads

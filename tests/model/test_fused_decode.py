@@ -271,7 +271,7 @@ def test_engine_bf16_greedy_same_as_fp32(monkeypatch):
     outs = {}
     for dtype, mode in (("float32", "0"), ("bfloat16", "1")):
         monkeypatch.setenv("KDASERVE_FUSED_DECODE", mode)
-        llm = LLM(str(kimi_linear_demo_path()), dtype=dtype)   # K3's blocks are not fused
+        llm = LLM(str(kimi_linear_demo_path()), dtype=dtype)
         outs[dtype] = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
         fused = llm.engine.runner._fused
         assert isinstance(fused, FusedDecoder) == (mode == "1")

@@ -180,8 +180,8 @@ static void NAME(kda_head)(const struct NAME(kda_heads) *st, int64_t b, int64_t 
  * after each row (what a rejected draft rolls back to). scratch: at least
  * B (2Hd + P + 3HD + 3HD) + 3D + 4 max(Hd, HD, D) floats. */
 void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t G, int64_t taps,
-                      float *x, const float *norm_w, float eps, const WT *w_in,
-                      CT *conv_store, float *state_store, const int64_t *slots,
+                      float *x, const float *xin, const float *norm_w, float eps,
+                      const WT *w_in, CT *conv_store, float *state_store, const int64_t *slots,
                       const float *conv_wt, const WT *f_b, const float *dt_bias,
                       const float *a, float lower_bound, int64_t use_bound, const WT *g_b,
                       const float *o_norm_w, float o_eps, const WT *o_proj, float q_scale,
@@ -199,7 +199,7 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
     for (int64_t b = 1; b < B && distinct; ++b)
         for (int64_t c = 0; c < b; ++c)
             if (slots[b] == slots[c]) { distinct = 0; break; }
-    NAME(norm_rows)(x, norm_w, eps, Hd, B, h);
+    NAME(norm_rows)(xin, norm_w, eps, Hd, B, h);
     NAME(matmat)(w_in, h, Hd, pre, P, P, Hd, B);
 #pragma omp parallel for schedule(static) if (distinct && B > 1)
     for (int64_t b = 0; b < B; ++b) {
@@ -251,23 +251,32 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
-/* One MLA token mixer (q_proj, no rope, no output gate) for B decode rows, absorbed: the
- * queries move into the latent space and attend over the cached latents of their pages.
- * w_q [H(N+R), Hd]; w_kva [Dc+R, Hd]; kv_norm_w [Dc]; kv_b [H(N+Vd), Dc]; pages [NB*bs, Dc+R]
+/* One MLA token mixer (no rope) for B decode rows, absorbed: the queries move into the latent
+ * space and attend over the cached latents of their pages. Queries: w_q [H(N+R), Hd], or with
+ * a query LoRA (w_qa [Qr, Hd] not NULL, qa_norm_w [Qr]) w_q = q_b [H(N+R), Qr] applied to
+ * norm(w_qa h). w_kva [Dc+R, Hd]; kv_norm_w [Dc]; kv_b [H(N+Vd), Dc]; pages [NB*bs, Dc+R]
  * (the new latent is written at its slot first); block_table [B, width]; positions [B];
- * o_proj [Hd, H*Vd]. scratch: at least B (2Hd + H(N+R) + Dc+R + H*Vd) + H*Dc + Dc+R
- * + 4 max(Hd, H*Vd) floats. */
+ * g_proj [H*Vd, Hd] or NULL (K3's output gate: o *= sigmoid(g_proj h)); o_proj [Hd, H*Vd].
+ * scratch: at least B (2Hd + H(N+R) + Dc+R + 2 H*Vd + Qr) + H*Dc + Dc+R + 4 max(Hd, H*Vd)
+ * floats. */
 void NAME(mla_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t R, int64_t Dc,
-                      int64_t Vd, float *x, const float *norm_w, float eps, const WT *w_q,
-                      const WT *w_kva, const float *kv_norm_w, float kv_eps,
+                      int64_t Vd, float *x, const float *xin, const float *norm_w, float eps,
+                      const WT *w_qa, const float *qa_norm_w, float qa_eps, int64_t Qr,
+                      const WT *w_q, const WT *w_kva, const float *kv_norm_w, float kv_eps,
                       const WT *kv_b, CT *pages, int64_t bs, const int64_t *block_table,
-                      int64_t width, const int64_t *positions, const WT *o_proj,
-                      float scale, float *scratch) {
+                      int64_t width, const int64_t *positions, const WT *g_proj,
+                      const WT *o_proj, float scale, float *scratch) {
     const int64_t QD = N + R, LD = Dc + R;
     float *h = scratch, *q = h + B * Hd, *ckv = q + B * H * QD, *o = ckv + B * LD;
-    float *y = o + B * H * Vd;
-    NAME(norm_rows)(x, norm_w, eps, Hd, B, h);
-    NAME(matmat)(w_q, h, Hd, q, H * QD, H * QD, Hd, B);
+    float *y = o + B * H * Vd, *qa = y + B * Hd, *gate = qa + B * Qr;
+    NAME(norm_rows)(xin, norm_w, eps, Hd, B, h);
+    if (w_qa) {
+        NAME(matmat)(w_qa, h, Hd, qa, Qr, Qr, Hd, B);
+        for (int64_t b = 0; b < B; ++b) rms_norm(qa + b * Qr, qa_norm_w, qa_eps, Qr, qa + b * Qr);
+        NAME(matmat)(w_q, qa, Qr, q, H * QD, H * QD, Qr, B);
+    } else {
+        NAME(matmat)(w_q, h, Hd, q, H * QD, H * QD, Hd, B);
+    }
     NAME(matmat)(w_kva, h, Hd, ckv, LD, LD, Hd, B);
     /* every row's latent first: then each (row, head) attends on its own (a row sharing its
      * pages with later rows, a token before its drafts, reads only positions up to its own) */
@@ -320,56 +329,69 @@ void NAME(mla_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t
             free(scores);
         }
     }
+    if (g_proj) {
+        NAME(matmat)(g_proj, h, Hd, gate, H * Vd, H * Vd, Hd, B);
+        for (int64_t i = 0; i < B * H * Vd; ++i) o[i] *= sigmoid(gate[i]);
+    }
     NAME(matmat)(o_proj, o, H * Vd, y, Hd, Hd, H * Vd, B);
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
-/* A SwiGLU MLP on B rows of h [B, Hd] (gate [I, Hd], up [I, Hd], down [Hd, I]) added into
- * y [B, Hd]. tmp: at least B (2I + Hd) + 4 max(Hd, I) floats. */
-static void NAME(swiglu_add)(const float *h, const WT *gate, const WT *up, const WT *down,
-                       int64_t Hd, int64_t I, int64_t B, float *y, float *tmp) {
+/* A gated MLP on B rows of h [B, Hd] (gate [I, Hd], up [I, Hd], down [Hd, I]; activation
+ * `act` as glu_span) added into y [B, Hd]. tmp: at least B (2I + Hd) + 4 max(Hd, I) floats. */
+static void NAME(glu_add)(const float *h, const WT *gate, const WT *up, const WT *down,
+                       int64_t Hd, int64_t I, int64_t B, float *y, float *tmp, int64_t act,
+                       float beta, float lbeta) {
     float *g = tmp, *u = g + B * I, *d = u + B * I;
     NAME(matmat)(gate, h, Hd, g, I, I, Hd, B);
     NAME(matmat)(up, h, Hd, u, I, I, Hd, B);
-    for (int64_t j = 0; j < B * I; ++j) g[j] = silu(g[j]) * u[j];
+    glu_span(act, beta, lbeta, g, u, g, B * I);
     NAME(matmat)(down, g, I, d, Hd, Hd, I, B);
     for (int64_t i = 0; i < B * Hd; ++i) y[i] += d[i];
 }
 
-/* A dense SwiGLU feed-forward for B rows: x += down(silu(gate h) * up h), h = norm(x).
- * scratch: at least B (3Hd + 2I) + 4 max(Hd, I) floats. */
-void NAME(mlp_decode_block)(int64_t B, int64_t Hd, int64_t I, float *x, const float *norm_w,
-                      float eps, const WT *gate, const WT *up, const WT *down,
-                      float *scratch) {
+/* A dense gated feed-forward for B rows: x += down(glu(gate h, up h)), h = norm(xin) (xin is
+ * x itself, or K3's attention-residual mix of the sources). scratch: at least
+ * B (3Hd + 2I) + 4 max(Hd, I) floats. */
+void NAME(mlp_decode_block)(int64_t B, int64_t Hd, int64_t I, float *x, const float *xin,
+                      const float *norm_w, float eps, const WT *gate, const WT *up,
+                      const WT *down, int64_t act, float beta, float lbeta, float *scratch) {
     float *h = scratch, *y = h + B * Hd, *tmp = y + B * Hd;
-    NAME(norm_rows)(x, norm_w, eps, Hd, B, h);
+    NAME(norm_rows)(xin, norm_w, eps, Hd, B, h);
     for (int64_t i = 0; i < B * Hd; ++i) y[i] = 0.0f;
-    NAME(swiglu_add)(h, gate, up, down, Hd, I, B, y, tmp);
+    NAME(glu_add)(h, gate, up, down, Hd, I, B, y, tmp, act, beta, lbeta);
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
 /* A sparse MoE feed-forward for B rows: sigmoid router over E experts with a selection-only
- * bias, top-k (ties to the lower id), optional renormalisation, routed scaling; SiLU-GLU
- * experts w13 [E, 2I, Hd] (gate | up), w2 [E, Hd, I], or with `transposed` stored as
- * [E, Hd, 2I] and [E, I, Hd] (the CPU layout, SparseMoE.transpose_expert_storage); shared
- * (sh_gate/sh_up [Is, Hd], sh_down [Hd, Is]) or NULL. Each expert runs once for every (row,
- * top-k slot) that chose it, its weights read once per step; then each row adds its experts'
- * outputs in its top-k order, as the one-row form does (the sums round the same whatever B).
- * scratch: at least B (2Hd + E + 2K + K (2Hd + 3I) + 2Is + Hd) + E + 4 max(Hd, 2I, Is)
- * floats. */
+ * bias, top-k (ties to the lower id), optional renormalisation, routed scaling; gated experts
+ * (activation `act` as glu_span) w13 [E, 2I, Wd] (gate | up), w2 [E, Wd, I], or with
+ * `transposed` stored as [E, Wd, 2I] and [E, I, Wd] (the CPU layout,
+ * SparseMoE.transpose_expert_storage); shared (sh_gate/sh_up [Is, Hd], sh_down [Hd, Is]) or
+ * NULL. Latent experts (K3; lat_down [Wd, Hd] not NULL): the router and the shared experts
+ * read h = norm(xin), the routed experts z = lat_down h, and their weighted sum goes through
+ * norm(lat_norm_w, or none when NULL) and lat_up [Hd, Wd]; otherwise Wd = Hd and z = h.
+ * Each expert runs once for every (row, top-k slot) that chose it, its weights read once per
+ * step; then each row adds its experts' outputs in its top-k order, as the one-row form does
+ * (the sums round the same whatever B). scratch: at least
+ * B (2Hd + E + 2K + 2Wd + K (Wd + 3I) + 2Is + Hd) + E + 4 max(Hd, 2I, Is) floats. */
 void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t K, float *x,
-                      const float *norm_w, float eps, const float *router, const float *bias,
-                      int64_t renormalize, float scaling, const WT *w13, const WT *w2,
-                      int64_t transposed,
+                      const float *xin, const float *norm_w, float eps, const float *router,
+                      const float *bias, int64_t renormalize, float scaling, const WT *w13,
+                      const WT *w2, int64_t transposed,
                       const WT *sh_gate, const WT *sh_up, const WT *sh_down,
-                      int64_t Is, float *scratch) {
+                      int64_t Is, int64_t act, float beta, float lbeta, int64_t Wd,
+                      const WT *lat_down, const float *lat_norm_w, float lat_eps,
+                      const WT *lat_up, float *scratch) {
     const int64_t S = B * K;                          /* (row, slot) pairs */
     float *h = scratch, *y = h + B * Hd, *score = y + B * Hd, *choice = score + B * E;
     float *wts = choice + E;                          /* [S] */
     float *idf = wts + S;                             /* [S] expert ids (floats: exact) */
-    float *de = idf + S;                              /* [S, Hd] each slot's expert output */
-    float *tmp = de + S * Hd;                         /* swiglu_add's scratch */
-    NAME(norm_rows)(x, norm_w, eps, Hd, B, h);
+    float *z = idf + S;                               /* [B, Wd] the experts' input */
+    float *sum = z + B * Wd;                          /* [B, Wd] each row's weighted sum */
+    float *de = sum + B * Wd;                         /* [S, Wd] each slot's expert output */
+    float *tmp = de + S * Wd;                         /* glu_add's scratch */
+    NAME(norm_rows)(xin, norm_w, eps, Hd, B, h);
     matmat_f32(router, h, Hd, score, E, E, Hd, B);   /* the router stays fp32 */
     for (int64_t b = 0; b < B; ++b) {
         float *sb = score + b * E;
@@ -391,6 +413,8 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
             wts[b * K + k] = (renormalize ? wts[b * K + k] / (total + 1e-20f) : wts[b * K + k])
                              * scaling;
     }
+    if (lat_down) NAME(matmat)(lat_down, h, Hd, z, Wd, Wd, Hd, B);
+    else memcpy(z, h, sizeof(float) * (size_t)(B * Hd));
     /* experts in parallel, each with buffers of its own for the rows that chose it */
 #pragma omp parallel for schedule(dynamic) if (S > 1)
     for (int64_t e = 0; e < E; ++e) {
@@ -399,32 +423,39 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
         for (int64_t s = 0; s < S; ++s)
             if ((int64_t)idf[s] == e) slot[n++] = s;
         if (!n) continue;
-        float *xe = malloc(sizeof(float) * (size_t)(n * (Hd + 3 * I) + 2 * I + Hd));
-        float *gu = xe + n * Hd, *act = gu + n * 2 * I, *wbuf = act + n * I;
+        float *xe = malloc(sizeof(float) * (size_t)(n * (Wd + 3 * I) + 2 * I + Wd));
+        float *gu = xe + n * Wd, *a = gu + n * 2 * I, *wbuf = a + n * I;
         for (int64_t r = 0; r < n; ++r)
-            memcpy(xe + r * Hd, h + (slot[r] / K) * Hd, sizeof(float) * Hd);
-        if (transposed) NAME(vecmat_rows)(xe, Hd, w13 + e * Hd * 2 * I, gu, Hd, 2 * I, n, wbuf);
-        else NAME(matmat)(w13 + e * 2 * I * Hd, xe, Hd, gu, 2 * I, 2 * I, Hd, n);
+            memcpy(xe + r * Wd, z + (slot[r] / K) * Wd, sizeof(float) * Wd);
+        if (transposed) NAME(vecmat_rows)(xe, Wd, w13 + e * Wd * 2 * I, gu, Wd, 2 * I, n, wbuf);
+        else NAME(matmat)(w13 + e * 2 * I * Wd, xe, Wd, gu, 2 * I, 2 * I, Wd, n);
         for (int64_t r = 0; r < n; ++r)
-            for (int64_t j = 0; j < I; ++j)
-                act[r * I + j] = silu(gu[r * 2 * I + j]) * gu[r * 2 * I + I + j];
-        /* outputs land at their (row, slot) place in de [S, Hd] */
-        float *out = xe;                             /* xe is free again: [n, Hd] */
-        if (transposed) NAME(vecmat_rows)(act, I, w2 + e * I * Hd, out, I, Hd, n, wbuf);
-        else NAME(matmat)(w2 + e * Hd * I, act, I, out, Hd, Hd, I, n);
-        for (int64_t r = 0; r < n; ++r) memcpy(de + slot[r] * Hd, out + r * Hd, sizeof(float) * Hd);
+            glu_span(act, beta, lbeta, gu + r * 2 * I, gu + r * 2 * I + I, a + r * I, I);
+        /* outputs land at their (row, slot) place in de [S, Wd] */
+        float *out = xe;                             /* xe is free again: [n, Wd] */
+        if (transposed) NAME(vecmat_rows)(a, I, w2 + e * I * Wd, out, I, Wd, n, wbuf);
+        else NAME(matmat)(w2 + e * Wd * I, a, I, out, Wd, Wd, I, n);
+        for (int64_t r = 0; r < n; ++r) memcpy(de + slot[r] * Wd, out + r * Wd, sizeof(float) * Wd);
         free(xe);
     }
     for (int64_t b = 0; b < B; ++b) {
-        float *yb = y + b * Hd;
-        for (int64_t i = 0; i < Hd; ++i) yb[i] = 0.0f;
+        float *sb = sum + b * Wd;
+        for (int64_t i = 0; i < Wd; ++i) sb[i] = 0.0f;
         for (int64_t k = 0; k < K; ++k) {
             const float wk = wts[b * K + k];
-            const float *d = de + (b * K + k) * Hd;
-            for (int64_t i = 0; i < Hd; ++i) yb[i] += wk * d[i];
+            const float *d = de + (b * K + k) * Wd;
+            for (int64_t i = 0; i < Wd; ++i) sb[i] += wk * d[i];
         }
     }
-    if (sh_gate) NAME(swiglu_add)(h, sh_gate, sh_up, sh_down, Hd, Is, B, y, tmp);
+    if (lat_down) {
+        if (lat_norm_w)
+            for (int64_t b = 0; b < B; ++b)
+                rms_norm(sum + b * Wd, lat_norm_w, lat_eps, Wd, sum + b * Wd);
+        NAME(matmat)(lat_up, sum, Wd, y, Hd, Hd, Wd, B);
+    } else {
+        memcpy(y, sum, sizeof(float) * (size_t)(B * Hd));
+    }
+    if (sh_gate) NAME(glu_add)(h, sh_gate, sh_up, sh_down, Hd, Is, B, y, tmp, act, beta, lbeta);
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 

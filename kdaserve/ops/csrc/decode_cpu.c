@@ -120,6 +120,45 @@ void decode_blocks_threads(int64_t n) {
 #endif
 }
 
+/* Kimi K3's block attention-residuals before a sublayer, for B rows (kdaserve/model/
+ * attn_res.py, attn_res_mix): out[b] = sum_s softmax_s(l_s) * s over the S banked sources
+ * bank[b, s] ([Hd] each, the bank's rows `stride` floats apart) and the running in-block sum
+ * P[b], l_s = (s . w) / rms(s), w the sublayer's folded norm * proj weight; S = 0: out = P.
+ * The softmax and the weighted sum run in the torch form's order. */
+void attn_res_mix_rows(int64_t B, int64_t Hd, int64_t S, const float *bank, int64_t stride,
+                       const float *P, const float *w, float eps, float *out) {
+    for (int64_t b = 0; b < B; ++b) {
+        const float *pb = P + b * Hd;
+        float *ob = out + b * Hd;
+        if (S == 0) {
+            memcpy(ob, pb, sizeof(float) * (size_t)Hd);
+            continue;
+        }
+        float logit[S + 1];
+        float m = -INFINITY;
+        for (int64_t s = 0; s <= S; ++s) {
+            const float *src = s < S ? bank + b * stride + s * Hd : pb;
+            float dot = 0.0f;
+            for (int64_t i = 0; i < Hd; ++i) dot += src[i] * w[i];
+            logit[s] = dot / sqrtf(sumsq(src, Hd) / (float)Hd + eps);
+            m = logit[s] > m ? logit[s] : m;
+        }
+        float total = 0.0f;
+        for (int64_t s = 0; s <= S; ++s) {
+            logit[s] = expf(logit[s] - m);
+            total += logit[s];
+        }
+        for (int64_t s = 0; s <= S; ++s) {
+            const float p = logit[s] / total;
+            const float *src = s < S ? bank + b * stride + s * Hd : pb;
+            if (s == 0)
+                for (int64_t i = 0; i < Hd; ++i) ob[i] = p * src[i];
+            else
+                for (int64_t i = 0; i < Hd; ++i) ob[i] += p * src[i];
+        }
+    }
+}
+
 /* fp32 weights, fp32 cache */
 #define WT float
 #define CT float

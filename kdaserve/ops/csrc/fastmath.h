@@ -70,4 +70,22 @@ static inline float tanh_approx(float x) {
     return ax < 0.625f ? small : large;
 }
 
+/* out[j] = glu(g[j], u[j]) for j < n, the feed-forwards' gated activation selected at run
+ * time: kind 0 SiLU, silu(g) * u; 1 SiTU, beta*tanh(g/beta)*sigmoid(g) * clip(u), clip(u) =
+ * linear_beta*tanh(u/linear_beta), or u when linear_beta <= 0 (kdaserve/ops/activation.py). */
+static inline __attribute__((always_inline)) void glu_span(
+        int64_t kind, float beta, float linear_beta, const float *g, const float *u,
+        float *out, int64_t n) {
+    if (kind == 1 && linear_beta > 0.0f) {
+        for (int64_t j = 0; j < n; ++j)
+            out[j] = beta * tanh_approx(g[j] / beta) * sigmoid(g[j])
+                     * (linear_beta * tanh_approx(u[j] / linear_beta));
+    } else if (kind == 1) {
+        for (int64_t j = 0; j < n; ++j)
+            out[j] = beta * tanh_approx(g[j] / beta) * sigmoid(g[j]) * u[j];
+    } else {
+        for (int64_t j = 0; j < n; ++j) out[j] = silu(g[j]) * u[j];
+    }
+}
+
 #endif

@@ -75,23 +75,8 @@ static inline __attribute__((always_inline)) void rows_times_matrix(
 static inline __attribute__((always_inline)) void gated_activation(
         const int R, float *const *h, int64_t I, float *act, int64_t kind, float beta,
         float linear_beta) {
-    if (kind == 1 && linear_beta > 0.0f) {
-        for (int r = 0; r < R; ++r)
-            for (int64_t j = 0; j < I; ++j) {
-                const float g = h[r][j], u = h[r][I + j];
-                const float a = beta * tanh_approx(g / beta) * sigmoid(g);
-                act[r * I + j] = a * (linear_beta * tanh_approx(u / linear_beta));
-            }
-    } else if (kind == 1) {
-        for (int r = 0; r < R; ++r)
-            for (int64_t j = 0; j < I; ++j) {
-                const float g = h[r][j];
-                act[r * I + j] = beta * tanh_approx(g / beta) * sigmoid(g) * h[r][I + j];
-            }
-    } else {
-        for (int r = 0; r < R; ++r)
-            for (int64_t j = 0; j < I; ++j) act[r * I + j] = silu(h[r][j]) * h[r][I + j];
-    }
+    for (int r = 0; r < R; ++r)
+        glu_span(kind, beta, linear_beta, h[r], h[r] + I, act + r * I, I);
 }
 
 /* R rows of one expert: x rows -> w13 -> glu(gate, up) -> w2 -> out += slot weight * y. */
