@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
         "moe", help="MoE backends (reference, grouped, tp_sharded, ep_all2all) side by side"))
     from kdaserve.bench import compare
     compare.add_arguments(bsub.add_parser("compare", help="kdaserve vs llama.cpp, same model"))
+    from kdaserve.bench import cuda as bench_cuda
+    bench_cuda.add_arguments(bsub.add_parser("cuda", help="the CUDA path: checks and timings"))
     try:
         from kdaserve.bench.serve import add_bench_serve_arguments
     except ImportError:  # pragma: no cover - lands with the server
@@ -151,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             from kdaserve.bench.moe import run as run_moe
 
             return run_moe(args)
+        if args.bench == "cuda":
+            from kdaserve.bench.cuda import run as run_cuda
+
+            return run_cuda(args)
         if args.bench == "spec":
             from kdaserve.bench.spec import run as run_spec
 

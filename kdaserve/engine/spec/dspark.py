@@ -163,7 +163,8 @@ class DSparkProposer:
         # built once from each row's history, then advanced by each draft (not rebuilt per position)
         pen = Penalties.build(rows, logits.shape[-1])
         for j in range(k):
-            lj = logits[:, j] + self.draft.markov_bias(prev).float().cpu()
+            # prev lives on the CPU (the picks are made there); the draft's tables may not
+            lj = logits[:, j] + self.draft.markov_bias(prev.to(self.device)).float().cpu()
             if pen is not None:
                 lj = pen.apply(lj)
             tok = lj.argmax(-1)
