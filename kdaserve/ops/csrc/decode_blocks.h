@@ -251,6 +251,163 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
+/* s[h] = scale * (q[h] . lat) for H query rows q [H, LD] and one latent row lat [LD]: the
+ * latent is read once for all heads (it is shared by them: MLA is MQA in the latent space). */
+static inline void NAME(mla_scores)(const float *restrict q, const CT *restrict lat,
+                                    int64_t H, int64_t LD, float scale, float *restrict s) {
+    const int64_t L8 = LD - LD % 8;
+    int64_t h = 0;
+    for (; h + 4 <= H; h += 4) {
+        const float *q0 = q + h * LD, *q1 = q0 + LD, *q2 = q1 + LD, *q3 = q2 + LD;
+        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t i = 0; i < L8; i += 8) {
+            const v8f v = LDW8(lat + i);
+            a0 += ld8f(q0 + i) * v; a1 += ld8f(q1 + i) * v;
+            a2 += ld8f(q2 + i) * v; a3 += ld8f(q3 + i) * v;
+        }
+        float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+        for (int64_t i = L8; i < LD; ++i) {
+            const float v = LDC(lat[i]);
+            t0 += q0[i] * v; t1 += q1[i] * v; t2 += q2[i] * v; t3 += q3[i] * v;
+        }
+        s[h] = scale * lanes_sum(a0, t0); s[h + 1] = scale * lanes_sum(a1, t1);
+        s[h + 2] = scale * lanes_sum(a2, t2); s[h + 3] = scale * lanes_sum(a3, t3);
+    }
+    for (; h < H; ++h) {
+        const float *q0 = q + h * LD;
+        v8f a0 = {0};
+        for (int64_t i = 0; i < L8; i += 8) a0 += ld8f(q0 + i) * LDW8(lat + i);
+        float t0 = 0.0f;
+        for (int64_t i = L8; i < LD; ++i) t0 += q0[i] * LDC(lat[i]);
+        s[h] = scale * lanes_sum(a0, t0);
+    }
+}
+
+/* Positions per online-softmax update (and never across a page: latents stay contiguous). */
+#define MLA_SPAN 32
+
+/* The H heads' online-softmax partials of one row over positions [t0, t1) of its pages:
+ * running max m [H], sum l [H] and unnormalised context acc [H, Dc] (initialised here).
+ * q [H, LD]: each head's latent query (q_nope absorbed through W_uk) then its rope part. */
+static void NAME(mla_span)(const float *q, int64_t H, int64_t Dc, int64_t LD, const CT *pages,
+                           int64_t bs, const int64_t *bt, int64_t t0, int64_t t1, float scale,
+                           float *m, float *l, float *acc) {
+    float s[H * MLA_SPAN];     /* [H, n] scores, then weights */
+    float sc[H];
+    const int64_t D8 = Dc - Dc % 8;
+    for (int64_t h = 0; h < H; ++h) { m[h] = -INFINITY; l[h] = 0.0f; }
+    for (int64_t i = 0; i < H * Dc; ++i) acc[i] = 0.0f;
+    for (int64_t t = t0; t < t1;) {
+        int64_t n = bs - t % bs;
+        n = n < t1 - t ? n : t1 - t;
+        n = n < MLA_SPAN ? n : MLA_SPAN;
+        const CT *lat0 = pages + (bt[t / bs] * bs + t % bs) * LD;
+        for (int64_t j = 0; j < n; ++j) {
+            NAME(mla_scores)(q, lat0 + j * LD, H, LD, scale, sc);
+            for (int64_t h = 0; h < H; ++h) s[h * MLA_SPAN + j] = sc[h];
+        }
+        for (int64_t h = 0; h < H; ++h) {
+            float *sh = s + h * MLA_SPAN;
+            float mx = m[h];
+            for (int64_t j = 0; j < n; ++j) mx = sh[j] > mx ? sh[j] : mx;
+            const float c = exp_approx(m[h] - mx);     /* 0 on the first span (m = -inf) */
+            float tot = 0.0f;
+            for (int64_t j = 0; j < n; ++j) {
+                sh[j] = exp_approx(sh[j] - mx);
+                tot += sh[j];
+            }
+            l[h] = l[h] * c + tot;
+            m[h] = mx;
+            if (c != 1.0f)
+                for (int64_t i = 0; i < Dc; ++i) acc[h * Dc + i] *= c;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const CT *lat = lat0 + j * LD;
+            for (int64_t i = 0; i < D8; i += 8) {
+                const v8f v = LDW8(lat + i);
+                for (int64_t h = 0; h < H; ++h) {
+                    v8f a = ld8f(acc + h * Dc + i);
+                    a += s[h * MLA_SPAN + j] * v;
+                    memcpy(acc + h * Dc + i, &a, sizeof a);
+                }
+            }
+            for (int64_t i = D8; i < Dc; ++i) {
+                const float v = LDC(lat[i]);
+                for (int64_t h = 0; h < H; ++h) acc[h * Dc + i] += s[h * MLA_SPAN + j] * v;
+            }
+        }
+        t += n;
+    }
+}
+
+/* Absorbed attention of B decode rows (q [B, H, N+R] as projected) over their cached latents,
+ * into o [B, H, Vd]. Each latent is read once for all heads; a row's positions are split into
+ * spans of work (split-K) that run in parallel with partial softmax states, merged per row. */
+static void NAME(mla_attend_rows)(int64_t B, int64_t H, int64_t N, int64_t R, int64_t Dc,
+                                  int64_t Vd, const float *q, const WT *kv_b, const CT *pages,
+                                  int64_t bs, const int64_t *block_table, int64_t width,
+                                  const int64_t *positions, float scale, float *o) {
+    const int64_t QD = N + R, LD = Dc + R;
+#ifdef _OPENMP
+    const int64_t threads = omp_get_max_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    /* work items: (row, position range), about 4 per thread for a long row */
+    int64_t first[B + 1], per[B];
+    first[0] = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t L = positions[b] + 1;
+        const int64_t want = threads > 1 ? 4 * threads : 1;
+        int64_t span = (L + want - 1) / want;
+        span = span < 2048 ? 2048 : span;
+        per[b] = span;
+        first[b + 1] = first[b] + (L + span - 1) / span;
+    }
+    const int64_t items = first[B];
+    float *qf = malloc(sizeof(float) * (size_t)(B * H * LD));
+    float *part = malloc(sizeof(float) * (size_t)(items * H * (Dc + 2)));
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t hh = 0; hh < H; ++hh) {
+            const float *qn = q + b * H * QD + hh * QD;
+            float *dst = qf + (b * H + hh) * LD;
+            /* q_lat = q_nope . W_uk[h]  (W_uk rows of kv_b: h*(N+Vd) + n) */
+            NAME(vecmat)(qn, kv_b + hh * (N + Vd) * Dc, dst, N, Dc);
+            memcpy(dst + Dc, qn + N, sizeof(float) * (size_t)R);
+        }
+#pragma omp parallel for schedule(dynamic) if (items > 1)
+    for (int64_t it = 0; it < items; ++it) {
+        int64_t b = 0;
+        while (first[b + 1] <= it) ++b;
+        const int64_t L = positions[b] + 1, t0 = (it - first[b]) * per[b];
+        const int64_t t1 = t0 + per[b] < L ? t0 + per[b] : L;
+        float *pm = part + it * H * (Dc + 2), *pl = pm + H, *pa = pl + H;
+        NAME(mla_span)(qf + b * H * LD, H, Dc, LD, pages, bs, block_table + b * width, t0, t1,
+                       scale, pm, pl, pa);
+    }
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t hh = 0; hh < H; ++hh) {
+            float mx = -INFINITY;
+            for (int64_t it = first[b]; it < first[b + 1]; ++it) {
+                const float mi = part[it * H * (Dc + 2) + hh];
+                mx = mi > mx ? mi : mx;
+            }
+            float ctx[Dc], tot = 0.0f;
+            for (int64_t i = 0; i < Dc; ++i) ctx[i] = 0.0f;
+            for (int64_t it = first[b]; it < first[b + 1]; ++it) {
+                const float *pm = part + it * H * (Dc + 2), *pl = pm + H, *pa = pl + H;
+                const float c = exp_approx(pm[hh] - mx);
+                tot += c * pl[hh];
+                for (int64_t i = 0; i < Dc; ++i) ctx[i] += c * pa[hh * Dc + i];
+            }
+            const float inv = 1.0f / tot;
+            for (int64_t i = 0; i < Dc; ++i) ctx[i] *= inv;
+            NAME(matvec)(kv_b + (hh * (N + Vd) + N) * Dc, ctx, o + b * H * Vd + hh * Vd, Vd, Dc);
+        }
+    free(part);
+    free(qf);
+}
+
 /* One MLA token mixer (no rope) for B decode rows, absorbed: the queries move into the latent
  * space and attend over the cached latents of their pages. Queries: w_q [H(N+R), Hd], or with
  * a query LoRA (w_qa [Qr, Hd] not NULL, qa_norm_w [Qr]) w_q = q_b [H(N+R), Qr] applied to
@@ -278,8 +435,8 @@ void NAME(mla_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t
         NAME(matmat)(w_q, h, Hd, q, H * QD, H * QD, Hd, B);
     }
     NAME(matmat)(w_kva, h, Hd, ckv, LD, LD, Hd, B);
-    /* every row's latent first: then each (row, head) attends on its own (a row sharing its
-     * pages with later rows, a token before its drafts, reads only positions up to its own) */
+    /* every row's latent first: then each row attends (a row sharing its pages with later
+     * rows, a token before its drafts, reads only positions up to its own) */
     for (int64_t b = 0; b < B; ++b) {
         const int64_t pos = positions[b];
         const int64_t *bt = block_table + b * width;
@@ -288,47 +445,8 @@ void NAME(mla_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t
         rms_norm(cb, kv_norm_w, kv_eps, Dc, cb);
         for (int64_t i = 0; i < LD; ++i) dst[i] = STC(cb[i]);
     }
-#pragma omp parallel for collapse(2) schedule(dynamic) if (B * H > 1)
-    for (int64_t b = 0; b < B; ++b) {
-        for (int64_t hh = 0; hh < H; ++hh) {
-            const int64_t L = positions[b] + 1;
-            const int64_t *bt = block_table + b * width;
-            float *scores = malloc(sizeof(float) * (size_t)L);
-            float ql[Dc], ctx[Dc];
-            const float *qn = q + b * H * QD + hh * QD, *qp = qn + N;
-            /* q_lat = q_nope . W_uk[h]  (W_uk rows of kv_b: h*(N+Vd) + n) */
-            NAME(vecmat)(qn, kv_b + hh * (N + Vd) * Dc, ql, N, Dc);
-            float m = -INFINITY;
-            for (int64_t t = 0; t < L; ++t) {
-                const CT *lat = pages + (bt[t / bs] * bs + t % bs) * LD;
-                float s = 0.0f;
-                float lanes[8] = {0.0f};
-                int64_t i = 0;
-                for (; i + 8 <= Dc; i += 8)
-                    for (int l = 0; l < 8; ++l) lanes[l] += ql[i + l] * LDC(lat[i + l]);
-                for (; i < Dc; ++i) s += ql[i] * LDC(lat[i]);
-                for (int l = 0; l < 8; ++l) s += lanes[l];
-                for (int64_t r = 0; r < R; ++r) s += qp[r] * LDC(lat[Dc + r]);
-                s *= scale;
-                scores[t] = s;
-                m = s > m ? s : m;
-            }
-            float total = 0.0f;
-            for (int64_t t = 0; t < L; ++t) {
-                scores[t] = expf(scores[t] - m);
-                total += scores[t];
-            }
-            const float inv = 1.0f / total;
-            for (int64_t i = 0; i < Dc; ++i) ctx[i] = 0.0f;
-            for (int64_t t = 0; t < L; ++t) {
-                const CT *lat = pages + (bt[t / bs] * bs + t % bs) * LD;
-                const float p = scores[t] * inv;
-                for (int64_t i = 0; i < Dc; ++i) ctx[i] += p * LDC(lat[i]);
-            }
-            NAME(matvec)(kv_b + (hh * (N + Vd) + N) * Dc, ctx, o + b * H * Vd + hh * Vd, Vd, Dc);
-            free(scores);
-        }
-    }
+    NAME(mla_attend_rows)(B, H, N, R, Dc, Vd, q, kv_b, pages, bs, block_table, width,
+                          positions, scale, o);
     if (g_proj) {
         NAME(matmat)(g_proj, h, Hd, gate, H * Vd, H * Vd, Hd, B);
         for (int64_t i = 0; i < B * H * Vd; ++i) o[i] *= sigmoid(gate[i]);
