@@ -251,10 +251,12 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
-/* s[h] = scale * (q[h] . lat) for H query rows q [H, LD] and one latent row lat [LD]: the
- * latent is read once for all heads (it is shared by them: MLA is MQA in the latent space). */
+/* s[h * stride] = scale * (q[h] . lat) for H query rows q [H, LD] and one latent row lat
+ * [LD]: the latent is read once for all heads (it is shared by them: MLA is MQA in the latent
+ * space). */
 static inline void NAME(mla_scores)(const float *restrict q, const CT *restrict lat,
-                                    int64_t H, int64_t LD, float scale, float *restrict s) {
+                                    int64_t H, int64_t LD, float scale, float *restrict s,
+                                    int64_t stride) {
     const int64_t L8 = LD - LD % 8;
     int64_t h = 0;
     for (; h + 4 <= H; h += 4) {
@@ -270,8 +272,10 @@ static inline void NAME(mla_scores)(const float *restrict q, const CT *restrict 
             const float v = LDC(lat[i]);
             t0 += q0[i] * v; t1 += q1[i] * v; t2 += q2[i] * v; t3 += q3[i] * v;
         }
-        s[h] = scale * lanes_sum(a0, t0); s[h + 1] = scale * lanes_sum(a1, t1);
-        s[h + 2] = scale * lanes_sum(a2, t2); s[h + 3] = scale * lanes_sum(a3, t3);
+        s[h * stride] = scale * (hsum8(a0) + t0);
+        s[(h + 1) * stride] = scale * (hsum8(a1) + t1);
+        s[(h + 2) * stride] = scale * (hsum8(a2) + t2);
+        s[(h + 3) * stride] = scale * (hsum8(a3) + t3);
     }
     for (; h < H; ++h) {
         const float *q0 = q + h * LD;
@@ -279,7 +283,7 @@ static inline void NAME(mla_scores)(const float *restrict q, const CT *restrict 
         for (int64_t i = 0; i < L8; i += 8) a0 += ld8f(q0 + i) * LDW8(lat + i);
         float t0 = 0.0f;
         for (int64_t i = L8; i < LD; ++i) t0 += q0[i] * LDC(lat[i]);
-        s[h] = scale * lanes_sum(a0, t0);
+        s[h * stride] = scale * (hsum8(a0) + t0);
     }
 }
 
@@ -293,7 +297,6 @@ static void NAME(mla_span)(const float *q, int64_t H, int64_t Dc, int64_t LD, co
                            int64_t bs, const int64_t *bt, int64_t t0, int64_t t1, float scale,
                            float *m, float *l, float *acc) {
     float s[H * MLA_SPAN];     /* [H, n] scores, then weights */
-    float sc[H];
     const int64_t D8 = Dc - Dc % 8;
     for (int64_t h = 0; h < H; ++h) { m[h] = -INFINITY; l[h] = 0.0f; }
     for (int64_t i = 0; i < H * Dc; ++i) acc[i] = 0.0f;
@@ -302,38 +305,43 @@ static void NAME(mla_span)(const float *q, int64_t H, int64_t Dc, int64_t LD, co
         n = n < t1 - t ? n : t1 - t;
         n = n < MLA_SPAN ? n : MLA_SPAN;
         const CT *lat0 = pages + (bt[t / bs] * bs + t % bs) * LD;
-        for (int64_t j = 0; j < n; ++j) {
-            NAME(mla_scores)(q, lat0 + j * LD, H, LD, scale, sc);
-            for (int64_t h = 0; h < H; ++h) s[h * MLA_SPAN + j] = sc[h];
-        }
+        for (int64_t j = 0; j < n; ++j)
+            NAME(mla_scores)(q, lat0 + j * LD, H, LD, scale, s + j, MLA_SPAN);
         for (int64_t h = 0; h < H; ++h) {
             float *sh = s + h * MLA_SPAN;
             float mx = m[h];
             for (int64_t j = 0; j < n; ++j) mx = sh[j] > mx ? sh[j] : mx;
-            const float c = exp_approx(m[h] - mx);     /* 0 on the first span (m = -inf) */
+            const float c = exp_approx(m[h] - mx);     /* ~0 on the first span (m = -inf) */
+            for (int64_t j = 0; j < n; ++j) sh[j] = exp_approx(sh[j] - mx);
             float tot = 0.0f;
-            for (int64_t j = 0; j < n; ++j) {
-                sh[j] = exp_approx(sh[j] - mx);
-                tot += sh[j];
-            }
+            for (int64_t j = 0; j < n; ++j) tot += sh[j];
             l[h] = l[h] * c + tot;
             m[h] = mx;
-            if (c != 1.0f)
-                for (int64_t i = 0; i < Dc; ++i) acc[h * Dc + i] *= c;
-        }
-        for (int64_t j = 0; j < n; ++j) {
-            const CT *lat = lat0 + j * LD;
-            for (int64_t i = 0; i < D8; i += 8) {
-                const v8f v = LDW8(lat + i);
-                for (int64_t h = 0; h < H; ++h) {
-                    v8f a = ld8f(acc + h * Dc + i);
-                    a += s[h * MLA_SPAN + j] * v;
-                    memcpy(acc + h * Dc + i, &a, sizeof a);
+            float *ah = acc + h * Dc;
+            /* this head's context over the span in registers: 32 values at a time, four
+             * independent sums (one chain would wait on each add's latency) */
+            int64_t i = 0;
+            for (; i + 32 <= D8; i += 32) {
+                v8f a0 = ld8f(ah + i) * c, a1 = ld8f(ah + i + 8) * c;
+                v8f a2 = ld8f(ah + i + 16) * c, a3 = ld8f(ah + i + 24) * c;
+                for (int64_t j = 0; j < n; ++j) {
+                    const CT *lj = lat0 + j * LD + i;
+                    const float w = sh[j];
+                    a0 += w * LDW8(lj); a1 += w * LDW8(lj + 8);
+                    a2 += w * LDW8(lj + 16); a3 += w * LDW8(lj + 24);
                 }
+                memcpy(ah + i, &a0, sizeof a0); memcpy(ah + i + 8, &a1, sizeof a1);
+                memcpy(ah + i + 16, &a2, sizeof a2); memcpy(ah + i + 24, &a3, sizeof a3);
+            }
+            for (; i < D8; i += 8) {
+                v8f a = ld8f(ah + i) * c;
+                for (int64_t j = 0; j < n; ++j) a += sh[j] * LDW8(lat0 + j * LD + i);
+                memcpy(ah + i, &a, sizeof a);
             }
             for (int64_t i = D8; i < Dc; ++i) {
-                const float v = LDC(lat[i]);
-                for (int64_t h = 0; h < H; ++h) acc[h * Dc + i] += s[h * MLA_SPAN + j] * v;
+                float a = ah[i] * c;
+                for (int64_t j = 0; j < n; ++j) a += sh[j] * LDC(lat0[j * LD + i]);
+                ah[i] = a;
             }
         }
         t += n;
@@ -358,7 +366,7 @@ static void NAME(mla_attend_rows)(int64_t B, int64_t H, int64_t N, int64_t R, in
     first[0] = 0;
     for (int64_t b = 0; b < B; ++b) {
         const int64_t L = positions[b] + 1;
-        const int64_t want = threads > 1 ? 4 * threads : 1;
+        const int64_t want = 4 * threads;      /* spans of >= 2048 positions */
         int64_t span = (L + want - 1) / want;
         span = span < 2048 ? 2048 : span;
         per[b] = span;

@@ -94,6 +94,16 @@ static inline float lanes_sum(v8f a, float s) {
     return s;
 }
 
+/* The eight lanes of a summed as a tree (three adds): the attention's dot products are
+ * per (position, head), so their horizontal sums are a cost of their own. */
+static inline float hsum8(v8f a) {
+    typedef float v4f __attribute__((vector_size(16)));
+    const v4f lo = __builtin_shufflevector(a, a, 0, 1, 2, 3);
+    const v4f hi = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    const v4f t = lo + hi;
+    return (t[0] + t[2]) + (t[1] + t[3]);
+}
+
 /* With OpenMP (built with -fopenmp; it then shares torch's libgomp, loaded first under the
  * same soname, so the blocks run on torch's threads and obey torch.set_num_threads), matrix
  * products of at least this many multiply-adds split their output rows over the threads, and
