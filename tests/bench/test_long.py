@@ -34,10 +34,12 @@ def test_summary_keys():
     def run(ctx, tpot, cache, rss=100.0):
         return {"context": ctx, "completed": True, "tpot_ms": tpot, "cache_bytes": cache,
                 "peak_rss_mb": rss}
-    hybrid = [run(1024, 10.0, 300), run(131072, 12.0, 2600), run(1 << 20, 20.0, 20000, 700.0)]
+    long_run = dict(run(131072, 12.0, 2600), tpot_base_beside_ms=8.0)
+    hybrid = [run(1024, 10.0, 300), long_run, run(1 << 20, 20.0, 20000, 700.0)]
     mla = [run(1024, 9.0, 1000), run(131072, 30.0, 10000)]
     out = summarize(hybrid, mla)
-    assert out["tpot_ratio_128k_1k"] == 1.2
+    # against the 1k decode beside it in the 128k run's process; across runs as well
+    assert out["tpot_ratio_128k_1k"] == 1.5 and out["tpot_ratio_128k_1k_across_runs"] == 1.2
     assert out["cache_bytes_ratio_vs_mla"] == 0.26 and out["cache_bytes_ratio_context"] == 131072
     assert out["tpot_ratio_vs_mla"] == 0.4
     assert out["completed_1m"] is True and out["peak_rss_1m_mb"] == 700.0
@@ -47,3 +49,22 @@ def test_bench_model_is_configured_for_1m_positions():
     cfg = ModelConfig.from_dict(bench_config())
     assert cfg.max_position_embeddings >= 1 << 20
     assert len(cfg.mla_layers) * 4 == cfg.num_hidden_layers
+
+
+def test_proportional_shape_has_the_released_latent_to_weight_bytes():
+    """The proportional bench model caches at 128k about 0.18 of the bytes of weights a token
+    reads, as the released Kimi Linear does (1 GiB of bf16 latents at 128k, 6 GB of active
+    bf16 weights); the toy's cache is many times its weights."""
+    from kdaserve.cache.spec import specs_for
+    from kdaserve.model.random_init import init_random
+    from kdaserve.model.registry import build_model
+
+    def ratio(shape):
+        cfg = ModelConfig.from_dict(bench_config(shape=shape))
+        latent, _ = specs_for(cfg, 16, "float32")
+        weights = sum(p.numel() * 4 for p in build_model(cfg).parameters())
+        return 131072 * latent.bytes_per_token / weights
+
+    assert 0.15 < ratio("proportional") < 0.22
+    assert ratio("toy") > 3
+    assert len(ModelConfig.from_dict(bench_config(shape="proportional")).mla_layers) == 1
