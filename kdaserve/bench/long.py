@@ -108,12 +108,13 @@ def measure(model_dir: str, context: int, decode_tokens: int, chunk: int, cache_
     logging.getLogger("kdaserve").setLevel(logging.WARNING)
     total = context
     n_prompt = context - decode_tokens
-    if not cache_memory:  # what this request needs (a bigger pool only adds page-table objects)
-        from kdaserve.cache.spec import specs_for
-        from kdaserve.model.registry import load_config
+    from kdaserve.cache.spec import specs_for
+    from kdaserve.model.registry import load_config
 
-        latent, state = specs_for(load_config(model_dir), 16, "float32")
-        cache_memory = (total + 16) * latent.bytes_per_token + state.bytes_per_slot + (1 << 20)
+    latent, state = specs_for(load_config(model_dir), 16, "float32")
+    latent_bytes, slot_bytes = latent.bytes_per_token, state.bytes_per_slot
+    if not cache_memory:  # what this request needs (a bigger pool only adds page-table objects)
+        cache_memory = (total + 16) * latent_bytes + slot_bytes + (1 << 20)
     llm = LLM(model_dir, max_model_len=total, cache_memory=cache_memory,
               max_num_batched_tokens=chunk, max_num_seqs=1, enable_prefix_caching=False)
     eng = llm.engine
@@ -123,13 +124,19 @@ def measure(model_dir: str, context: int, decode_tokens: int, chunk: int, cache_
     # warm-up: one-time costs (kernel loading, first calls) are not the context's
     llm.generate([{"prompt_token_ids": prompt[:256]}], SamplingParams(max_tokens=2),
                  use_tqdm=False)
+    runs = [(eng, prompt)]
+    if context > BASE_CONTEXT:
+        # a second engine of the same model decodes a BASE_CONTEXT request step by step in
+        # alternation with this one: this VM's speed drifts between runs minutes apart (and
+        # after minutes of prefill) by more than the growth measured, so the TPOT ratio is
+        # taken side by side (the run at BASE_CONTEXT is still reported as its own row)
+        base = LLM(model_dir, max_model_len=BASE_CONTEXT, max_num_seqs=1,
+                   cache_memory=(BASE_CONTEXT + 16) * latent_bytes + slot_bytes + (1 << 20),
+                   enable_prefix_caching=False)
+        runs.append((base.engine, prompt[:BASE_CONTEXT - decode_tokens]))
     rss_before = _rss_mb()
-    first, steps, cpu, tokens = _decode(eng, "long", prompt, decode_tokens)
-    # the same decode at BASE_CONTEXT right after, in this process: this VM's speed drifts
-    # between runs minutes apart by more than the growth measured, so the TPOT ratio is taken
-    # side by side (the run at BASE_CONTEXT itself is still reported as its own row)
-    beside = _decode(eng, "base", prompt[:BASE_CONTEXT - decode_tokens], decode_tokens) \
-        if context > BASE_CONTEXT else None
+    (first, steps, cpu, tokens), *beside = _decode_side_by_side(runs, decode_tokens)
+    beside = beside[0] if beside else None
     plan = eng.plan
     held = plan.request_bytes(total)
     return {
@@ -140,6 +147,7 @@ def measure(model_dir: str, context: int, decode_tokens: int, chunk: int, cache_
         "prefill_tok_s": round(n_prompt / first, 1) if first else None,
         "tpot_ms": round(statistics.median(steps) * 1e3, 3) if steps else None,
         "tpot_cpu_ms": round(statistics.median(cpu) * 1e3, 3) if cpu else None,
+        # the BASE_CONTEXT request decoded in alternation with this one
         "tpot_base_beside_ms": round(statistics.median(beside[1]) * 1e3, 3)
         if beside and beside[1] else None,
         "tpot_cpu_base_beside_ms": round(statistics.median(beside[2]) * 1e3, 3)
@@ -154,31 +162,32 @@ def measure(model_dir: str, context: int, decode_tokens: int, chunk: int, cache_
 BASE_CONTEXT = 1024
 
 
-def _decode(eng, rid: str, prompt: list[int], decode_tokens: int
-            ) -> tuple[float | None, list[float], list[float], int]:
-    """One greedy request through `eng`: (seconds to its first token, wall and process-CPU
+def _decode_side_by_side(runs: list, decode_tokens: int) -> list[tuple]:
+    """One greedy request per (engine, prompt): each prefilled in turn, then their decode
+    steps in alternation. Per request: (seconds to its first token, wall and process-CPU
     seconds of each later step, tokens out)."""
     from kdaserve.request import SamplingParams
 
-    eng.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=decode_tokens,
-                                                ignore_eos=True))
-    start = time.perf_counter()
-    first = None
-    steps: list[float] = []
-    cpu: list[float] = []     # process CPU time per step: what contention cannot stretch
-    tokens = 0
-    while eng.has_unfinished():
-        t0, c0 = time.perf_counter(), time.process_time()
-        deltas = eng.step()
-        t1, c1 = time.perf_counter(), time.process_time()
-        new = sum(len(d.new_token_ids) for d in deltas)
-        if first is None and new:
-            first = t1 - start
-        elif new:
-            steps.append(t1 - t0)
-            cpu.append(c1 - c0)
-        tokens += new
-    return first, steps, cpu, tokens
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+    out = []
+    for i, (eng, prompt) in enumerate(runs):
+        eng.add_request(f"r{i}", prompt, params)
+        start, tokens = time.perf_counter(), 0
+        while eng.has_unfinished() and not tokens:
+            tokens = sum(len(d.new_token_ids) for d in eng.step())
+        out.append([time.perf_counter() - start if tokens else None, [], [], tokens])
+    while any(eng.has_unfinished() for eng, _ in runs):
+        for (eng, _), rec in zip(runs, out):
+            if not eng.has_unfinished():
+                continue
+            t0, c0 = time.perf_counter(), time.process_time()
+            new = sum(len(d.new_token_ids) for d in eng.step())
+            t1, c1 = time.perf_counter(), time.process_time()
+            if new:
+                rec[1].append(t1 - t0)
+                rec[2].append(c1 - c0)   # process CPU time: what contention cannot stretch
+                rec[3] += new
+    return [tuple(r) for r in out]
 
 
 def _run_child(model_dir: Path, context: int, args: argparse.Namespace) -> dict:
