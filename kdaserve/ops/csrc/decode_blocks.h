@@ -287,8 +287,39 @@ static inline void NAME(mla_scores)(const float *restrict q, const CT *restrict 
     }
 }
 
+/* mla_scores for two consecutive latent rows (lat, lat + LD): each query vector is loaded
+ * once for both (eight independent sums per group of four heads). */
+static inline void NAME(mla_scores2)(const float *restrict q, const CT *restrict lat,
+                                     int64_t H, int64_t LD, float scale, float *restrict s,
+                                     int64_t stride) {
+    const int64_t L8 = LD - LD % 8;
+    if (L8 != LD || H % 4) {
+        NAME(mla_scores)(q, lat, H, LD, scale, s, stride);
+        NAME(mla_scores)(q, lat + LD, H, LD, scale, s + 1, stride);
+        return;
+    }
+    const CT *lb = lat + LD;
+    for (int64_t h = 0; h < H; h += 4) {
+        const float *q0 = q + h * LD, *q1 = q0 + LD, *q2 = q1 + LD, *q3 = q2 + LD;
+        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        for (int64_t i = 0; i < LD; i += 8) {
+            const v8f v = LDW8(lat + i), w = LDW8(lb + i);
+            const v8f x0 = ld8f(q0 + i), x1 = ld8f(q1 + i), x2 = ld8f(q2 + i),
+                      x3 = ld8f(q3 + i);
+            a0 += x0 * v; a1 += x1 * v; a2 += x2 * v; a3 += x3 * v;
+            b0 += x0 * w; b1 += x1 * w; b2 += x2 * w; b3 += x3 * w;
+        }
+        float *sh = s + h * stride;
+        sh[0] = scale * hsum8(a0); sh[stride] = scale * hsum8(a1);
+        sh[2 * stride] = scale * hsum8(a2); sh[3 * stride] = scale * hsum8(a3);
+        sh[1] = scale * hsum8(b0); sh[stride + 1] = scale * hsum8(b1);
+        sh[2 * stride + 1] = scale * hsum8(b2); sh[3 * stride + 1] = scale * hsum8(b3);
+    }
+}
+
 /* Positions per online-softmax update (and never across a page: latents stay contiguous). */
 #define MLA_SPAN 32
+#define MLA_AHEAD 2
 
 /* The H heads' online-softmax partials of one row over positions [t0, t1) of its pages:
  * running max m [H], sum l [H] and unnormalised context acc [H, Dc] (initialised here).
@@ -305,7 +336,18 @@ static void NAME(mla_span)(const float *q, int64_t H, int64_t Dc, int64_t LD, co
         n = n < t1 - t ? n : t1 - t;
         n = n < MLA_SPAN ? n : MLA_SPAN;
         const CT *lat0 = pages + (bt[t / bs] * bs + t % bs) * LD;
-        for (int64_t j = 0; j < n; ++j)
+        /* the page MLA_AHEAD pages on: its latents arrive while this span computes (the
+         * hardware prefetcher does not follow the page table; 128k positions on 2 threads
+         * measured 1.9-2.4 ms without, 1.65-1.70 ms with) */
+        if ((t + n) % bs == 0 && t + MLA_AHEAD * bs < t1) {
+            const char *nx = (const char *)(pages + bt[t / bs + MLA_AHEAD] * bs * LD);
+            for (int64_t off = 0; off < (int64_t)sizeof(CT) * bs * LD; off += 64)
+                __builtin_prefetch(nx + off, 0, 0);
+        }
+        int64_t j = 0;
+        for (; j + 2 <= n; j += 2)
+            NAME(mla_scores2)(q, lat0 + j * LD, H, LD, scale, s + j, MLA_SPAN);
+        for (; j < n; ++j)
             NAME(mla_scores)(q, lat0 + j * LD, H, LD, scale, s + j, MLA_SPAN);
         for (int64_t h = 0; h < H; ++h) {
             float *sh = s + h * MLA_SPAN;
