@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import logging
 import statistics
@@ -478,7 +479,7 @@ def _environment(device: torch.device) -> dict:
         env["cuda"] = torch.version.cuda
     for mod in ("triton", "fla"):
         try:
-            env[mod] = __import__(mod).__version__
+            env[mod] = importlib.import_module(mod).__version__
         except Exception as exc:  # noqa: BLE001
             env[mod] = f"unavailable ({type(exc).__name__})"
     return env

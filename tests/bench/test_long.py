@@ -56,7 +56,6 @@ def test_proportional_shape_has_the_released_latent_to_weight_bytes():
     reads, as the released Kimi Linear does (1 GiB of bf16 latents at 128k, 6 GB of active
     bf16 weights); the toy's cache is many times its weights."""
     from kdaserve.cache.spec import specs_for
-    from kdaserve.model.random_init import init_random
     from kdaserve.model.registry import build_model
 
     def ratio(shape):

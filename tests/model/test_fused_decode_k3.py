@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from k3_models import k3_raw, random_k3
 
 from kdaserve.assets import default_model_path
 from kdaserve.config import ModelConfig
@@ -17,7 +18,6 @@ from kdaserve.model.batch import HybridCache, build_forward_batch
 from kdaserve.model.fused_decode import FusedDecoder, Kept, fused_decoder, supports
 from kdaserve.model.moe import SparseMoE
 from kdaserve.request import SamplingParams
-from k3_models import k3_raw, random_k3
 
 pytestmark = pytest.mark.skipif(
     __import__("kdaserve.ops.cpu_kernels", fromlist=["x"]).decode_block_kernels() is None,

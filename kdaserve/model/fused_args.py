@@ -1,0 +1,166 @@
+"""The compiled decode blocks' arguments (ops/csrc/decode_blocks.h), built once from the
+model for kdaserve/model/fused_decode.py: per layer the token mixer's and the feed-forward's
+weights as pointers (matrices in the model's dtype, read in place when contiguous; vectors in
+fp32), sizes and scalars, and each block's scratch need; K3's attention-residual vectors; the
+head. The tensors whose memory the pointers name are kept alive here."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kdaserve.model.base import DecoderLayer, HybridForCausalLM
+from kdaserve.model.kda import KimiDeltaAttention
+from kdaserve.model.layers import MLP
+from kdaserve.model.moe import SparseMoE
+from kdaserve.ops.cpu_kernels import activation_args
+
+_I, _F = ctypes.c_int64, ctypes.c_float
+
+_NULL = ctypes.c_void_p(None)
+
+
+def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
+
+
+def _f32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+
+
+class BlockArgs:
+    """Argument tuples for the compiled blocks of one model (see the module doc)."""
+
+    def __init__(self, model: HybridForCausalLM) -> None:
+        self.model = model
+        self.wdtype = model.dtype          # matrices stay in it; vectors are taken in fp32
+        self.hidden = model.config.hidden_size
+        self.keep: list[torch.Tensor] = []      # tensors whose memory the calls read
+
+    def _t(self, t: torch.Tensor) -> ctypes.c_void_p:
+        """A vector (norm weight, bias) or fp32-kept matrix (router), as fp32."""
+        t = t.detach()
+        if not _f32(t):
+            t = t.float().contiguous()
+        self.keep.append(t)
+        return _p(t)
+
+    def _w(self, t: torch.Tensor) -> ctypes.c_void_p:
+        """A weight matrix in the model's dtype, read in place when contiguous."""
+        t = t.detach()
+        if t.dtype != self.wdtype or not t.is_contiguous():
+            t = t.to(self.wdtype).contiguous()
+        self.keep.append(t)
+        return _p(t)
+
+    def mixer(self, layer: DecoderLayer) -> tuple:
+        attn, norm = layer.self_attn, layer.input_layernorm
+        hd = self.hidden
+        if isinstance(attn, KimiDeltaAttention):
+            H, D = attn.num_heads, attn.head_dim
+            lins = attn._input_linears()
+            fused = attn._fused
+            w_in = (fused if fused is not None
+                    and [lin.weight.data_ptr() for lin in lins] == attn._fused_ptrs
+                    else torch.cat([lin.weight.detach() for lin in lins], 0))
+            G = lins[4].weight.shape[0]
+            taps = attn.q_conv1d.kernel_size[0]
+            lb = attn.gate_lower_bound
+            static = dict(
+                head=(_I(hd), _I(H), _I(D), _I(G), _I(taps)),
+                norm=(self._t(norm.weight), _F(norm.eps), self._w(w_in)),
+                conv=(self._t(attn._conv_weight_t()), self._w(attn.f_b_proj.weight),
+                      self._t(attn.dt_bias), self._t(attn.A_log.detach().view(H).exp()),
+                      _F(0.0 if lb is None else lb), _I(lb is not None),
+                      self._w(attn.g_b_proj.weight) if not attn.full_rank_gate
+                      else ctypes.c_void_p(None),
+                      self._t(attn.o_norm.weight), _F(attn.o_norm.eps),
+                      self._w(attn.o_proj.weight), _F(D ** -0.5)),
+                index=attn.kda_index)
+            P = 3 * H * D + D + G + H
+            return ("kda", static, (2 * hd + P + 6 * H * D, 3 * D + 4 * max(hd, H * D, D)))
+        H, N, R = attn.num_heads, attn.nope, attn.rope
+        Dc, Vd = attn.kv_lora_rank, attn.v_dim
+        if hasattr(attn, "q_proj"):
+            q_lora, Qr = (_NULL, _NULL, _F(0.0)), 0
+            w_q = attn.q_proj.weight
+        else:
+            qn = attn.q_a_layernorm
+            q_lora, Qr = (self._w(attn.q_a_proj.weight), self._t(qn.weight), _F(qn.eps)), \
+                attn.q_a_proj.weight.shape[0]
+            w_q = attn.q_b_proj.weight
+        gate = self._w(attn.g_proj.weight) if hasattr(attn, "g_proj") else _NULL
+        static = dict(
+            head=(_I(hd), _I(H), _I(N), _I(R), _I(Dc), _I(Vd)),
+            weights=(self._t(norm.weight), _F(norm.eps), *q_lora, _I(Qr), self._w(w_q),
+                     self._w(attn.kv_a_proj_with_mqa.weight),
+                     self._t(attn.kv_a_layernorm.weight), _F(attn.kv_a_layernorm.eps),
+                     self._w(attn.kv_b_proj.weight)),
+            tail=(gate, self._w(attn.o_proj.weight), _F(attn.scale)),
+            index=attn.mla_index)
+        return ("mla", static, (2 * hd + H * (N + R) + Dc + R + 2 * H * Vd + Qr,
+                                H * Dc + Dc + R + 4 * max(hd, H * Vd)))
+
+    def ffn(self, layer: DecoderLayer) -> tuple:
+        ffn, norm = layer.ffn, layer.post_attention_layernorm
+        hd = self.hidden
+        act = tuple(f(v) for f, v in zip((_I, _F, _F), activation_args(ffn.act)))
+        if isinstance(ffn, MLP):
+            i = ffn.gate_proj.weight.shape[0]
+            args = (_I(hd), _I(i), None, self._t(norm.weight), _F(norm.eps),
+                    self._w(ffn.gate_proj.weight), self._w(ffn.up_proj.weight),
+                    self._w(ffn.down_proj.weight), *act)
+            return ("mlp", args, (3 * hd + 2 * i, 4 * max(hd, i)))
+        sh = ffn.shared_experts
+        i_s = sh.gate_proj.weight.shape[0] if sh is not None else 0
+        E, inter, Wd = ffn.num_experts, ffn.intermediate, ffn.width
+        r = ffn.gate
+        if ffn.is_latent:
+            ln = ffn.routed_expert_norm
+            latent = (self._w(ffn.routed_expert_down_proj.weight),
+                      self._t(ln.weight) if ln is not None else _NULL,
+                      _F(ln.eps if ln is not None else 0.0),
+                      self._w(ffn.routed_expert_up_proj.weight))
+        else:
+            latent = (_NULL, _NULL, _F(0.0), _NULL)
+        args = (_I(hd), _I(E), _I(inter), _I(r.top_k), None, self._t(norm.weight), _F(norm.eps),
+                self._t(r.weight), self._t(r.e_score_correction_bias), _I(r.renormalize),
+                _F(r.scaling), *self._experts(ffn),
+                self._w(sh.gate_proj.weight) if sh is not None else _NULL,
+                self._w(sh.up_proj.weight) if sh is not None else _NULL,
+                self._w(sh.down_proj.weight) if sh is not None else _NULL,
+                _I(i_s), *act, _I(Wd), *latent)
+        K = r.top_k
+        return ("moe", args, (3 * hd + E + 2 * K + 2 * Wd + K * (Wd + 3 * inter) + 2 * i_s,
+                              E + 4 * max(hd, 2 * inter, i_s)))
+
+    def attn_res(self, model: HybridForCausalLM) -> dict | None:
+        """K3's block attention-residuals: per layer the folded mix vectors before the mixer
+        and the feed-forward (norm weight * proj weight, model/attn_res.py) and whether the
+        layer starts a block; the output mix's vector; the bank's size."""
+        new_bank = getattr(model, "new_bank", None)
+        if new_bank is None or new_bank() is None:
+            return None
+        fold = (lambda norm, proj: self._t(norm.weight.detach().float()
+                                          * proj.weight.detach().float().view(-1)))
+        layers = [(fold(ly.self_attention_res_norm, ly.self_attention_res_proj),
+                   fold(ly.mlp_res_norm, ly.mlp_res_proj), ly.is_block_start)
+                  for ly in model.model.layers]
+        m = model.model
+        return dict(layers=layers, out=fold(m.output_attn_res_norm, m.output_attn_res_proj),
+                    eps=_F(model.config.rms_norm_eps),
+                    sources=sum(start for _, _, start in layers))
+
+    def head(self) -> tuple:
+        m = self.model
+        norm = m.model.norm
+        return (_I(self.hidden), _I(m.lm_head.weight.shape[0]), self._t(norm.weight),
+                _F(norm.eps), self._w(m.lm_head.weight))
+
+    def _experts(self, ffn: SparseMoE) -> tuple:
+        """(w13, w2, transposed): the stacks read in place, in whichever layout they are."""
+        w13t, w2t = ffn.experts_w13.transpose(1, 2), ffn.experts_w2.transpose(1, 2)
+        if w13t.is_contiguous() and w2t.is_contiguous():
+            return self._w(w13t), self._w(w2t), _I(1)
+        return self._w(ffn.experts_w13), self._w(ffn.experts_w2), _I(0)
