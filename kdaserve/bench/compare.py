@@ -156,7 +156,9 @@ def run(args: argparse.Namespace) -> int:
     if args.setup_peers:
         setup_peers(peers, model, args.dtype)
     found = find_peer(peers, model, args.dtype)
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    from kdaserve.model.registry import load_config
+
+    vocab = load_config(model).vocab_size        # also a kimi_k3 layout (under text_config)
     single_prompt = _prompts(1, args.single_input, vocab, args.seed)[0]
     batch_prompts = _prompts(args.batch, args.batch_input, vocab, args.seed + 1)
     prefill_prompt = _prompts(1, args.prefill, vocab, args.seed + 2)[0]
