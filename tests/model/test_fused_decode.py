@@ -9,6 +9,10 @@ import copy
 
 import pytest
 import torch
+from fused_cases import clone_cache as _clone
+from fused_cases import prefill as _prefill
+from fused_cases import round_to_bf16 as _round_to_bf16
+from tiny_models import random_model, tiny_config
 from torch import nn
 
 from kdaserve.assets import kimi_linear_demo_path
@@ -17,37 +21,10 @@ from kdaserve.model.batch import HybridCache, build_forward_batch
 from kdaserve.model.fused_decode import FusedDecoder, fused_decoder, supports
 from kdaserve.model.moe import SparseMoE
 from kdaserve.request import SamplingParams
-from tiny_models import random_model, tiny_config
 
 pytestmark = pytest.mark.skipif(
     __import__("kdaserve.ops.cpu_kernels", fromlist=["x"]).decode_block_kernels() is None,
     reason="no C compiler: the fused decode path is off")
-
-
-def _prefill(model, cache, tables, slots, prompts):
-    fb = build_forward_batch([len(p) for p in prompts], [0] * len(prompts),
-                             conv_kernel=model.config.conv_kernel_size,
-                             chunk_size=model.chunk_size, cache=cache, block_tables=tables,
-                             state_slots=slots)
-    with torch.inference_mode():
-        model(torch.tensor([t for p in prompts for t in p]), fb)
-
-
-def _clone(cache: HybridCache, dtype: torch.dtype | None = None) -> HybridCache:
-    """A copy; with `dtype`, its MLA pages and conv windows in it (KDA states stay fp32)."""
-    out = HybridCache(**{f: ([t.clone() for t in v] if isinstance(v, list)
-                             else v.clone() if isinstance(v, torch.Tensor) else v)
-                         for f, v in vars(cache).items()})
-    if dtype is not None:
-        for name in ("mla_pages", "kda_conv", "snap_conv"):
-            setattr(out, name, [t.to(dtype) for t in getattr(out, name)])
-    return out
-
-
-def _round_to_bf16(cache: HybridCache) -> None:
-    """What a bf16 cache keeps of the fp32 MLA pages and conv windows, in place."""
-    for t in cache.mla_pages + cache.kda_conv:
-        t.copy_(t.to(torch.bfloat16))
 
 
 def _full_rank_config():

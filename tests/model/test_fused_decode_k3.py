@@ -9,6 +9,9 @@ import copy
 
 import pytest
 import torch
+from fused_cases import clone_cache as _clone
+from fused_cases import prefill as _prefill
+from fused_cases import round_to_bf16 as _round_to_bf16
 from k3_models import k3_raw, random_k3
 
 from kdaserve.assets import default_model_path
@@ -32,21 +35,6 @@ def _model(seed: int, **over):
             if name.endswith("res_proj.weight"):
                 p.normal_(0, 0.5)
     return cfg, model
-
-
-def _prefill(model, cache, tables, slots, prompts):
-    fb = build_forward_batch([len(p) for p in prompts], [0] * len(prompts),
-                             conv_kernel=model.config.conv_kernel_size,
-                             chunk_size=model.chunk_size, cache=cache, block_tables=tables,
-                             state_slots=slots)
-    with torch.inference_mode():
-        model(torch.tensor([t for p in prompts for t in p]), fb)
-
-
-def _clone(cache: HybridCache) -> HybridCache:
-    return HybridCache(**{f: ([t.clone() for t in v] if isinstance(v, list)
-                              else v.clone() if isinstance(v, torch.Tensor) else v)
-                          for f, v in vars(cache).items()})
 
 
 def _setup(cfg, model, rows, seed):
@@ -148,11 +136,8 @@ def test_k3_bf16_step_matches_fp32_forward_of_the_rounded_weights():
     model = model.to_dtype(torch.bfloat16)
     ref_model = copy.deepcopy(model).to_dtype(torch.float32)
     ref_cache, g, prompts, tables, slots = _setup(cfg, ref_model, 3, 7)
-    for t in ref_cache.mla_pages + ref_cache.kda_conv:
-        t.copy_(t.to(torch.bfloat16))
-    cache = _clone(ref_cache)
-    for name in ("mla_pages", "kda_conv", "snap_conv"):
-        setattr(cache, name, [t.to(torch.bfloat16) for t in getattr(cache, name)])
+    _round_to_bf16(ref_cache)
+    cache = _clone(ref_cache, torch.bfloat16)
     fused = fused_decoder(model, cache)
     assert isinstance(fused, FusedDecoder) and fused.wdtype == torch.bfloat16
     for step in range(4):
@@ -163,8 +148,7 @@ def test_k3_bf16_step_matches_fp32_forward_of_the_rounded_weights():
                                  block_tables=tables, state_slots=slots)
         with torch.inference_mode():
             want, _ = ref_model(ids, fb)
-        for t in ref_cache.mla_pages + ref_cache.kda_conv:
-            t.copy_(t.to(torch.bfloat16))
+        _round_to_bf16(ref_cache)
         got = fused(ids, torch.tensor(ctx), torch.tensor(slots), torch.tensor(tables), cache)
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
