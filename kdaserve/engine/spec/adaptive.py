@@ -44,7 +44,9 @@ class StepCostModel:
     """Online least squares of step seconds on (1, tokens, drafting rows, verifies), lightly
     pulled towards a prior so that it is defined from the first step. The normal equations
     are kept as running sums over the window (a sample leaving it is subtracted), so a fit
-    costs one 4x4 solve, not a pass over the window: it runs every step."""
+    costs one 4x4 solve, not a pass over the window, and is solved only when a plan asks for
+    it (every step while the drafter is awake; a sleeping drafter's steps only add their
+    sample)."""
 
     window: int = 512
     prior: tuple[float, ...] = (5e-3, 5e-5, 2e-4, 0.0)
@@ -55,7 +57,8 @@ class StepCostModel:
     _scale: tuple[float, ...] = (1.0, 100.0, 1.0, 1.0)
     _xx: list = field(default_factory=lambda: [[0.0] * FEATURES for _ in range(FEATURES)])
     _xy: list = field(default_factory=lambda: [0.0] * FEATURES)
-    _fit: tuple[float, ...] | None = None
+    _fit: tuple[float, ...] | None = None      # None: samples came since the last solve
+    _last: tuple[float, ...] | None = None     # the last solve's result
 
     def predict(self, tokens: float, drafting_rows: float, verifies: bool) -> float:
         a, b, c, d = self.coefficients()
@@ -67,7 +70,11 @@ class StepCostModel:
         if seconds <= 0 or self.seen <= self.warmup:
             return
         if len(self.samples) >= 8:            # a pause (GC, another process) is not a cost
-            seconds = min(seconds, 4.0 * self.predict(tokens, drafting_rows, verifies))
+            # against the last fit, stale or not: a solve per step would cost more than the
+            # clip is worth (this runs every step, the drafter asleep or not)
+            a, b, c, d = self._last if self._last is not None else self.coefficients()
+            seconds = min(seconds, 4.0 * (a + b * tokens + c * drafting_rows
+                                          + (d if verifies else 0.0)))
         row = (1.0, float(tokens), float(drafting_rows), float(verifies), seconds)
         self.samples.append(row)
         self._add(row, 1.0)
@@ -76,11 +83,18 @@ class StepCostModel:
         self._fit = None
 
     def _add(self, row: tuple[float, ...], sign: float) -> None:
-        x = [row[i] / self._scale[i] for i in range(FEATURES)]
+        x = [v / s for v, s in zip(row, self._scale)]
+        y = sign * row[FEATURES]
+        xy, xx = self._xy, self._xx
         for i in range(FEATURES):
-            self._xy[i] += sign * x[i] * row[FEATURES]
+            xi = x[i]
+            if not xi:           # a step without drafts: most products are zero
+                continue
+            xy[i] += xi * y
+            si, r = sign * xi, xx[i]
             for j in range(FEATURES):
-                self._xx[i][j] += sign * x[i] * x[j]
+                if x[j]:
+                    r[j] += si * x[j]
 
     def coefficients(self) -> tuple[float, float, float, float]:
         """(a, b, c, d), each >= 0 (a tiny floor keeps ratios finite; d may be 0)."""
@@ -95,6 +109,7 @@ class StepCostModel:
             floor = (1e-7, 1e-7, 1e-7, 0.0)
             self._fit = (tuple(self.prior) if w is None else
                          tuple(max(w[i] / self._scale[i], floor[i]) for i in range(FEATURES)))
+            self._last = self._fit
         return self._fit                      # type: ignore[return-value]
 
 
@@ -161,7 +176,7 @@ class AdaptiveSpeculation:
     ema: float = 0.2               # weight of each new trial in a request's acceptance
     probe_every: int = 16          # steps a request waits at least between probes
     probe_share: float = 0.03      # of the predicted step time, at most, spent on probes
-    sleep_after: int | None = 64   # plans in a row without an earned draft: sleep (None: never)
+    sleep_after: int | None = 32   # plans in a row without an earned draft: sleep (None: never)
     wake_after: int = 256          # steps asleep before an admission wakes the drafter
     sleep_trials: int = 2          # verified blocks since waking, at least, before a sleep
     max_wake_after: int = 1 << 14
@@ -283,9 +298,12 @@ class AdaptiveSpeculation:
             return
         if self._asleep >= self._wait or max(1, rows).bit_length() != self._sleep_bucket:
             self.dormant, self._streak = False, 0
-            # one probe's worth of credit: the woken drafter gets to try a block at once
+            # the credit of the probes a sleep needs as evidence: the woken drafter tries its
+            # blocks at once rather than staying awake (capturing, proposing: ~15% of a fused
+            # CPU step) for the hundreds of steps probe_share would take to earn them
             a, b, c, d = self.cost.coefficients()
-            self._credit = max(self._credit, 2 * (b * self.max_drafts + c + d))
+            self._credit = max(self._credit,
+                               2 * max(1, self.sleep_trials) * (b * self.max_drafts + c + d))
 
     def initial_drafts(self, base_tokens: int) -> int:
         """Drafts to propose for a request that has not decoded yet (its prompt is being
