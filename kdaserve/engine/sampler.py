@@ -1,8 +1,10 @@
 """Batched sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
-Sampling uses the exponential-race form (argmax p_i / E_i with E_i ~ Exp(1)), so a request's
-token depends only on its own probabilities and its own noise: a seeded request draws its
-noise from its own generator, which makes it reproducible whatever its batch mates are.
+A sampled row draws one uniform from its own request's stream and takes the token at that
+point of its processed distribution's CDF, so its token depends only on its own probabilities
+and its own stream: a seeded request is reproducible whatever its batch mates are. On CPU the
+compiled sampler (kdaserve/ops/sample_kernel.py) does the work for the batch; the torch form
+here is its reference and serves everything else (logit_bias, grammar masks, other devices).
 
 Legend: S rows to sample, V vocabulary.
 """
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kdaserve.ops.sample_kernel import sample_rows_kernel
 from kdaserve.outputs import SampledToken
 from kdaserve.request import SamplingParams
 from kdaserve.structured import bitmask as token_bitmask
@@ -162,11 +165,46 @@ def _top_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, rows: list[Sampl
     return out
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-    """logits [S, V] (any float dtype) -> one token per row."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow], fast: bool = True
+           ) -> list[SampledToken]:
+    """logits [S, V] (any float dtype) -> one token per row. fast: through the compiled
+    sampler where it applies (CPU logits, no logit_bias or grammar mask); the torch form
+    below is its reference."""
     logits = logits.float()
     wants_logprobs = any(r.params.logprobs is not None for r in rows)
     raw_logprobs = logits.log_softmax(-1) if wants_logprobs else None
+    kernel = sample_rows_kernel() if fast and logits.device.type == "cpu" else None
+    # greedy rows without penalties are an argmax: torch's is quicker than the call
+    if kernel is not None and not any(r.params.logit_bias or r.bitmask is not None
+                                      for r in rows) \
+            and any(r.params.temperature > 0 or penalised(r.params) for r in rows):
+        tokens = _sample_compiled(kernel, logits, rows)
+    else:
+        tokens = _sample_torch(logits, rows)
+    if raw_logprobs is None:
+        return [SampledToken(t) for t in tokens.tolist()]
+    lps = _top_logprobs(raw_logprobs, tokens, rows)
+    return [SampledToken(int(t), lp, top) for t, (lp, top) in zip(tokens.tolist(), lps)]
+
+
+def _uniform(row: SamplingRow) -> float:
+    """The row's uniform for its draw, from its own stream (one per sampled token)."""
+    return float(torch.rand(1, generator=row.generator))
+
+
+def _sample_compiled(kernel, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    V = logits.shape[-1]
+    ps = [r.params for r in rows]
+    return kernel(
+        logits, [p.temperature for p in ps], [p.top_k or V for p in ps],
+        [p.top_p for p in ps], [p.min_p for p in ps],
+        [_uniform(r) if r.params.temperature > 0 else 0.0 for r in rows],
+        [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in ps],
+        [((r.prompt_token_ids if r.params.repetition_penalty != 1.0 else ()),
+          r.output_token_ids) if penalised(r.params) else None for r in rows])
+
+
+def _sample_torch(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     logits = _constrain(_penalise(logits, rows), rows)
     greedy_tok = logits.argmax(-1)
     tokens = greedy_tok
@@ -180,15 +218,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         # inverse CDF: one uniform per row from that request's own stream (a draw per vocab
         # entry, as an exponential race takes, cost ~80 us a row at vocab 4,096)
         cdf = sub.softmax(-1).cumsum(-1)
-        u = torch.empty(len(idx))
-        for j, i in enumerate(idx.tolist()):
-            u[j] = torch.rand(1, generator=rows[i].generator)
+        u = torch.tensor([_uniform(rows[i]) for i in idx.tolist()], dtype=torch.float32)
         x = (1.0 - u)[:, None] * cdf[:, -1:]            # in (0, total]: never a zero-mass token
         tokens[idx] = torch.searchsorted(cdf, x).clamp(max=cdf.shape[-1] - 1)[:, 0]
-    if raw_logprobs is None:
-        return [SampledToken(t) for t in tokens.tolist()]
-    lps = _top_logprobs(raw_logprobs, tokens, rows)
-    return [SampledToken(int(t), lp, top) for t, (lp, top) in zip(tokens.tolist(), lps)]
+    return tokens
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -100,8 +100,9 @@ def test_top_k_top_p_matches_a_full_sort(scale):
     assert torch.equal(got[same], want[same])
 
 
+@pytest.mark.parametrize("fast", [True, False])         # the compiled sampler, the torch form
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_sampled_tokens_follow_the_processed_distribution(temperature, top_p):
+def test_sampled_tokens_follow_the_processed_distribution(temperature, top_p, fast):
     """Chi-square over 20,000 draws: sample() draws from softmax(filter(logits / T)), zero-mass
     tokens never."""
     from kdaserve.engine.sampler import _filter
@@ -115,7 +116,7 @@ def test_sampled_tokens_follow_the_processed_distribution(temperature, top_p):
     n = 20_000
     counts = torch.zeros(12)
     for _ in range(n // 100):
-        toks = sample(logits.expand(100, -1), [row] * 100)
+        toks = sample(logits.expand(100, -1), [row] * 100, fast=fast)
         for t in toks:
             counts[t.token_id] += 1
     assert counts[want == 0].sum() == 0

@@ -39,7 +39,8 @@ def target_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from probs [V] (the exponential race, as the sampler draws)."""
+    """One token from probs [V] by the exponential race (a draw per vocabulary entry; the
+    sampler's plain steps take one uniform and the inverse CDF instead)."""
     noise = torch.empty(probs.shape[-1]).exponential_(1.0, generator=generator)
     return int((probs / noise).argmax())
 

@@ -1,0 +1,332 @@
+/* Sampling rows of logits on CPU in one call: repetition, frequency and presence penalties
+ * from each row's history, temperature, top-k, top-p, min-p and an inverse-CDF draw with the
+ * row's own uniform (kdaserve/engine/sampler.py, whose torch form stays the oracle:
+ * tests/engine/test_sample_kernel.py). The torch form costs ~0.4 ms for one row and ~5 ms for
+ * 32 at vocab 4,096 (a few dozen small ops, a top-k, the penalties rebuilt from Python lists);
+ * here a row is a few passes over its vocabulary.
+ *
+ * Same arithmetic as the torch form where it decides a token: penalties apply the same float
+ * operations in the same order (bit-identical logits), greedy rows take the first maximum.
+ * The nucleus boundary and the draw sum probabilities in another order (here in double), so a
+ * sampled row can differ from the torch form's when its uniform falls within rounding of a
+ * token boundary; the distribution is the same. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fastmath.h"
+
+typedef struct {
+    float v;
+    int32_t i;
+} Cand;
+
+/* a ranks below b: lower value, or the same value at a later index (the order the torch
+ * form's top-k and sort give, ties aside) */
+static inline int worse(const Cand *a, const Cand *b) {
+    return a->v < b->v || (a->v == b->v && a->i > b->i);
+}
+
+static inline int later(const Cand *a, const Cand *b) { return a->i > b->i; }
+static inline int better(const Cand *a, const Cand *b) { return worse(b, a); }
+
+/* heaps with the comparison inlined (qsort's call per comparison cost more than the rest of
+ * a row): by_rank keeps the worst at the root, by_index the latest, best_first the best */
+#define SIFT_DOWN(name, before)                                                       \
+    static void name(Cand *h, int64_t n, int64_t i) {                                 \
+        for (;;) {                                                                    \
+            int64_t w = i, l = 2 * i + 1, r = l + 1;                                  \
+            if (l < n && before(&h[l], &h[w])) w = l;                                 \
+            if (r < n && before(&h[r], &h[w])) w = r;                                 \
+            if (w == i) return;                                                       \
+            const Cand t = h[i];                                                      \
+            h[i] = h[w];                                                              \
+            h[w] = t;                                                                 \
+            i = w;                                                                    \
+        }                                                                             \
+    }
+SIFT_DOWN(sift_by_rank, worse)
+SIFT_DOWN(sift_by_index, later)
+SIFT_DOWN(sift_best_first, better)
+
+/* heap -> sorted in place: the root goes last each time (best first by rank, ascending
+ * index by index) */
+static void heap_sort(Cand *h, int64_t n, void (*sift)(Cand *, int64_t, int64_t)) {
+    for (int64_t end = n - 1; end > 0; --end) {
+        const Cand t = h[0];
+        h[0] = h[end];
+        h[end] = t;
+        sift(h, end, 0);
+    }
+}
+
+/* c[0:k) = the k best of x[0:V), best first: a heap of the k best so far, whose root (the
+ * worst of them) most tokens fail to beat, so a pass is mostly one compare a token */
+static void top_sorted(const float *x, int64_t V, int64_t k, Cand *c) {
+    for (int64_t i = 0; i < k; ++i) c[i].v = x[i], c[i].i = (int32_t)i;
+    for (int64_t i = k / 2 - 1; i >= 0; --i) sift_by_rank(c, k, i);
+    for (int64_t i = k; i < V; ++i) {
+        if (x[i] > c[0].v) {
+            c[0].v = x[i], c[0].i = (int32_t)i;
+            sift_by_rank(c, k, 0);
+        }
+    }
+    heap_sort(c, k, sift_by_rank);
+}
+
+/* the first index of the largest value (torch's argmax): the maximum in eight lanes
+ * (vectorised), then its first place */
+static int64_t argmax(const float *x, int64_t V) {
+    float lanes[8];
+    int64_t i = 0;
+    for (int j = 0; j < 8; ++j) lanes[j] = -INFINITY;
+    for (; i + 8 <= V; i += 8)
+        for (int j = 0; j < 8; ++j) lanes[j] = x[i + j] > lanes[j] ? x[i + j] : lanes[j];
+    float m = -INFINITY;
+    for (int j = 0; j < 8; ++j) m = lanes[j] > m ? lanes[j] : m;
+    for (; i < V; ++i) m = x[i] > m ? x[i] : m;
+    for (i = 0; i < V; ++i)
+        if (x[i] == m) return i;
+    return 0;                   /* all NaN */
+}
+
+/* sum of exp(x - mx) in eight lanes (vectorised) */
+static double exp_sum(const float *x, int64_t V, float mx) {
+    float lanes[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8)
+        for (int j = 0; j < 8; ++j) lanes[j] += exp_approx(x[i + j] - mx);
+    double z = 0.0;
+    for (int j = 0; j < 8; ++j) z += lanes[j];
+    for (; i < V; ++i) z += exp_approx(x[i] - mx);
+    return z;
+}
+
+/* x[t] of each token in the history penalised as sampler.Penalties.apply does: repetition on
+ * tokens of the prompt (when rep != 1) and of the output, frequency and presence on the
+ * output's counts. counts and mark [V] come in zeroed and are left zeroed. */
+static void penalise(float *x, int64_t V, const int32_t *hist, int64_t n_prompt, int64_t n,
+                     float rep, float freq, float pres, float *counts, uint8_t *mark) {
+    for (int64_t j = n_prompt; j < n; ++j) {
+        int32_t t = hist[j] < V ? hist[j] : (int32_t)(V - 1);
+        if (t >= 0) counts[t] += 1.0f;
+    }
+    for (int64_t j = rep != 1.0f ? 0 : n_prompt; j < n; ++j) {
+        int32_t t = hist[j] < V ? hist[j] : (int32_t)(V - 1);
+        if (t < 0 || mark[t]) continue;
+        mark[t] = 1;
+        float v = x[t];
+        v = v > 0.0f ? v / rep : v * rep;
+        const float c = counts[t];
+        x[t] = v - (freq * c + pres * (c > 0.0f ? 1.0f : 0.0f));
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        int32_t t = hist[j] < V ? hist[j] : (int32_t)(V - 1);
+        if (t >= 0) counts[t] = 0.0f, mark[t] = 0;
+    }
+}
+
+/* The nucleus's size over the first K of c (sorted best first): rank r stays while r < top_k
+ * and the mass strictly above it is below top_p (rank 0 always). Returns -1 when it does not
+ * close inside them. */
+static int64_t close_nucleus(const Cand *c, int64_t K, float mx, double z, int64_t top_k,
+                             float top_p) {
+    double above = 0.0;
+    int64_t keep = 0;
+    for (; keep < K; ++keep) {
+        if (keep > 0 && (keep >= top_k || above >= (double)top_p)) return keep;
+        above += (double)exp_approx(c[keep].v - mx) / z;
+    }
+    return keep >= top_k || above >= (double)top_p ? keep : -1;
+}
+
+/* How many of the best tokens top-k and top-p keep; c[0:keep) are they (in no order). The
+ * tokens go into buckets of 1/32 nat below the best by value (one pass): every bucket before
+ * the one where the mass or the count reaches top_p or top_k is kept whole, the ones after it
+ * dropped, and only that boundary bucket's tokens are ranked, best first from a heap (the
+ * torch form sorts the vocabulary). A boundary past SPAN nats (a flat distribution over a
+ * huge vocabulary) falls back to ranking the 256, 4,096 best, then all. */
+#define NB 1024
+#define SPAN 32.0f
+static int64_t nucleus_buckets(const float *x, int64_t V, float mx, int64_t top_k,
+                               float top_p, Cand *c) {
+    double mass[NB + 1] = {0};
+    int64_t cnt[NB + 1] = {0};
+    double z = 0.0;
+    for (int64_t i = 0; i < V; ++i) {
+        const float d = mx - x[i];
+        const float w = exp_approx(-d);
+        const int64_t b = d < SPAN ? (int64_t)(d * (NB / SPAN)) : NB;
+        mass[b] += w;
+        cnt[b] += 1;
+    }
+    for (int64_t b = 0; b <= NB; ++b) z += mass[b];
+    const double p = (double)top_p * z;
+    double before = 0.0;
+    int64_t rank = 0, edge = 0;
+    for (; edge < NB; ++edge) {
+        if (rank + cnt[edge] >= top_k || before + mass[edge] >= p) break;
+        before += mass[edge];
+        rank += cnt[edge];
+    }
+    if (edge == NB) {                                  /* the boundary is in the tail */
+        for (int64_t K = V < 256 ? V : 256;; K = K * 16 < V ? K * 16 : V) {
+            top_sorted(x, V, K, c);
+            const int64_t keep = close_nucleus(c, K, mx, z, top_k, top_p);
+            if (keep >= 0 || K == V) return keep >= 0 ? keep : K;
+        }
+    }
+    /* the kept buckets' tokens first, the boundary bucket's after them */
+    int64_t n = 0, m = rank;
+    for (int64_t i = 0; i < V; ++i) {
+        const float d = mx - x[i];
+        const int64_t b = d < SPAN ? (int64_t)(d * (NB / SPAN)) : NB;
+        if (b < edge) c[n].v = x[i], c[n++].i = (int32_t)i;
+        else if (b == edge) c[m].v = x[i], c[m++].i = (int32_t)i;
+    }
+    Cand *e = c + rank;
+    int64_t h = m - rank;
+    for (int64_t i = h / 2 - 1; i >= 0; --i) sift_best_first(e, h, i);
+    int64_t keep = rank;
+    while (h > 0) {
+        if (keep > 0 && (keep >= top_k || before >= p)) break;
+        before += (double)exp_approx(e[0].v - mx);
+        const Cand t = e[0];
+        e[0] = e[--h];
+        e[h] = t;
+        sift_best_first(e, h, 0);
+        ++keep;
+    }
+    /* the boundary's kept tokens sit at its end, e[h:]: move them next to the others */
+    memmove(e, e + h, (size_t)(keep - rank) * sizeof(Cand));
+    return keep;
+}
+
+/* The nucleus (see nucleus_buckets). A peaked distribution (the usual case) first: the
+ * tokens within CLOSE nats of the best, if few, are taken best first from a heap until it
+ * closes, which is exact (they head the whole ranking) when it closes inside them; that is
+ * cheaper than the bucket pass, whose additions into the same few buckets serialise. */
+#define CLOSE 16.0f
+#define MAX_CLOSE 512
+static int64_t nucleus(const float *x, int64_t V, float mx, int64_t top_k, float top_p,
+                       Cand *c) {
+    int64_t n = 0;
+    const float floor_ = mx - CLOSE;
+    for (int64_t i = 0; i < V; ++i) {
+        if (x[i] >= floor_) {
+            if (n == MAX_CLOSE) return nucleus_buckets(x, V, mx, top_k, top_p, c);
+            c[n].v = x[i], c[n++].i = (int32_t)i;
+        }
+    }
+    for (int64_t i = n / 2 - 1; i >= 0; --i) sift_best_first(c, n, i);
+    const double p = (double)top_p * exp_sum(x, V, mx);
+    double above = 0.0;
+    int64_t keep = 0, m = n;
+    for (; m > 0; ++keep) {
+        if (keep > 0 && (keep >= top_k || above >= p)) break;
+        above += (double)exp_approx(c[0].v - mx);
+        const Cand t = c[0];
+        c[0] = c[--m];
+        c[m] = t;
+        sift_best_first(c, m, 0);
+    }
+    if (m == 0 && keep < top_k && above < p)       /* wider than the close ones */
+        return nucleus_buckets(x, V, mx, top_k, top_p, c);
+    memmove(c, c + m, (size_t)keep * sizeof(Cand));
+    return keep;
+}
+
+/* the draw over the whole vocabulary (no top-k or top-p): x becomes the weights */
+static int64_t draw_all(float *x, int64_t V, float mx, float min_p, float u) {
+    float lanes[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8)
+        for (int j = 0; j < 8; ++j) {
+            float w = exp_approx(x[i + j] - mx);
+            w = w < min_p ? 0.0f : w;             /* min_p 0: never */
+            x[i + j] = w;
+            lanes[j] += w;
+        }
+    double total = 0.0;
+    for (int j = 0; j < 8; ++j) total += lanes[j];
+    for (; i < V; ++i) {
+        float w = exp_approx(x[i] - mx);
+        x[i] = w < min_p ? 0.0f : w;
+        total += x[i];
+    }
+    const double target = (1.0 - (double)u) * total;
+    double cum = 0.0;
+    for (i = 0; i < V; ++i) {
+        cum += (double)x[i];
+        if (cum >= target && x[i] > 0.0f) return i;
+    }
+    return -1;
+}
+
+/* the token at (1 - u) of the cumulative weight exp(x - mx) over c[0:n) in vocabulary order
+ * (the order of the torch form's cumsum), tokens under min_p of the best one's weight out.
+ * Many tokens: scattered into w [V] (zeroed, left zeroed) and scanned; few: sorted. */
+static int64_t draw(Cand *c, int64_t n, int64_t V, float mx, float min_p, float u,
+                    float *w) {
+    double total = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+        const float x = exp_approx(c[j].v - mx);
+        c[j].v = (min_p > 0.0f && x < min_p) ? 0.0f : x;
+        total += (double)c[j].v;
+    }
+    const double target = (1.0 - (double)u) * total;    /* in (0, total] */
+    double cum = 0.0;
+    int64_t pick = -1;
+    if (n > 64) {
+        for (int64_t j = 0; j < n; ++j) w[c[j].i] = c[j].v;
+        for (int64_t i = 0; i < V; ++i) {
+            cum += (double)w[i];
+            if (cum >= target && w[i] > 0.0f) {
+                pick = i;
+                break;
+            }
+        }
+        for (int64_t j = 0; j < n; ++j) w[c[j].i] = 0.0f;
+        return pick;
+    }
+    for (int64_t i = n / 2 - 1; i >= 0; --i) sift_by_index(c, n, i);
+    heap_sort(c, n, sift_by_index);
+    for (int64_t j = 0; j < n; ++j) {
+        cum += (double)c[j].v;
+        if (cum >= target && c[j].v > 0.0f) return c[j].i;
+    }
+    return -1;
+}
+
+/* Rows [r0, r1). logits [S,V]; temps, top_p, min_p, u, rep, freq, pres [S] float; top_k [S]
+ * int64 (V: off); hist int32 with hist_off [S+1] int64 and n_prompt [S] (a row's prompt ids
+ * first, then its output ids; empty where not penalised); out [S] int64. scratch: V floats
+ * (the row), V Cand, V floats and V bytes (the penalties' counts and marks, zeroed). */
+void sample_rows(int64_t r0, int64_t r1, int64_t V, const float *logits, const float *temps,
+                 const int64_t *top_k, const float *top_p, const float *min_p, const float *u,
+                 const float *rep, const float *freq, const float *pres, const int32_t *hist,
+                 const int64_t *hist_off, const int64_t *n_prompt, int64_t *out, float *x,
+                 Cand *cand, float *counts, uint8_t *mark) {
+    for (int64_t r = r0; r < r1; ++r) {
+        memcpy(x, logits + r * V, (size_t)V * sizeof(float));
+        const int64_t h0 = hist_off[r], hn = hist_off[r + 1] - h0;
+        if (rep[r] != 1.0f || freq[r] != 0.0f || pres[r] != 0.0f)
+            penalise(x, V, hist + h0, n_prompt[r], hn, rep[r], freq[r], pres[r], counts, mark);
+        int64_t best = argmax(x, V);
+        const float t = temps[r];
+        if (!(t > 0.0f)) {
+            out[r] = best;
+            continue;
+        }
+        for (int64_t i = 0; i < V; ++i) x[i] = x[i] / t;
+        const float mx = x[best];
+        int64_t pick;
+        if (top_k[r] < V || top_p[r] < 1.0f) {
+            const int64_t n = nucleus(x, V, mx, top_k[r], top_p[r], cand);
+            pick = draw(cand, n, V, mx, min_p[r], u[r], counts);
+        } else {
+            pick = draw_all(x, V, mx, min_p[r], u[r]);
+        }
+        out[r] = pick >= 0 ? pick : best;
+    }
+}

@@ -1,0 +1,83 @@
+"""The compiled sampler (csrc/sample_cpu.c): penalties, temperature, top-k, top-p, min-p and
+the draw of a batch of rows in one call, for kdaserve.engine.sampler.sample, whose torch form
+stays the reference (tests/engine/test_sample_kernel.py). A row's history reaches C as one
+int32 array per call (prompt ids, then output ids), only for rows that are penalised."""
+
+from __future__ import annotations
+
+import ctypes
+from array import array
+from collections.abc import Callable, Sequence
+from functools import cache
+
+import torch
+
+from kdaserve.ops.cpu_kernels import _I64, _PTR, _c_function, _ptr, thread_pool
+
+# rows x vocabulary below which one thread samples them all (a hand-off costs ~50 us)
+_PARALLEL_MIN = 64 * 4096
+_CAND_BYTES = 8                       # struct { float v; int32 i; }
+
+SampleRows = Callable[..., torch.Tensor]
+
+
+@cache
+def sample_rows_kernel() -> SampleRows | None:
+    """The compiled sampler, or None (no compiler, disabled, build failed)."""
+    fn = _c_function("sample_cpu.c", "sample_rows", [_I64, _I64, _I64] + [_PTR] * 17)
+    if fn is None:
+        return None
+
+    def run(logits: torch.Tensor, temps: Sequence[float], top_k: Sequence[int],
+            top_p: Sequence[float], min_p: Sequence[float], uniforms: Sequence[float],
+            penalties: Sequence[tuple[float, float, float]],
+            histories: Sequence[tuple[Sequence[int], Sequence[int]] | None]) -> torch.Tensor:
+        """logits [S, V] fp32 (penalised here, constrained already); per row: temperature
+        (0: greedy), top_k (V or more: off), top_p, min_p, its uniform in [0, 1) (ignored when
+        greedy), (repetition, frequency, presence), and (prompt ids, output ids) where
+        penalised (else None; the prompt ids matter only with a repetition penalty).
+        Returns the tokens [S] int64."""
+        S, V = logits.shape
+        logits = logits.float().contiguous()
+        f32 = [torch.tensor(v, dtype=torch.float32) for v in (
+            temps, top_p, min_p, uniforms, [p[0] for p in penalties],
+            [p[1] for p in penalties], [p[2] for p in penalties])]
+        hist, off, n_prompt = array("i"), array("q", [0]), array("q")
+        for h in histories:
+            if h is not None:
+                prompt, output = h
+                hist.extend(prompt)
+                n_prompt.append(len(prompt))
+                hist.extend(output)
+            else:
+                n_prompt.append(0)
+            off.append(len(hist))
+        hist_t = (torch.frombuffer(hist, dtype=torch.int32) if len(hist)
+                  else torch.zeros(1, dtype=torch.int32))
+        off_t = torch.frombuffer(off, dtype=torch.int64)
+        np_t = torch.frombuffer(n_prompt, dtype=torch.int64)
+        k_t = torch.tensor(top_k, dtype=torch.int64).clamp_(max=V)
+        out = torch.empty(S, dtype=torch.int64)
+        parts = min(torch.get_num_threads(), S) if S * V >= _PARALLEL_MIN else 1
+        # per part: the row (V floats), candidates (V), counts (V floats), marks (V bytes)
+        row_bytes = (V * (4 + _CAND_BYTES + 4) + V + 63) // 64 * 64
+        scratch = torch.empty(parts, row_bytes, dtype=torch.uint8)
+        scratch[:, V * (4 + _CAND_BYTES):].zero_()
+        bounds = [S * i // parts for i in range(parts + 1)]
+
+        def rows(i: int) -> None:
+            base = scratch[i].data_ptr()
+            fn(bounds[i], bounds[i + 1], V, _ptr(logits), *(_ptr(t) for t in f32[:1]),
+               _ptr(k_t), *(_ptr(t) for t in f32[1:]), _ptr(hist_t), _ptr(off_t), _ptr(np_t),
+               _ptr(out), ctypes.c_void_p(base), ctypes.c_void_p(base + 4 * V),
+               ctypes.c_void_p(base + (4 + _CAND_BYTES) * V),
+               ctypes.c_void_p(base + (8 + _CAND_BYTES) * V))
+
+        if parts == 1:
+            rows(0)
+        else:
+            for f in [thread_pool(parts).submit(rows, i) for i in range(parts)]:
+                f.result()
+        return out
+
+    return run
