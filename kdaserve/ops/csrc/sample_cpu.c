@@ -140,6 +140,27 @@ static int64_t close_nucleus(const Cand *c, int64_t K, float mx, double z, int64
     return keep >= top_k || above >= (double)top_p ? keep : -1;
 }
 
+/* Ranks rank, rank + 1, ... of the nucleus taken best first from e[0:h) (a heap built here)
+ * while rank < top_k and the mass above, *above (unnormalised; p = top_p times the total), is
+ * below p: rank 0 always. The taken ones end up at e[0:taken) (the others are overwritten);
+ * returns the rank reached. Only the taken ones get ordered (usually a few of the h). */
+static int64_t take_best(Cand *e, int64_t h, int64_t rank, int64_t top_k, double p, float mx,
+                         double *above) {
+    for (int64_t i = h / 2 - 1; i >= 0; --i) sift_best_first(e, h, i);
+    int64_t m = h, keep = rank;
+    while (m > 0) {
+        if (keep > 0 && (keep >= top_k || *above >= p)) break;
+        *above += (double)exp_approx(e[0].v - mx);
+        const Cand t = e[0];
+        e[0] = e[--m];
+        e[m] = t;
+        sift_best_first(e, m, 0);
+        ++keep;
+    }
+    memmove(e, e + m, (size_t)(h - m) * sizeof(Cand));    /* popped to the end: to the front */
+    return keep;
+}
+
 /* How many of the best tokens top-k and top-p keep; c[0:keep) are they (in no order). The
  * tokens go into buckets of 1/32 nat below the best by value (one pass): every bucket before
  * the one where the mass or the count reaches top_p or top_k is kept whole, the ones after it
@@ -184,22 +205,7 @@ static int64_t nucleus_buckets(const float *x, int64_t V, float mx, int64_t top_
         if (b < edge) c[n].v = x[i], c[n++].i = (int32_t)i;
         else if (b == edge) c[m].v = x[i], c[m++].i = (int32_t)i;
     }
-    Cand *e = c + rank;
-    int64_t h = m - rank;
-    for (int64_t i = h / 2 - 1; i >= 0; --i) sift_best_first(e, h, i);
-    int64_t keep = rank;
-    while (h > 0) {
-        if (keep > 0 && (keep >= top_k || before >= p)) break;
-        before += (double)exp_approx(e[0].v - mx);
-        const Cand t = e[0];
-        e[0] = e[--h];
-        e[h] = t;
-        sift_best_first(e, h, 0);
-        ++keep;
-    }
-    /* the boundary's kept tokens sit at its end, e[h:]: move them next to the others */
-    memmove(e, e + h, (size_t)(keep - rank) * sizeof(Cand));
-    return keep;
+    return take_best(c + rank, m - rank, rank, top_k, p, mx, &before);
 }
 
 /* The nucleus (see nucleus_buckets). A peaked distribution (the usual case) first: the
@@ -218,21 +224,11 @@ static int64_t nucleus(const float *x, int64_t V, float mx, int64_t top_k, float
             c[n].v = x[i], c[n++].i = (int32_t)i;
         }
     }
-    for (int64_t i = n / 2 - 1; i >= 0; --i) sift_best_first(c, n, i);
     const double p = (double)top_p * exp_sum(x, V, mx);
     double above = 0.0;
-    int64_t keep = 0, m = n;
-    for (; m > 0; ++keep) {
-        if (keep > 0 && (keep >= top_k || above >= p)) break;
-        above += (double)exp_approx(c[0].v - mx);
-        const Cand t = c[0];
-        c[0] = c[--m];
-        c[m] = t;
-        sift_best_first(c, m, 0);
-    }
-    if (m == 0 && keep < top_k && above < p)       /* wider than the close ones */
+    const int64_t keep = take_best(c, n, 0, top_k, p, mx, &above);
+    if (keep == n && keep < top_k && above < p)       /* wider than the close ones */
         return nucleus_buckets(x, V, mx, top_k, top_p, c);
-    memmove(c, c + m, (size_t)keep * sizeof(Cand));
     return keep;
 }
 
