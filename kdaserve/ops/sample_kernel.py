@@ -1,6 +1,6 @@
 """The compiled sampler (csrc/sample_cpu.c): penalties, temperature, top-k, top-p, min-p and
 the draw of a batch of rows in one call, for kdaserve.engine.sampler.sample, whose torch form
-stays the reference (tests/engine/test_sample_kernel.py). A row's history reaches C as one
+stays the reference (tests/ops/test_sample_kernel.py). A row's history reaches C as one
 int32 array per call (prompt ids, then output ids), only for rows that are penalised."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 /* Sampling rows of logits on CPU in one call: repetition, frequency and presence penalties
  * from each row's history, temperature, top-k, top-p, min-p and an inverse-CDF draw with the
  * row's own uniform (kdaserve/engine/sampler.py, whose torch form stays the oracle:
- * tests/engine/test_sample_kernel.py). The torch form costs ~0.4 ms for one row and ~5 ms for
+ * tests/ops/test_sample_kernel.py). The torch form costs ~0.4 ms for one row and ~5 ms for
  * 32 at vocab 4,096 (a few dozen small ops, a top-k, the penalties rebuilt from Python lists);
  * here a row is a few passes over its vocabulary.
  *
