@@ -154,6 +154,9 @@ class MLALayout:
     prefill_ctx_lens: torch.Tensor | None = None  # [Bp] cached tokens before each chunk
     decode_blockwise: bool = False         # split-K over the page table (no decode_ctx_mask)
     prefill_blockwise: bool = False        # context tiles + online softmax (no prefill_mask)
+    # fresh prompts of one length: the keys are the first Qp cache rows and the mask is plain
+    # causal, so none is built and the attention skips the future (half the work of a mask)
+    prefill_causal: bool = False
 
 
 @dataclass
@@ -295,7 +298,7 @@ def build_forward_batch(
 
     slot_mapping = decode_ctx_blocks = decode_ctx_mask = prefill_ctx_blocks = prefill_mask = None
     decode_kv_lens = prefill_ctx_lens = None
-    decode_blockwise = prefill_blockwise = False
+    decode_blockwise = prefill_blockwise = prefill_causal = False
     if cache is not None:
         bs = cache.block_size
         if block_tables is None:
@@ -320,7 +323,11 @@ def build_forward_batch(
             prefill_ctx_blocks = bt[num_decode:, :wp]
             prefill_ctx_lens = p_ctx
             prefill_blockwise = Bp * q_len * wp * bs > mla_ops.DENSE_MAX_SCORES
-            if not prefill_blockwise:
+            fresh = all(c == 0 for c in ctx_list[num_decode:]) and \
+                len(set(seq_lens[num_decode:])) == 1
+            if not prefill_blockwise and fresh:
+                prefill_causal = True
+            elif not prefill_blockwise:
                 jk = _arange(wp * bs, device)
                 qpos = p_ctx[:, None] + qi[None]                          # [Bp, Qp]
                 mask = jk[None, None, :] <= qpos[:, :, None]              # [Bp, Qp, Lp]
@@ -336,7 +343,7 @@ def build_forward_batch(
         prefill_mask = mask[:, None]
     mla = MLALayout(slot_mapping, decode_ctx_blocks, decode_ctx_mask, prefill_q_idx,
                     prefill_unpad_idx, prefill_ctx_blocks, prefill_mask, decode_kv_lens,
-                    prefill_ctx_lens, decode_blockwise, prefill_blockwise)
+                    prefill_ctx_lens, decode_blockwise, prefill_blockwise, prefill_causal)
 
     li = None
     if logits_indices is not None:

@@ -120,6 +120,8 @@ class MultiHeadLatentAttention(nn.Module):
                 ctx = own if pages is None else pages.index_select(
                     0, lay.prefill_ctx_blocks.reshape(-1)).view(
                     Bp, -1, pages.shape[-1]).to(x.dtype)                       # [Bp,Lp,Dc+R]
+                if lay.prefill_causal:          # fresh prompts: their own rows, no mask
+                    ctx = ctx[:, :Qp]
                 k, v = self.expand(ctx)
                 o = mla_prefill_attention(qp, k, v, lay.prefill_mask, self.scale)  # [Bp,Qp,H,Vd]
             outs.append(o.reshape(Bp * Qp, self.num_heads, self.v_dim)[lay.prefill_unpad_idx])

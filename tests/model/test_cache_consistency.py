@@ -76,6 +76,46 @@ def test_chunked_prefill_then_decode_equals_full_forward(chunk):
             assert (torch.stack(got[i]) - want).abs().max() < 1e-4
 
 
+def test_fresh_prompts_attend_causally_without_a_mask():
+    """Fresh prompts of one length: the layout builds no mask (plain causal over their own
+    rows, the attention skipping the future) and the logits are those of the masked layout
+    (the same keys, the future masked instead)."""
+    cfg = tiny_config()
+    model = random_model(cfg, seed=4)
+    g = torch.Generator().manual_seed(4)
+    chunks = [torch.randint(0, 64, (13,), generator=g).tolist() for _ in range(2)]
+    causal, masked = CachedRunner(model, 2), CachedRunner(model, 2)
+    fb = build_forward_batch([13, 13], [0, 0], conv_kernel=4, chunk_size=8,
+                             cache=causal.cache, block_tables=causal.tables,
+                             state_slots=[1, 2])
+    assert fb.mla.prefill_causal and fb.mla.prefill_mask is None
+    got = causal.step([0, 1], chunks, [0, 0])
+
+    real = build_forward_batch
+
+    def with_mask(*args, **kw):        # the same step, its causal mask built explicitly
+        fb = real(*args, **kw)
+        lay = fb.mla
+        if lay.prefill_causal:
+            keys = lay.prefill_ctx_blocks.shape[1] * masked.bs
+            qi = torch.arange(lay.prefill_q_idx.shape[1])
+            lay.prefill_mask = (torch.arange(keys)[None, None, :] <= qi[None, :, None]
+                                )[:, None].expand(len(chunks), 1, -1, -1)
+            lay.prefill_causal = False
+        return fb
+
+    globals()["build_forward_batch"] = with_mask
+    try:
+        want = masked.step([0, 1], chunks, [0, 0])
+    finally:
+        globals()["build_forward_batch"] = real
+    assert (got - want).abs().max() < 1e-5
+    unequal = build_forward_batch([13, 12], [0, 0], conv_kernel=4, chunk_size=8,
+                                  cache=causal.cache, block_tables=causal.tables,
+                                  state_slots=[1, 2])
+    assert not unequal.mla.prefill_causal and unequal.mla.prefill_mask is not None
+
+
 def test_packed_varlen_batch_equals_per_sequence_runs():
     cfg = tiny_config()
     model = random_model(cfg, seed=1)
