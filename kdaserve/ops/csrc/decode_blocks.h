@@ -9,9 +9,8 @@
 
 /* Y[b, n] = W[n, :] . X[b, :] for b < B: W [N, K] row-major, X rows ldx apart, Y rows ldy
  * apart. Tiles of four weight rows by four input rows (then two, then one), eight lanes per
- * vector (GCC/Clang vector
- * extensions: the compiler's own vectorisation of the scalar form ran at a fifth of this), so
- * each weight row is read from memory once per step for all B rows. Every (b, n) sums lane l
+ * vector (GCC/Clang vector extensions: the compiler's own vectorisation of the scalar form ran
+ * at a fifth of this), so each weight row is read from memory once per step for all B rows. Every (b, n) sums lane l
  * over i = l, l+8, ..., then the tail, then the lanes in order: the same order for any B and
  * for one row, so a row's result does not depend on its batch. */
 static void NAME(matmat)(const WT *restrict W, const float *restrict X, int64_t ldx,
@@ -21,8 +20,8 @@ static void NAME(matmat)(const WT *restrict W, const float *restrict X, int64_t 
     for (int64_t n = 0; n < N4; n += 4) {
         const WT *w0 = W + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
         int64_t b = 0;
-        /* four input rows at a time: 16 accumulators, 8 loads a step for 16 FMAs (the 4 x 2
-         * tile below spends 6 loads on 8) */
+        /* four input rows at a time: 16 accumulators, 8 loads a step for 16 multiply-adds
+         * (the 4 x 2 tile below spends 6 loads on 8) */
         for (; b + 4 <= B; b += 4) {
             const float *xr[4] = {X + b * ldx, X + (b + 1) * ldx, X + (b + 2) * ldx,
                                   X + (b + 3) * ldx};
