@@ -54,6 +54,14 @@ class BlockArgs:
         self.keep.append(t)
         return _p(t)
 
+    def _wt(self, t: torch.Tensor) -> ctypes.c_void_p:
+        """A projection weight [out, in] stored transposed ([in, out], K-major) in the model's
+        dtype, for the blocks' outer-product products (row_products.h `matmat_t`). A copy:
+        the model keeps its own for the torch forms (prefill, the references)."""
+        t = t.detach().t().to(self.wdtype).contiguous()
+        self.keep.append(t)
+        return _p(t)
+
     def mixer(self, layer: DecoderLayer) -> tuple:
         attn, norm = layer.self_attn, layer.input_layernorm
         hd = self.hidden
@@ -69,14 +77,14 @@ class BlockArgs:
             lb = attn.gate_lower_bound
             static = dict(
                 head=(_I(hd), _I(H), _I(D), _I(G), _I(taps)),
-                norm=(self._t(norm.weight), _F(norm.eps), self._w(w_in)),
-                conv=(self._t(attn._conv_weight_t()), self._w(attn.f_b_proj.weight),
+                norm=(self._t(norm.weight), _F(norm.eps), self._wt(w_in)),
+                conv=(self._t(attn._conv_weight_t()), self._wt(attn.f_b_proj.weight),
                       self._t(attn.dt_bias), self._t(attn.A_log.detach().view(H).exp()),
                       _F(0.0 if lb is None else lb), _I(lb is not None),
-                      self._w(attn.g_b_proj.weight) if not attn.full_rank_gate
+                      self._wt(attn.g_b_proj.weight) if not attn.full_rank_gate
                       else ctypes.c_void_p(None),
                       self._t(attn.o_norm.weight), _F(attn.o_norm.eps),
-                      self._w(attn.o_proj.weight), _F(D ** -0.5)),
+                      self._wt(attn.o_proj.weight), _F(D ** -0.5)),
                 index=attn.kda_index)
             P = 3 * H * D + D + G + H
             return ("kda", static, (2 * hd + P + 6 * H * D, 3 * D + 4 * max(hd, H * D, D)))
@@ -87,17 +95,17 @@ class BlockArgs:
             w_q = attn.q_proj.weight
         else:
             qn = attn.q_a_layernorm
-            q_lora, Qr = (self._w(attn.q_a_proj.weight), self._t(qn.weight), _F(qn.eps)), \
+            q_lora, Qr = (self._wt(attn.q_a_proj.weight), self._t(qn.weight), _F(qn.eps)), \
                 attn.q_a_proj.weight.shape[0]
             w_q = attn.q_b_proj.weight
-        gate = self._w(attn.g_proj.weight) if hasattr(attn, "g_proj") else _NULL
+        gate = self._wt(attn.g_proj.weight) if hasattr(attn, "g_proj") else _NULL
         static = dict(
             head=(_I(hd), _I(H), _I(N), _I(R), _I(Dc), _I(Vd)),
-            weights=(self._t(norm.weight), _F(norm.eps), *q_lora, _I(Qr), self._w(w_q),
-                     self._w(attn.kv_a_proj_with_mqa.weight),
+            weights=(self._t(norm.weight), _F(norm.eps), *q_lora, _I(Qr), self._wt(w_q),
+                     self._wt(attn.kv_a_proj_with_mqa.weight),
                      self._t(attn.kv_a_layernorm.weight), _F(attn.kv_a_layernorm.eps),
                      self._w(attn.kv_b_proj.weight)),
-            tail=(gate, self._w(attn.o_proj.weight), _F(attn.scale)),
+            tail=(gate, self._wt(attn.o_proj.weight), _F(attn.scale)),
             index=attn.mla_index)
         return ("mla", static, (2 * hd + H * (N + R) + Dc + R + 2 * H * Vd + Qr,
                                 H * Dc + Dc + R + 4 * max(hd, H * Vd)))
@@ -109,8 +117,8 @@ class BlockArgs:
         if isinstance(ffn, MLP):
             i = ffn.gate_proj.weight.shape[0]
             args = (_I(hd), _I(i), None, self._t(norm.weight), _F(norm.eps),
-                    self._w(ffn.gate_proj.weight), self._w(ffn.up_proj.weight),
-                    self._w(ffn.down_proj.weight), *act)
+                    self._wt(ffn.gate_proj.weight), self._wt(ffn.up_proj.weight),
+                    self._wt(ffn.down_proj.weight), *act)
             return ("mlp", args, (3 * hd + 2 * i, 4 * max(hd, i)))
         sh = ffn.shared_experts
         i_s = sh.gate_proj.weight.shape[0] if sh is not None else 0
@@ -118,18 +126,18 @@ class BlockArgs:
         r = ffn.gate
         if ffn.is_latent:
             ln = ffn.routed_expert_norm
-            latent = (self._w(ffn.routed_expert_down_proj.weight),
+            latent = (self._wt(ffn.routed_expert_down_proj.weight),
                       self._t(ln.weight) if ln is not None else _NULL,
                       _F(ln.eps if ln is not None else 0.0),
-                      self._w(ffn.routed_expert_up_proj.weight))
+                      self._wt(ffn.routed_expert_up_proj.weight))
         else:
             latent = (_NULL, _NULL, _F(0.0), _NULL)
         args = (_I(hd), _I(E), _I(inter), _I(r.top_k), None, self._t(norm.weight), _F(norm.eps),
                 self._t(r.weight), self._t(r.e_score_correction_bias), _I(r.renormalize),
                 _F(r.scaling), *self._experts(ffn),
-                self._w(sh.gate_proj.weight) if sh is not None else _NULL,
-                self._w(sh.up_proj.weight) if sh is not None else _NULL,
-                self._w(sh.down_proj.weight) if sh is not None else _NULL,
+                self._wt(sh.gate_proj.weight) if sh is not None else _NULL,
+                self._wt(sh.up_proj.weight) if sh is not None else _NULL,
+                self._wt(sh.down_proj.weight) if sh is not None else _NULL,
                 _I(i_s), *act, _I(Wd), *latent)
         K = r.top_k
         return ("moe", args, (3 * hd + E + 2 * K + 2 * Wd + K * (Wd + 3 * inter) + 2 * i_s,
@@ -156,7 +164,7 @@ class BlockArgs:
         m = self.model
         norm = m.model.norm
         return (_I(self.hidden), _I(m.lm_head.weight.shape[0]), self._t(norm.weight),
-                _F(norm.eps), self._w(m.lm_head.weight))
+                _F(norm.eps), self._wt(m.lm_head.weight))
 
     def _experts(self, ffn: SparseMoE) -> tuple:
         """(w13, w2, transposed): the stacks read in place, in whichever layout they are."""

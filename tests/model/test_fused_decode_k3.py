@@ -80,8 +80,10 @@ def test_k3_step_matches_torch_forward(variant, rows):
         # of scale ~1-10 (measured up to 1.7e-4)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-4)
         assert len(hidden) == 2           # the draft's context: P after those layers
+        # the projections sum over K in one running sum (row_products.h matmat_t), the torch
+        # forward's mm in blocks: up to 1.5e-4 apart on hidden states of scale ~1 (measured)
         for h, w in zip(hidden, want_hidden):
-            torch.testing.assert_close(h, w, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(h, w, rtol=1e-4, atol=2e-4)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     # four steps of a random 5-layer model carry the logits' rounding into the cache
     for name in ("kda_states", "kda_conv", "mla_pages", "snap_states", "snap_conv"):

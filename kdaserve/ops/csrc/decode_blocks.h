@@ -7,148 +7,7 @@
 #define CAT(a, b) CAT_(a, b)
 #define NAME(f) CAT(f, SFX)
 
-/* Y[b, n] = W[n, :] . X[b, :] for b < B: W [N, K] row-major, X rows ldx apart, Y rows ldy
- * apart. Tiles of four weight rows by four input rows (then two, then one), eight lanes per
- * vector (GCC/Clang vector extensions: the compiler's own vectorisation of the scalar form ran
- * at a fifth of this), so each weight row is read from memory once per step for all B rows. Every (b, n) sums lane l
- * over i = l, l+8, ..., then the tail, then the lanes in order: the same order for any B and
- * for one row, so a row's result does not depend on its batch. */
-static void NAME(matmat)(const WT *restrict W, const float *restrict X, int64_t ldx,
-                         float *restrict Y, int64_t ldy, int64_t N, int64_t K, int64_t B) {
-    const int64_t K8 = K - K % 8, N4 = N - N % 4;
-#pragma omp parallel for schedule(static) if (N4 * K * B >= PAR_MIN_MACS)
-    for (int64_t n = 0; n < N4; n += 4) {
-        const WT *w0 = W + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-        int64_t b = 0;
-        /* four input rows at a time: 16 accumulators, 8 loads a step for 16 multiply-adds
-         * (the 4 x 2 tile below spends 6 loads on 8) */
-        for (; b + 4 <= B; b += 4) {
-            const float *xr[4] = {X + b * ldx, X + (b + 1) * ldx, X + (b + 2) * ldx,
-                                  X + (b + 3) * ldx};
-            v8f acc[4][4];
-#pragma GCC unroll 4
-            for (int r = 0; r < 4; ++r)
-#pragma GCC unroll 4
-                for (int c = 0; c < 4; ++c) acc[r][c] = (v8f){0};
-            for (int64_t i = 0; i < K8; i += 8) {
-                const v8f v0 = LDW8(w0 + i), v1 = LDW8(w1 + i), v2 = LDW8(w2 + i),
-                          v3 = LDW8(w3 + i);
-#pragma GCC unroll 4
-                for (int r = 0; r < 4; ++r) {
-                    const v8f xv = ld8f(xr[r] + i);
-                    acc[r][0] += v0 * xv; acc[r][1] += v1 * xv;
-                    acc[r][2] += v2 * xv; acc[r][3] += v3 * xv;
-                }
-            }
-#pragma GCC unroll 4
-            for (int r = 0; r < 4; ++r) {
-                float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
-                const float *x0 = xr[r];
-                for (int64_t i = K8; i < K; ++i) {
-                    t0 += LDW(w0[i]) * x0[i]; t1 += LDW(w1[i]) * x0[i];
-                    t2 += LDW(w2[i]) * x0[i]; t3 += LDW(w3[i]) * x0[i];
-                }
-                float *y0 = Y + (b + r) * ldy + n;
-                y0[0] = lanes_sum(acc[r][0], t0); y0[1] = lanes_sum(acc[r][1], t1);
-                y0[2] = lanes_sum(acc[r][2], t2); y0[3] = lanes_sum(acc[r][3], t3);
-            }
-        }
-        for (; b + 2 <= B; b += 2) {
-            const float *x0 = X + b * ldx, *x1 = x0 + ldx;
-            v8f a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0};
-            v8f a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
-            for (int64_t i = 0; i < K8; i += 8) {
-                const v8f xa = ld8f(x0 + i), xb = ld8f(x1 + i);
-                const v8f v0 = LDW8(w0 + i), v1 = LDW8(w1 + i), v2 = LDW8(w2 + i),
-                          v3 = LDW8(w3 + i);
-                a00 += v0 * xa; a01 += v1 * xa; a02 += v2 * xa; a03 += v3 * xa;
-                a10 += v0 * xb; a11 += v1 * xb; a12 += v2 * xb; a13 += v3 * xb;
-            }
-            float t00 = 0.0f, t01 = 0.0f, t02 = 0.0f, t03 = 0.0f;
-            float t10 = 0.0f, t11 = 0.0f, t12 = 0.0f, t13 = 0.0f;
-            for (int64_t i = K8; i < K; ++i) {
-                const float u0 = LDW(w0[i]), u1 = LDW(w1[i]), u2 = LDW(w2[i]), u3 = LDW(w3[i]);
-                t00 += u0 * x0[i]; t01 += u1 * x0[i]; t02 += u2 * x0[i]; t03 += u3 * x0[i];
-                t10 += u0 * x1[i]; t11 += u1 * x1[i]; t12 += u2 * x1[i]; t13 += u3 * x1[i];
-            }
-            float *y0 = Y + b * ldy + n, *y1 = y0 + ldy;
-            y0[0] = lanes_sum(a00, t00); y0[1] = lanes_sum(a01, t01);
-            y0[2] = lanes_sum(a02, t02); y0[3] = lanes_sum(a03, t03);
-            y1[0] = lanes_sum(a10, t10); y1[1] = lanes_sum(a11, t11);
-            y1[2] = lanes_sum(a12, t12); y1[3] = lanes_sum(a13, t13);
-        }
-        for (; b < B; ++b) {
-            const float *x0 = X + b * ldx;
-            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int64_t i = 0; i < K8; i += 8) {
-                const v8f xa = ld8f(x0 + i);
-                a0 += LDW8(w0 + i) * xa; a1 += LDW8(w1 + i) * xa;
-                a2 += LDW8(w2 + i) * xa; a3 += LDW8(w3 + i) * xa;
-            }
-            float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
-            for (int64_t i = K8; i < K; ++i) {
-                t0 += LDW(w0[i]) * x0[i]; t1 += LDW(w1[i]) * x0[i];
-                t2 += LDW(w2[i]) * x0[i]; t3 += LDW(w3[i]) * x0[i];
-            }
-            float *y0 = Y + b * ldy + n;
-            y0[0] = lanes_sum(a0, t0); y0[1] = lanes_sum(a1, t1);
-            y0[2] = lanes_sum(a2, t2); y0[3] = lanes_sum(a3, t3);
-        }
-    }
-    for (int64_t n = N4; n < N; ++n) {
-        const WT *w = W + n * K;
-        for (int64_t b = 0; b < B; ++b) {
-            const float *x0 = X + b * ldx;
-            v8f a = {0};
-            for (int64_t i = 0; i < K8; i += 8) a += LDW8(w + i) * ld8f(x0 + i);
-            float t = 0.0f;
-            for (int64_t i = K8; i < K; ++i) t += LDW(w[i]) * x0[i];
-            Y[b * ldy + n] = lanes_sum(a, t);
-        }
-    }
-}
-
-/* y[n] = W[n, :] . x for W [N, K] row-major (one row of matmat). */
-static void NAME(matvec)(const WT *restrict W, const float *restrict x, float *restrict y,
-                         int64_t N, int64_t K) {
-    NAME(matmat)(W, x, K, y, N, N, K, 1);
-}
-
-/* y[0:N) = x . W for W [K, N] row-major (the transposed expert layouts). */
-static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *restrict y,
-                         int64_t K, int64_t N) {
-    for (int64_t n = 0; n < N; ++n) y[n] = 0.0f;
-    for (int64_t i = 0; i < K; ++i) {
-        const float xi = x[i];
-        const WT *w = W + i * N;
-        for (int64_t n = 0; n < N; ++n) y[n] += xi * LDW(w[n]);
-    }
-}
-
-/* vecmat for B rows (X [B, K] rows ldx apart, Y [B, N] contiguous): weight row i is read once
- * for all rows (widened into wbuf [N]); each row sums over i in vecmat's order. */
-static void NAME(vecmat_rows)(const float *restrict X, int64_t ldx, const WT *restrict W,
-                              float *restrict Y, int64_t K, int64_t N, int64_t B,
-                              float *restrict wbuf) {
-    if (B == 1) {
-        NAME(vecmat)(X, W, Y, K, N);
-        return;
-    }
-    for (int64_t j = 0; j < B * N; ++j) Y[j] = 0.0f;
-    for (int64_t i = 0; i < K; ++i) {
-#if WIDEN
-        for (int64_t n = 0; n < N; ++n) wbuf[n] = LDW(W[i * N + n]);
-        const float *w = wbuf;
-#else
-        const float *w = W + i * N;
-#endif
-        for (int64_t b = 0; b < B; ++b) {
-            const float xi = X[b * ldx + i];
-            float *y = Y + b * N;
-            for (int64_t n = 0; n < N; ++n) y[n] += xi * w[n];
-        }
-    }
-}
+#include "row_products.h"
 
 /* Row norms of B rows of x [B, Hd] into h [B, Hd]. */
 static void NAME(norm_rows)(const float *x, const float *w, float eps, int64_t Hd, int64_t B,
@@ -233,7 +92,7 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
         for (int64_t c = 0; c < b; ++c)
             if (slots[b] == slots[c]) { distinct = 0; break; }
     NAME(norm_rows)(xin, norm_w, eps, Hd, B, h);
-    NAME(matmat)(w_in, h, Hd, pre, P, P, Hd, B);
+    NAME(matmat_t)(w_in, h, Hd, pre, P, P, Hd, B);
 #pragma omp parallel for schedule(static) if (distinct && B > 1)
     for (int64_t b = 0; b < B; ++b) {
         /* causal depthwise conv over the slot's window, then the window moves on */
@@ -255,8 +114,8 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
         }
         if (kept_conv) memcpy(kept_conv + b * W * C, win, sizeof(CT) * W * C);
     }
-    NAME(matmat)(f_b, pre + C, P, gdec, HD, HD, D, B);           /* f_a rows */
-    if (g_b) NAME(matmat)(g_b, pre + C + D, P, gate, HD, HD, D, B);
+    NAME(matmat_t)(f_b, pre + C, P, gdec, HD, HD, D, B);           /* f_a rows */
+    if (g_b) NAME(matmat_t)(g_b, pre + C + D, P, gate, HD, HD, D, B);
     else
         for (int64_t b = 0; b < B; ++b) memcpy(gate + b * HD, pre + b * P + C + D, sizeof(float) * HD);
     const struct NAME(kda_heads) st = {H, D, G, P, C, HD, pre, conv, gdec, gate, o, state_store,
@@ -280,7 +139,7 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
                        state_bytes);
         }
     }
-    NAME(matmat)(o_proj, o, HD, y, Hd, Hd, HD, B);
+    NAME(matmat_t)(o_proj, o, HD, y, Hd, Hd, HD, B);
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
@@ -306,13 +165,13 @@ void NAME(mla_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t
     float *y = o + B * H * Vd, *qa = y + B * Hd, *gate = qa + B * Qr;
     NAME(norm_rows)(xin, norm_w, eps, Hd, B, h);
     if (w_qa) {
-        NAME(matmat)(w_qa, h, Hd, qa, Qr, Qr, Hd, B);
+        NAME(matmat_t)(w_qa, h, Hd, qa, Qr, Qr, Hd, B);
         for (int64_t b = 0; b < B; ++b) rms_norm(qa + b * Qr, qa_norm_w, qa_eps, Qr, qa + b * Qr);
-        NAME(matmat)(w_q, qa, Qr, q, H * QD, H * QD, Qr, B);
+        NAME(matmat_t)(w_q, qa, Qr, q, H * QD, H * QD, Qr, B);
     } else {
-        NAME(matmat)(w_q, h, Hd, q, H * QD, H * QD, Hd, B);
+        NAME(matmat_t)(w_q, h, Hd, q, H * QD, H * QD, Hd, B);
     }
-    NAME(matmat)(w_kva, h, Hd, ckv, LD, LD, Hd, B);
+    NAME(matmat_t)(w_kva, h, Hd, ckv, LD, LD, Hd, B);
     /* every row's latent first: then each row attends (a row sharing its pages with later
      * rows, a token before its drafts, reads only positions up to its own) */
     for (int64_t b = 0; b < B; ++b) {
@@ -326,10 +185,10 @@ void NAME(mla_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t
     NAME(mla_attend_rows)(B, H, N, R, Dc, Vd, q, kv_b, pages, bs, block_table, width,
                           positions, scale, o);
     if (g_proj) {
-        NAME(matmat)(g_proj, h, Hd, gate, H * Vd, H * Vd, Hd, B);
+        NAME(matmat_t)(g_proj, h, Hd, gate, H * Vd, H * Vd, Hd, B);
         for (int64_t i = 0; i < B * H * Vd; ++i) o[i] *= sigmoid(gate[i]);
     }
-    NAME(matmat)(o_proj, o, H * Vd, y, Hd, Hd, H * Vd, B);
+    NAME(matmat_t)(o_proj, o, H * Vd, y, Hd, Hd, H * Vd, B);
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
@@ -339,10 +198,10 @@ static void NAME(glu_add)(const float *h, const WT *gate, const WT *up, const WT
                        int64_t Hd, int64_t I, int64_t B, float *y, float *tmp, int64_t act,
                        float beta, float lbeta) {
     float *g = tmp, *u = g + B * I, *d = u + B * I;
-    NAME(matmat)(gate, h, Hd, g, I, I, Hd, B);
-    NAME(matmat)(up, h, Hd, u, I, I, Hd, B);
+    NAME(matmat_t)(gate, h, Hd, g, I, I, Hd, B);
+    NAME(matmat_t)(up, h, Hd, u, I, I, Hd, B);
     glu_span(act, beta, lbeta, g, u, g, B * I);
-    NAME(matmat)(down, g, I, d, Hd, Hd, I, B);
+    NAME(matmat_t)(down, g, I, d, Hd, Hd, I, B);
     for (int64_t i = 0; i < B * Hd; ++i) y[i] += d[i];
 }
 
@@ -409,7 +268,7 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
             wts[b * K + k] = (renormalize ? wts[b * K + k] / (total + 1e-20f) : wts[b * K + k])
                              * scaling;
     }
-    if (lat_down) NAME(matmat)(lat_down, h, Hd, z, Wd, Wd, Hd, B);
+    if (lat_down) NAME(matmat_t)(lat_down, h, Hd, z, Wd, Wd, Hd, B);
     else memcpy(z, h, sizeof(float) * (size_t)(B * Hd));
     /* experts in parallel, each with buffers of its own for the rows that chose it */
 #pragma omp parallel for schedule(dynamic) if (S > 1)
@@ -419,17 +278,17 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
         for (int64_t s = 0; s < S; ++s)
             if ((int64_t)idf[s] == e) slot[n++] = s;
         if (!n) continue;
-        float *xe = malloc(sizeof(float) * (size_t)(n * (Wd + 3 * I) + 2 * I + Wd));
-        float *gu = xe + n * Wd, *a = gu + n * 2 * I, *wbuf = a + n * I;
+        float *xe = malloc(sizeof(float) * (size_t)(n * (Wd + 3 * I)));
+        float *gu = xe + n * Wd, *a = gu + n * 2 * I;
         for (int64_t r = 0; r < n; ++r)
             memcpy(xe + r * Wd, z + (slot[r] / K) * Wd, sizeof(float) * Wd);
-        if (transposed) NAME(vecmat_rows)(xe, Wd, w13 + e * Wd * 2 * I, gu, Wd, 2 * I, n, wbuf);
+        if (transposed) NAME(matmat_t)(w13 + e * Wd * 2 * I, xe, Wd, gu, 2 * I, 2 * I, Wd, n);
         else NAME(matmat)(w13 + e * 2 * I * Wd, xe, Wd, gu, 2 * I, 2 * I, Wd, n);
         for (int64_t r = 0; r < n; ++r)
             glu_span(act, beta, lbeta, gu + r * 2 * I, gu + r * 2 * I + I, a + r * I, I);
         /* outputs land at their (row, slot) place in de [S, Wd] */
         float *out = xe;                             /* xe is free again: [n, Wd] */
-        if (transposed) NAME(vecmat_rows)(a, I, w2 + e * I * Wd, out, I, Wd, n, wbuf);
+        if (transposed) NAME(matmat_t)(w2 + e * I * Wd, a, I, out, Wd, Wd, I, n);
         else NAME(matmat)(w2 + e * Wd * I, a, I, out, Wd, Wd, I, n);
         for (int64_t r = 0; r < n; ++r) memcpy(de + slot[r] * Wd, out + r * Wd, sizeof(float) * Wd);
         free(xe);
@@ -447,7 +306,7 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
         if (lat_norm_w)
             for (int64_t b = 0; b < B; ++b)
                 rms_norm(sum + b * Wd, lat_norm_w, lat_eps, Wd, sum + b * Wd);
-        NAME(matmat)(lat_up, sum, Wd, y, Hd, Hd, Wd, B);
+        NAME(matmat_t)(lat_up, sum, Wd, y, Hd, Hd, Wd, B);
     } else {
         memcpy(y, sum, sizeof(float) * (size_t)(B * Hd));
     }
@@ -460,7 +319,7 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
 void NAME(head_block)(int64_t B, int64_t Hd, int64_t V, const float *x, const float *norm_w,
                       float eps, const WT *W, float *logits, float *scratch) {
     NAME(norm_rows)(x, norm_w, eps, Hd, B, scratch);
-    NAME(matmat)(W, scratch, Hd, logits, V, V, Hd, B);
+    NAME(matmat_t)(W, scratch, Hd, logits, V, V, Hd, B);
 }
 
 #undef CAT_
@@ -475,3 +334,4 @@ void NAME(head_block)(int64_t B, int64_t Hd, int64_t V, const float *x, const fl
 #undef SFX
 #undef WIDEN
 #undef LDW8
+#undef LDW16

@@ -88,6 +88,29 @@ static inline v8f ld8bf16(const uint16_t *p) {
     return f;
 }
 
+/* Sixteen lanes (one AVX-512 register, two AVX2 ones) for the outer-product tiles of
+ * row_products.h, whose sums stay in lanes and are never reduced. */
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
+
+static inline v16f ld16f(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void st16f(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+
+static inline v16f ld16bf16(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    const v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 /* s + lane 0 + lane 1 + ... + lane 7, in that order */
 static inline float lanes_sum(v8f a, float s) {
     for (int l = 0; l < 8; ++l) s += a[l];
@@ -174,6 +197,7 @@ void attn_res_mix_rows(int64_t B, int64_t Hd, int64_t S, const float *bank, int6
 #define CT float
 #define LDW(v) (v)
 #define LDW8(p) ld8f(p)
+#define LDW16(p) ld16f(p)
 #define LDC(v) (v)
 #define STC(v) (v)
 #define SFX _f32
@@ -185,6 +209,7 @@ void attn_res_mix_rows(int64_t B, int64_t Hd, int64_t S, const float *bank, int6
 #define CT uint16_t
 #define LDW(v) bf16_to_f32(v)
 #define LDW8(p) ld8bf16(p)
+#define LDW16(p) ld16bf16(p)
 #define LDC(v) bf16_to_f32(v)
 #define STC(v) f32_to_bf16(v)
 #define SFX _bf16

@@ -1,0 +1,191 @@
+/* Products of a weight matrix with the B rows of a step, for decode_blocks.h (included once
+ * per weight type: WT, LDW, LDW8, LDW16, WIDEN and NAME() come from the includer). Each output
+ * sums its products in one fixed order whatever B, so a row's result does not depend on its
+ * batch. */
+
+/* Y[b, n] = W[n, :] . X[b, :] for b < B: W [N, K] row-major, X rows ldx apart, Y rows ldy
+ * apart. Tiles of four weight rows by four input rows (then two, then one), eight lanes per
+ * vector (GCC/Clang vector extensions: the compiler's own vectorisation of the scalar form ran
+ * at a fifth of this), so each weight row is read from memory once per step for all B rows. Every (b, n) sums lane l
+ * over i = l, l+8, ..., then the tail, then the lanes in order: the same order for any B and
+ * for one row, so a row's result does not depend on its batch. */
+static void NAME(matmat)(const WT *restrict W, const float *restrict X, int64_t ldx,
+                         float *restrict Y, int64_t ldy, int64_t N, int64_t K, int64_t B) {
+    const int64_t K8 = K - K % 8, N4 = N - N % 4;
+#pragma omp parallel for schedule(static) if (N4 * K * B >= PAR_MIN_MACS)
+    for (int64_t n = 0; n < N4; n += 4) {
+        const WT *w0 = W + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+        int64_t b = 0;
+        /* four input rows at a time: 16 accumulators, 8 loads a step for 16 multiply-adds
+         * (the 4 x 2 tile below spends 6 loads on 8) */
+        for (; b + 4 <= B; b += 4) {
+            const float *xr[4] = {X + b * ldx, X + (b + 1) * ldx, X + (b + 2) * ldx,
+                                  X + (b + 3) * ldx};
+            v8f acc[4][4];
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; ++c) acc[r][c] = (v8f){0};
+            for (int64_t i = 0; i < K8; i += 8) {
+                const v8f v0 = LDW8(w0 + i), v1 = LDW8(w1 + i), v2 = LDW8(w2 + i),
+                          v3 = LDW8(w3 + i);
+#pragma GCC unroll 4
+                for (int r = 0; r < 4; ++r) {
+                    const v8f xv = ld8f(xr[r] + i);
+                    acc[r][0] += v0 * xv; acc[r][1] += v1 * xv;
+                    acc[r][2] += v2 * xv; acc[r][3] += v3 * xv;
+                }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; ++r) {
+                float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+                const float *x0 = xr[r];
+                for (int64_t i = K8; i < K; ++i) {
+                    t0 += LDW(w0[i]) * x0[i]; t1 += LDW(w1[i]) * x0[i];
+                    t2 += LDW(w2[i]) * x0[i]; t3 += LDW(w3[i]) * x0[i];
+                }
+                float *y0 = Y + (b + r) * ldy + n;
+                y0[0] = lanes_sum(acc[r][0], t0); y0[1] = lanes_sum(acc[r][1], t1);
+                y0[2] = lanes_sum(acc[r][2], t2); y0[3] = lanes_sum(acc[r][3], t3);
+            }
+        }
+        for (; b + 2 <= B; b += 2) {
+            const float *x0 = X + b * ldx, *x1 = x0 + ldx;
+            v8f a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0};
+            v8f a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
+            for (int64_t i = 0; i < K8; i += 8) {
+                const v8f xa = ld8f(x0 + i), xb = ld8f(x1 + i);
+                const v8f v0 = LDW8(w0 + i), v1 = LDW8(w1 + i), v2 = LDW8(w2 + i),
+                          v3 = LDW8(w3 + i);
+                a00 += v0 * xa; a01 += v1 * xa; a02 += v2 * xa; a03 += v3 * xa;
+                a10 += v0 * xb; a11 += v1 * xb; a12 += v2 * xb; a13 += v3 * xb;
+            }
+            float t00 = 0.0f, t01 = 0.0f, t02 = 0.0f, t03 = 0.0f;
+            float t10 = 0.0f, t11 = 0.0f, t12 = 0.0f, t13 = 0.0f;
+            for (int64_t i = K8; i < K; ++i) {
+                const float u0 = LDW(w0[i]), u1 = LDW(w1[i]), u2 = LDW(w2[i]), u3 = LDW(w3[i]);
+                t00 += u0 * x0[i]; t01 += u1 * x0[i]; t02 += u2 * x0[i]; t03 += u3 * x0[i];
+                t10 += u0 * x1[i]; t11 += u1 * x1[i]; t12 += u2 * x1[i]; t13 += u3 * x1[i];
+            }
+            float *y0 = Y + b * ldy + n, *y1 = y0 + ldy;
+            y0[0] = lanes_sum(a00, t00); y0[1] = lanes_sum(a01, t01);
+            y0[2] = lanes_sum(a02, t02); y0[3] = lanes_sum(a03, t03);
+            y1[0] = lanes_sum(a10, t10); y1[1] = lanes_sum(a11, t11);
+            y1[2] = lanes_sum(a12, t12); y1[3] = lanes_sum(a13, t13);
+        }
+        for (; b < B; ++b) {
+            const float *x0 = X + b * ldx;
+            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t i = 0; i < K8; i += 8) {
+                const v8f xa = ld8f(x0 + i);
+                a0 += LDW8(w0 + i) * xa; a1 += LDW8(w1 + i) * xa;
+                a2 += LDW8(w2 + i) * xa; a3 += LDW8(w3 + i) * xa;
+            }
+            float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+            for (int64_t i = K8; i < K; ++i) {
+                t0 += LDW(w0[i]) * x0[i]; t1 += LDW(w1[i]) * x0[i];
+                t2 += LDW(w2[i]) * x0[i]; t3 += LDW(w3[i]) * x0[i];
+            }
+            float *y0 = Y + b * ldy + n;
+            y0[0] = lanes_sum(a0, t0); y0[1] = lanes_sum(a1, t1);
+            y0[2] = lanes_sum(a2, t2); y0[3] = lanes_sum(a3, t3);
+        }
+    }
+    for (int64_t n = N4; n < N; ++n) {
+        const WT *w = W + n * K;
+        for (int64_t b = 0; b < B; ++b) {
+            const float *x0 = X + b * ldx;
+            v8f a = {0};
+            for (int64_t i = 0; i < K8; i += 8) a += LDW8(w + i) * ld8f(x0 + i);
+            float t = 0.0f;
+            for (int64_t i = K8; i < K; ++i) t += LDW(w[i]) * x0[i];
+            Y[b * ldy + n] = lanes_sum(a, t);
+        }
+    }
+}
+
+/* y[n] = W[n, :] . x for W [N, K] row-major (one row of matmat). */
+static void NAME(matvec)(const WT *restrict W, const float *restrict x, float *restrict y,
+                         int64_t N, int64_t K) {
+    NAME(matmat)(W, x, K, y, N, N, K, 1);
+}
+
+/* y[0:N) = x . W for W [K, N] row-major, one row (matmat_t's order, unvectorised). */
+static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *restrict y,
+                         int64_t K, int64_t N) {
+    for (int64_t n = 0; n < N; ++n) y[n] = 0.0f;
+    for (int64_t i = 0; i < K; ++i) {
+        const float xi = x[i];
+        const WT *w = W + i * N;
+        for (int64_t n = 0; n < N; ++n) y[n] += xi * LDW(w[n]);
+    }
+}
+
+/* Y[b, n] = X[b, :] . W[:, n] for b < B: W [K, N] row-major (a projection stored transposed,
+ * K-major), X rows ldx apart, Y rows ldy apart. Outer products: a tile of up to 6 input rows
+ * by 32 outputs keeps its sums in registers (16 lanes) while i runs, each weight row segment
+ * read once per tile. Every (b, n) sums x[b, i] w[i, n] in i order, y = y + x w (the build
+ * is ISO C, so nothing is contracted), whatever the tile: the same for any B. One running sum
+ * over K rounds a little more than the dot-product form's eight lanes (K3 demo hidden states
+ * within 1.5e-4 of the torch forward's, logits within its 5e-4); summing in blocks of 32-128
+ * to tighten it halved the speed (the tile's registers no longer fit). At 32 rows this runs
+ * ~1.5x the dot-product form above, which must reduce its lanes. */
+static inline __attribute__((always_inline)) void NAME(outer_tile)(
+        const WT *restrict W, const float *restrict X, int64_t ldx, float *restrict Y,
+        int64_t ldy, int64_t N, int64_t K, int64_t n, int64_t b, const int R, const int C) {
+    v16f acc[6][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+        for (int c = 0; c < C; ++c) acc[r][c] = (v16f){0};
+    for (int64_t i = 0; i < K; ++i) {
+        const WT *w = W + i * N + n;
+        v16f wv[2];
+#pragma GCC unroll 2
+        for (int c = 0; c < C; ++c) wv[c] = LDW16(w + 16 * c);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) {
+            const float x = X[(b + r) * ldx + i];
+#pragma GCC unroll 2
+            for (int c = 0; c < C; ++c) acc[r][c] += wv[c] * x;
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+        for (int c = 0; c < C; ++c) st16f(Y + (b + r) * ldy + n + 16 * c, acc[r][c]);
+}
+
+static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_t ldx,
+                           float *restrict Y, int64_t ldy, int64_t N, int64_t K, int64_t B) {
+    const int64_t N32 = N - N % 32, N16 = N - N % 16;
+    const int64_t tiles = N16 / 16;
+#pragma omp parallel for schedule(static) if (N * K * B >= PAR_MIN_MACS)
+    for (int64_t t = 0; t < tiles; t += 2) {
+        const int64_t n = 16 * t;
+        const int C = n + 32 <= N32 ? 2 : 1;
+        int64_t b = 0;
+        if (C == 2) {
+            for (; b + 6 <= B; b += 6) NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 6, 2);
+            switch (B - b) {
+            case 5: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 5, 2); break;
+            case 4: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 4, 2); break;
+            case 3: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 3, 2); break;
+            case 2: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 2, 2); break;
+            case 1: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 1, 2); break;
+            default: break;
+            }
+        } else {
+            for (; b < B; ++b) NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 1, 1);
+        }
+    }
+    /* the last N % 16 outputs: the same sums, one output at a time */
+    for (int64_t n = N16; n < N; ++n)
+        for (int64_t b = 0; b < B; ++b) {
+            const float *x = X + b * ldx;
+            float s = 0.0f;
+            for (int64_t i = 0; i < K; ++i) s += LDW(W[i * N + n]) * x[i];
+            Y[b * ldy + n] = s;
+        }
+}
+
