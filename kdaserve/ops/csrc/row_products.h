@@ -156,12 +156,37 @@ static inline __attribute__((always_inline)) void NAME(outer_tile)(
         for (int c = 0; c < C; ++c) st16f(Y + (b + r) * ldy + n + 16 * c, acc[r][c]);
 }
 
+/* One row, 128 outputs: eight independent sums in flight (a 32-output tile of one row waits
+ * on its two sums' additions, and reads the weights in shorter runs); the same order. */
+static void NAME(outer_row_wide)(const WT *restrict W, const float *restrict x,
+                                 float *restrict y, int64_t N, int64_t K, int64_t n) {
+    v16f acc[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) acc[c] = (v16f){0};
+    for (int64_t i = 0; i < K; ++i) {
+        const WT *w = W + i * N + n;
+        const float xi = x[i];
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) acc[c] += LDW16(w + 16 * c) * xi;
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) st16f(y + n + 16 * c, acc[c]);
+}
+
 static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_t ldx,
                            float *restrict Y, int64_t ldy, int64_t N, int64_t K, int64_t B) {
-    const int64_t N32 = N - N % 32, N16 = N - N % 16;
+    const int64_t N128 = N - N % 128, N32 = N - N % 32, N16 = N - N % 16;
+    int64_t first = 0;                 /* outputs before it are done */
+    if (B <= 2) {                      /* few rows: the wide tiles for the first N128 */
+#pragma omp parallel for schedule(static) if (N * K * B >= PAR_MIN_MACS)
+        for (int64_t n = 0; n < N128; n += 128)
+            for (int64_t b = 0; b < B; ++b)
+                NAME(outer_row_wide)(W, X + b * ldx, Y + b * ldy, N, K, n);
+        first = N128;
+    }
     const int64_t tiles = N16 / 16;
 #pragma omp parallel for schedule(static) if (N * K * B >= PAR_MIN_MACS)
-    for (int64_t t = 0; t < tiles; t += 2) {
+    for (int64_t t = first / 16; t < tiles; t += 2) {
         const int64_t n = 16 * t;
         const int C = n + 32 <= N32 ? 2 : 1;
         int64_t b = 0;
