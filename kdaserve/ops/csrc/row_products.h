@@ -6,9 +6,9 @@
 /* Y[b, n] = W[n, :] . X[b, :] for b < B: W [N, K] row-major, X rows ldx apart, Y rows ldy
  * apart. Tiles of four weight rows by four input rows (then two, then one), eight lanes per
  * vector (GCC/Clang vector extensions: the compiler's own vectorisation of the scalar form ran
- * at a fifth of this), so each weight row is read from memory once per step for all B rows. Every (b, n) sums lane l
- * over i = l, l+8, ..., then the tail, then the lanes in order: the same order for any B and
- * for one row, so a row's result does not depend on its batch. */
+ * at a fifth of this), so each weight row is read from memory once per step for all B rows.
+ * Every (b, n) sums lane l over i = l, l+8, ..., then the tail, then the lanes in order: the
+ * same order for any B and for one row, so a row's result does not depend on its batch. */
 static void NAME(matmat)(const WT *restrict W, const float *restrict X, int64_t ldx,
                          float *restrict Y, int64_t ldy, int64_t N, int64_t K, int64_t B) {
     const int64_t K8 = K - K % 8, N4 = N - N % 4;
@@ -128,8 +128,8 @@ static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *r
  * is ISO C, so nothing is contracted), whatever the tile: the same for any B. One running sum
  * over K rounds a little more than the dot-product form's eight lanes (K3 demo hidden states
  * within 1.5e-4 of the torch forward's, logits within its 5e-4); summing in blocks of 32-128
- * to tighten it halved the speed (the tile's registers no longer fit). At 32 rows this runs
- * ~1.5x the dot-product form above, which must reduce its lanes. */
+ * to tighten it halved the speed in a microbenchmark. At 32 rows a step runs ~1.1-1.2x faster
+ * than with the dot-product form above, which must reduce its lanes. */
 static inline __attribute__((always_inline)) void NAME(outer_tile)(
         const WT *restrict W, const float *restrict X, int64_t ldx, float *restrict Y,
         int64_t ldy, int64_t N, int64_t K, int64_t n, int64_t b, const int R, const int C) {
