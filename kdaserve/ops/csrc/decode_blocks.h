@@ -1,7 +1,9 @@
 /* The fused decode blocks of decode_cpu.c, written once for a weight type WT and a cache
  * element type CT (LDW / LDC read one as a float, STC rounds a float into CT); decode_cpu.c
  * includes this file once per type pair, NAME() giving each copy its suffix. Activations and
- * accumulation are fp32 whatever the weights are. */
+ * accumulation are fp32 whatever the weights are. Shapes below are the model's, [out, in];
+ * every dense projection arrives stored transposed ([in, out], K-major: fused_args.py `_wt`)
+ * for row_products.h's matmat_t. The router and the MLA kv_b stay as the model keeps them. */
 
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
