@@ -31,7 +31,7 @@ static inline int later(const Cand *a, const Cand *b) { return a->i > b->i; }
 static inline int better(const Cand *a, const Cand *b) { return worse(b, a); }
 
 /* heaps with the comparison inlined (qsort's call per comparison cost more than the rest of
- * a row): by_rank keeps the worst at the root, by_index the latest, best_first the best */
+ * a row): by_index keeps the latest at the root, best_first the best */
 #define SIFT_DOWN(name, before)                                                       \
     static void name(Cand *h, int64_t n, int64_t i) {                                 \
         for (;;) {                                                                    \
@@ -45,33 +45,18 @@ static inline int better(const Cand *a, const Cand *b) { return worse(b, a); }
             i = w;                                                                    \
         }                                                                             \
     }
-SIFT_DOWN(sift_by_rank, worse)
 SIFT_DOWN(sift_by_index, later)
 SIFT_DOWN(sift_best_first, better)
 
-/* heap -> sorted in place: the root goes last each time (best first by rank, ascending
- * index by index) */
-static void heap_sort(Cand *h, int64_t n, void (*sift)(Cand *, int64_t, int64_t)) {
+/* c[0:n) by ascending index, in place (heap sort: the latest goes last each time) */
+static void sort_by_index(Cand *c, int64_t n) {
+    for (int64_t i = n / 2 - 1; i >= 0; --i) sift_by_index(c, n, i);
     for (int64_t end = n - 1; end > 0; --end) {
-        const Cand t = h[0];
-        h[0] = h[end];
-        h[end] = t;
-        sift(h, end, 0);
+        const Cand t = c[0];
+        c[0] = c[end];
+        c[end] = t;
+        sift_by_index(c, end, 0);
     }
-}
-
-/* c[0:k) = the k best of x[0:V), best first: a heap of the k best so far, whose root (the
- * worst of them) most tokens fail to beat, so a pass is mostly one compare a token */
-static void top_sorted(const float *x, int64_t V, int64_t k, Cand *c) {
-    for (int64_t i = 0; i < k; ++i) c[i].v = x[i], c[i].i = (int32_t)i;
-    for (int64_t i = k / 2 - 1; i >= 0; --i) sift_by_rank(c, k, i);
-    for (int64_t i = k; i < V; ++i) {
-        if (x[i] > c[0].v) {
-            c[0].v = x[i], c[0].i = (int32_t)i;
-            sift_by_rank(c, k, 0);
-        }
-    }
-    heap_sort(c, k, sift_by_rank);
 }
 
 /* the first index of the largest value (torch's argmax): the maximum in eight lanes
@@ -126,20 +111,6 @@ static void penalise(float *x, int64_t V, const int32_t *hist, int64_t n_prompt,
     }
 }
 
-/* The nucleus's size over the first K of c (sorted best first): rank r stays while r < top_k
- * and the mass strictly above it is below top_p (rank 0 always). Returns -1 when it does not
- * close inside them. */
-static int64_t close_nucleus(const Cand *c, int64_t K, float mx, double z, int64_t top_k,
-                             float top_p) {
-    double above = 0.0;
-    int64_t keep = 0;
-    for (; keep < K; ++keep) {
-        if (keep > 0 && (keep >= top_k || above >= (double)top_p)) return keep;
-        above += (double)exp_approx(c[keep].v - mx) / z;
-    }
-    return keep >= top_k || above >= (double)top_p ? keep : -1;
-}
-
 /* Ranks rank, rank + 1, ... of the nucleus taken best first from e[0:h) (a heap built here)
  * while rank < top_k and the mass above, *above (unnormalised; p = top_p times the total), is
  * below p: rank 0 always. The taken ones end up at e[0:taken) (the others are overwritten);
@@ -165,10 +136,10 @@ static int64_t take_best(Cand *e, int64_t h, int64_t rank, int64_t top_k, double
  * tokens go into buckets of 1/32 nat below the best by value (one pass): every bucket before
  * the one where the mass or the count reaches top_p or top_k is kept whole, the ones after it
  * dropped, and only that boundary bucket's tokens are ranked, best first from a heap (the
- * torch form sorts the vocabulary). A boundary past SPAN nats (a flat distribution over a
- * huge vocabulary) falls back to ranking the 256, 4,096 best, then all. The weights are
- * computed first in a vectorised pass (into w [V], zeroed and left zeroed), so the scatter
- * into the buckets does no exp (24 -> 13 us a row on the demo's own logits). */
+ * torch form sorts the vocabulary). A boundary past SPAN nats (top-k on a peaked row, or a
+ * flat distribution over a huge vocabulary) is found the same way from all the tokens. The
+ * weights are computed first in a vectorised pass (into w [V], zeroed and left zeroed), so
+ * the scatter into the buckets does no exp (24 -> 13 us a row on the demo's own logits). */
 #define NB 1024
 #define SPAN 32.0f
 static int64_t nucleus_buckets(const float *x, int64_t V, float mx, int64_t top_k,
@@ -193,12 +164,10 @@ static int64_t nucleus_buckets(const float *x, int64_t V, float mx, int64_t top_
         before += mass[edge];
         rank += cnt[edge];
     }
-    if (edge == NB) {                                  /* the boundary is in the tail */
-        for (int64_t K = V < 256 ? V : 256;; K = K * 16 < V ? K * 16 : V) {
-            top_sorted(x, V, K, c);
-            const int64_t keep = close_nucleus(c, K, mx, z, top_k, top_p);
-            if (keep >= 0 || K == V) return keep >= 0 ? keep : K;
-        }
+    if (edge == NB) {          /* the boundary is in the tail: rank from all the tokens */
+        for (int64_t i = 0; i < V; ++i) c[i].v = x[i], c[i].i = (int32_t)i;
+        double above = 0.0;
+        return take_best(c, V, 0, top_k, p, mx, &above);
     }
     /* the kept buckets' tokens first, the boundary bucket's after them */
     int64_t n = 0, m = rank;
@@ -288,8 +257,7 @@ static int64_t draw(Cand *c, int64_t n, int64_t V, float mx, float min_p, float 
         for (int64_t j = 0; j < n; ++j) w[c[j].i] = 0.0f;
         return pick;
     }
-    for (int64_t i = n / 2 - 1; i >= 0; --i) sift_by_index(c, n, i);
-    heap_sort(c, n, sift_by_index);
+    sort_by_index(c, n);
     for (int64_t j = 0; j < n; ++j) {
         cum += (double)c[j].v;
         if (cum >= target && c[j].v > 0.0f) return c[j].i;
