@@ -58,9 +58,7 @@ class BlockArgs:
         """A projection weight [out, in] stored transposed ([in, out], K-major) in the model's
         dtype, for the blocks' outer-product products (row_products.h `matmat_t`). A copy:
         the model keeps its own for the torch forms (prefill, the references)."""
-        t = t.detach().t().to(self.wdtype).contiguous()
-        self.keep.append(t)
-        return _p(t)
+        return self._w(t.detach().t().to(self.wdtype).contiguous())
 
     def mixer(self, layer: DecoderLayer) -> tuple:
         attn, norm = layer.self_attn, layer.input_layernorm

@@ -60,8 +60,10 @@ class StepCostModel:
     _fit: tuple[float, ...] | None = None      # None: samples came since the last solve
     _last: tuple[float, ...] | None = None     # the last solve's result
 
-    def predict(self, tokens: float, drafting_rows: float, verifies: bool) -> float:
-        a, b, c, d = self.coefficients()
+    def predict(self, tokens: float, drafting_rows: float, verifies: bool,
+                fit: tuple[float, ...] | None = None) -> float:
+        """Seconds of such a step, by `fit` (default: the current coefficients)."""
+        a, b, c, d = fit if fit is not None else self.coefficients()
         return a + b * tokens + c * drafting_rows + (d if verifies else 0.0)
 
     def observe(self, tokens: int, drafting_rows: int, seconds: float,
@@ -72,9 +74,8 @@ class StepCostModel:
         if len(self.samples) >= 8:            # a pause (GC, another process) is not a cost
             # against the last fit, stale or not: a solve per step would cost more than the
             # clip is worth (this runs every step, the drafter asleep or not)
-            a, b, c, d = self._last if self._last is not None else self.coefficients()
-            seconds = min(seconds, 4.0 * (a + b * tokens + c * drafting_rows
-                                          + (d if verifies else 0.0)))
+            seconds = min(seconds, 4.0 * self.predict(tokens, drafting_rows, verifies,
+                                                      self._last))
         row = (1.0, float(tokens), float(drafting_rows), float(verifies), seconds)
         self.samples.append(row)
         self._add(row, 1.0)

@@ -65,13 +65,14 @@ class DSparkProposer:
             starts.append(pos)
             pos += len(s.token_ids)
         # 1. the target's hidden states of every position that stands become draft context
-        if sum(inp.num_valid) == len(inp.positions):      # no draft rejected: all of them
+        valid = sum(inp.num_valid)
+        if valid == len(inp.positions):                  # no draft rejected: all of them
             self._pending.append((inp.hidden, inp.positions, inp.cache_slots))
         else:
             rows = torch.tensor([starts[b] + j for b, m in enumerate(inp.num_valid)
                                  for j in range(m)], dtype=torch.long, device=self.device)
             self._pending.append((inp.hidden[rows], inp.positions[rows], inp.cache_slots[rows]))
-        self._pending_rows += sum(inp.num_valid)
+        self._pending_rows += valid
         # 2. one block per request that sampled: its newest token, then mask positions
         drafting = [(b, s) for b, s in enumerate(seqs) if s.request_id in inp.new_tokens
                     and inp.limit(s.request_id, self.num_tokens) > 0]
