@@ -323,11 +323,10 @@ def build_forward_batch(
             prefill_ctx_blocks = bt[num_decode:, :wp]
             prefill_ctx_lens = p_ctx
             prefill_blockwise = Bp * q_len * wp * bs > mla_ops.DENSE_MAX_SCORES
-            fresh = all(c == 0 for c in ctx_list[num_decode:]) and \
-                len(set(seq_lens[num_decode:])) == 1
-            if not prefill_blockwise and fresh:
-                prefill_causal = True
-            elif not prefill_blockwise:
+            prefill_causal = (not prefill_blockwise
+                              and all(c == 0 for c in ctx_list[num_decode:])
+                              and len(set(seq_lens[num_decode:])) == 1)
+            if not (prefill_blockwise or prefill_causal):
                 jk = _arange(wp * bs, device)
                 qpos = p_ctx[:, None] + qi[None]                          # [Bp, Qp]
                 mask = jk[None, None, :] <= qpos[:, :, None]              # [Bp, Qp, Lp]
