@@ -87,16 +87,18 @@ def measure(base: LLM, spec: LLM, prompts: list[str], params: list[SamplingParam
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     model = args.model or str(default_model_path())
-    base = LLM(model, enable_prefix_caching=False)
+    where = {"device": args.device, "dtype": args.dtype}
+    base = LLM(model, enable_prefix_caching=False, **where)
     spec = LLM(model, enable_prefix_caching=False, speculative_method=args.method,
                num_speculative_tokens=args.k, speculative_model=args.draft,
-               speculative_adaptive=not args.no_adaptive)
+               speculative_adaptive=not args.no_adaptive, **where)
     prompts = unseen_prompts()
     defaults = generation_defaults(model)
     result: dict = {"model": model, "method": args.method, "k": args.k,
                     "adaptive": not args.no_adaptive, "max_tokens": args.max_tokens,
                     "repeats": args.repeats,
-                    "threads": args.threads, "prompts": "unseen (bench/spec_prompts.py)"}
+                    "threads": args.threads, "device": args.device, "dtype": args.dtype,
+                    "prompts": "unseen (bench/spec_prompts.py)"}
     warm = [SamplingParams(temperature=0.0, max_tokens=8)]
     for llm in (base, spec):
         _timed(llm, prompts[:1], warm, 1)
@@ -138,4 +140,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", nargs="+", choices=("greedy", "sampled"),
                    default=["greedy", "sampled"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (both engines)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--json", action="store_true")
