@@ -19,6 +19,7 @@ from kdaserve.model.layers import MLP, RMSNorm
 from kdaserve.model.mla import MultiHeadLatentAttention
 from kdaserve.model.moe import SparseMoE
 from kdaserve.ops.cpu_kernels import decode_block_kernels, moe_experts_kernel
+from kdaserve.ops.cpu_linear import store_k_major
 
 # Parameters kept in fp32 whatever the model dtype (as transformers does).
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "gate.weight", "e_score_correction_bias")
@@ -76,15 +77,24 @@ class HybridForCausalLM(nn.Module):
         """Inference layouts: fuse projections that read the same input (see
         KimiDeltaAttention); on CPU, experts stored transposed for the compiled kernels (see
         SparseMoE): fp32 for the ragged-group kernel, bf16 for the fused decode blocks, which
-        read 48-wide experts ~1.5x faster that way (docs/benchmarks.md)."""
+        read 48-wide experts ~1.5x faster that way (docs/benchmarks.md); fp32 on CPU, the
+        projections stored K-major for the compiled products (kdaserve/ops/cpu_linear.py)."""
+        k_major = self.dtype == torch.float32 and next(self.parameters()).device.type == "cpu"
+        fused: list[nn.Module] = []
         for layer in self.model.layers:
             if isinstance(layer.self_attn, KimiDeltaAttention):
-                layer.self_attn.fuse_input_projections()
+                fused += layer.self_attn.fuse_input_projections(k_major)
             moe = getattr(layer, "block_sparse_moe", None)
             if (moe is not None and not moe.quantized
                     and moe.experts_w13.device.type == "cpu"
                     and _transposed_experts_read(moe.experts_w13.dtype)):
                 moe.transpose_expert_storage()
+        if k_major:
+            store_k_major(self.model.layers, skip=tuple(fused))
+            head = getattr(self, "lm_head", None)
+            emb = self.model.embed_tokens
+            if head is not None and (emb is None or head.weight is not emb.weight):
+                store_k_major(head)
         return self
 
     def to_dtype(self, dtype: torch.dtype) -> HybridForCausalLM:

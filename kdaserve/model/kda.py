@@ -10,6 +10,7 @@ from kdaserve.config import ModelConfig
 from kdaserve.model.batch import ForwardBatch
 from kdaserve.model.layers import GatedRMSNorm
 from kdaserve.ops.conv import causal_conv1d_packed, conv_input_rows
+from kdaserve.ops.cpu_linear import k_major_weight, linear
 from kdaserve.ops.registry import kda_ops
 
 
@@ -67,15 +68,18 @@ class KimiDeltaAttention(nn.Module):
         """The output gate's pre-sigmoid [T, HD] from the gate input projection."""
         return gate_in if self.full_rank_gate else self.g_b_proj(gate_in)
 
-    def fuse_input_projections(self) -> None:
+    def fuse_input_projections(self, k_major: bool = False) -> list[nn.Linear]:
         """Inference: the six projections of the layer input (q, k, v, f_a, g_a|g, b) become one
         matmul. Their weights are re-pointed as row views of one tensor, so nothing is stored
         twice and checkpoint names stay; if a weight is replaced later (dtype change, reload),
-        its pointer no longer matches and the layer goes back to separate matmuls."""
+        its pointer no longer matches and the layer goes back to separate matmuls. k_major:
+        that tensor is stored K-major (kdaserve/ops/cpu_linear.py). Returns the layers fused."""
         lins = self._input_linears()
         if len({lin.weight.dtype for lin in lins}) != 1:
-            return
+            return []
         fused = torch.cat([lin.weight.detach() for lin in lins], 0)
+        if k_major:
+            fused = k_major_weight(fused).data
         start = 0
         for lin in lins:
             n = lin.weight.shape[0]
@@ -83,6 +87,7 @@ class KimiDeltaAttention(nn.Module):
             start += n
         self._fused = fused
         self._fused_ptrs = [lin.weight.data_ptr() for lin in lins]
+        return lins
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                   torch.Tensor]:
@@ -90,7 +95,7 @@ class KimiDeltaAttention(nn.Module):
         lins = self._input_linears()
         if self._fused is not None and [lin.weight.data_ptr() for lin in lins] == self._fused_ptrs:
             hd3 = 3 * self.num_heads * self.head_dim
-            return F.linear(x, self._fused).split([hd3, self.head_dim, lins[4].weight.shape[0],
+            return linear(x, self._fused).split([hd3, self.head_dim, lins[4].weight.shape[0],
                                                    self.num_heads], -1)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         return qkv, self.f_a_proj(x), lins[4](x), self.b_proj(x)

@@ -214,3 +214,26 @@ static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_
         }
 }
 
+
+/* Y [B, N] = X [B, K] W for the torch forms' linear layers over K-major weights
+ * (kdaserve/ops/cpu_linear.py), typically a prefill's thousands of rows. matmat_t splits the
+ * outputs over the threads, which leaves one thread idle on a narrow matrix; many rows are
+ * split by rows instead, in blocks of whole 6-row tiles. Either way each output sums in K
+ * order, so the split changes nothing in the result. */
+void NAME(linear_rows)(int64_t B, int64_t N, int64_t K, const float *X, int64_t ldx,
+                       const WT *W, float *Y, int64_t ldy) {
+#ifdef _OPENMP
+    if (B >= 96 && omp_get_max_threads() > 1) {
+#pragma omp parallel
+        {
+            const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+            const int64_t per = ((B + nt - 1) / nt + 5) / 6 * 6;
+            const int64_t b0 = t * per, b1 = b0 + per < B ? b0 + per : B;
+            if (b0 < b1)
+                NAME(matmat_t)(W, X + b0 * ldx, ldx, Y + b0 * ldy, ldy, N, K, b1 - b0);
+        }
+        return;
+    }
+#endif
+    NAME(matmat_t)(W, X, ldx, Y, ldy, N, K, B);
+}

@@ -1,0 +1,89 @@
+"""Linear layers over K-major weights on the CPU: the torch forms' projections (prefill,
+mixed steps, the unfused decode) through the compiled outer-product product of
+csrc/row_products.h, which the fused decode blocks use too.
+
+Why: the CPU wheel's BLAS (MKL) runs fp32 matrix products on this kind of AMD processor at
+~70-90 GFLOPS a thread, where the outer-product tiles reach ~180 (docs/benchmarks.md); a
+prefill spends about half its time in these products. The weights are stored once, K-major
+([in, out] in memory); the parameter the model keeps is its transposed view, so checkpoint
+names, shapes and every torch form that reads it stay as they were, and the fused decode
+blocks read the same memory instead of keeping a transposed copy. F.linear remains the
+reference (tests/ops/test_cpu_linear.py), and takes everything this does not: other dtypes
+and devices, autograd, and weights stored row-major.
+
+Each output sums its products in K order whatever the rows (row_products.h), so a row's
+result does not depend on how many rows share its step."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdaserve.ops.cpu_kernels import _I64, _PTR, _c_function
+
+# narrower layers (K3's one-output residual projections) are left to torch
+MIN_OUTPUTS = 16
+
+
+@cache
+def _kernel():
+    return _c_function("decode_cpu.c", "linear_rows_f32",
+                       [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64])
+
+
+def k_major(w: torch.Tensor) -> bool:
+    """True when the [out, in] weight w is an fp32 CPU view of K-major memory that the
+    compiled product reads in place."""
+    return (w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2
+            and w.stride(0) == 1 and w.stride(1) == w.shape[0])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias); through the compiled product when w is stored K-major."""
+    fn = _kernel()
+    if (fn is None or bias is not None or x.dtype != torch.float32 or x.device.type != "cpu"
+            or not k_major(w) or (torch.is_grad_enabled() and (x.requires_grad
+                                                                or w.requires_grad))):
+        return F.linear(x, w, bias)
+    N, K = w.shape
+    rows = x.reshape(-1, K)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], N, dtype=torch.float32)
+    if rows.shape[0]:
+        fn(rows.shape[0], N, K, rows.data_ptr(), rows.stride(0), w.data_ptr(), out.data_ptr(), N)
+    return out.view(*x.shape[:-1], N)
+
+
+class KMajorLinear(nn.Linear):
+    """An nn.Linear whose weight is a view of K-major memory (see store_k_major)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def k_major_weight(w: torch.Tensor) -> nn.Parameter:
+    """w [out, in] re-stored K-major; the parameter is the [out, in] view of that memory."""
+    return nn.Parameter(w.detach().t().contiguous().t(), requires_grad=False)
+
+
+def store_k_major(module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
+    """Re-stores the fp32 CPU nn.Linear layers under `module` (except those in `skip` and
+    those with a bias or fewer than MIN_OUTPUTS outputs) K-major and makes them KMajorLinear;
+    returns how many. A weight shared with another module (tied embeddings) must be skipped
+    by the caller: the other module would read the new layout."""
+    if _kernel() is None:
+        return 0
+    done = 0
+    for sub in module.modules():
+        if (type(sub) is nn.Linear and sub not in skip and sub.bias is None
+                and sub.weight.dtype == torch.float32 and sub.weight.device.type == "cpu"
+                and sub.out_features >= MIN_OUTPUTS):
+            if not k_major(sub.weight):
+                sub.weight = k_major_weight(sub.weight)
+            sub.__class__ = KMajorLinear
+            done += 1
+    return done

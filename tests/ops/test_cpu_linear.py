@@ -1,0 +1,101 @@
+"""The compiled linear layers over K-major weights (kdaserve.ops.cpu_linear) against F.linear,
+their reference: same products to rounding, each row independent of its batch, and the
+model's inference storage (fuse_for_inference) giving the same logits as the model as built."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import random_model, tiny_config
+from torch import nn
+
+from kdaserve.model.kda import KimiDeltaAttention
+from kdaserve.ops.cpu_linear import KMajorLinear, _kernel, k_major, k_major_weight, linear
+
+pytestmark = pytest.mark.skipif(_kernel() is None, reason="no C compiler: F.linear serves")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    # one running sum over K against MKL's blocked sums: relative rounding of ~1e-6
+    scale = b.abs().max().item() + 1e-6
+    assert (a - b).abs().max().item() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("rows,out,inner", [(1, 900, 256), (5, 33, 64), (7, 16, 5),
+                                            (150, 96, 256), (301, 40, 17), (0, 32, 8)])
+def test_matches_f_linear(rows, out, inner):
+    g = torch.Generator().manual_seed(rows + out)
+    x = torch.randn(rows, inner, generator=g)
+    w = torch.randn(out, inner, generator=g)
+    wk = k_major_weight(w)
+    assert k_major(wk) and torch.equal(wk, w)
+    y = linear(x, wk)
+    assert y.shape == (rows, out)
+    if rows:
+        _close(y, F.linear(x, w))
+
+
+@pytest.mark.parametrize("rows", [4, 200])      # matmat_t's split by outputs, then by rows
+def test_rows_do_not_depend_on_their_batch(rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=g)
+    wk = k_major_weight(torch.randn(48, 64, generator=g))
+    whole = linear(x, wk)
+    for r in (0, rows // 2, rows - 1):
+        assert torch.equal(linear(x[r:r + 1], wk)[0], whole[r])
+    assert torch.equal(linear(x[:rows // 3], wk), whole[:rows // 3])
+
+
+def test_leading_dims_and_strided_rows():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 40, generator=g)[..., :32]          # rows 40 floats apart
+    w = torch.randn(24, 32, generator=g)
+    y = linear(x, k_major_weight(w))
+    assert y.shape == (2, 5, 24)
+    _close(y, F.linear(x, w))
+
+
+def test_everything_else_is_f_linear():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 16, generator=g)
+    w = torch.randn(20, 16, generator=g)
+    assert torch.equal(linear(x, w), F.linear(x, w))                   # row-major weight
+    wb = k_major_weight(w).to(torch.bfloat16)
+    assert torch.equal(linear(x.bfloat16(), wb), F.linear(x.bfloat16(), wb))
+    wk = k_major_weight(w).requires_grad_(True)
+    xg = x.clone().requires_grad_(True)
+    y = linear(xg, wk)
+    y.sum().backward()                                                  # autograd: F.linear
+    assert xg.grad is not None and wk.grad is not None
+
+
+def test_inference_storage_keeps_the_model():
+    cfg = tiny_config()
+    model = random_model(cfg, seed=2)
+    ref = copy.deepcopy(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.fuse_for_inference()
+    # same parameters, names and shapes: only their memory layout changed
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    swapped = [m for m in model.modules() if isinstance(m, KMajorLinear)]
+    assert swapped and all(k_major(m.weight) for m in swapped)
+    for layer in model.model.layers:
+        if isinstance(layer.self_attn, KimiDeltaAttention):
+            assert k_major(layer.self_attn._fused)
+    if model.lm_head.weight is model.model.embed_tokens.weight:
+        assert not k_major(model.model.embed_tokens.weight)
+    g = torch.Generator().manual_seed(6)
+    for m, r in zip(model.modules(), ref.modules()):
+        if isinstance(m, KMajorLinear):
+            x = torch.randn(9, m.in_features, generator=g)
+            _close(m(x), r(x))
+
+
+def test_bf16_and_gpu_models_are_left_alone():
+    model = random_model(tiny_config(), seed=5).to_dtype(torch.bfloat16).fuse_for_inference()
+    assert not any(isinstance(m, KMajorLinear) for m in model.modules())
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
