@@ -47,7 +47,11 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        defer: bool = False,
     ) -> None:
+        """defer: nobody reads the text before the end (no stream, no stop strings): push only
+        collects the ids and flush decodes them at once, the same text in one decode instead
+        of two a token."""
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._tokenizer = tokenizer
@@ -58,6 +62,7 @@ class IncrementalDetokenizer:
         self._ids = prompt[max(len(prompt) - PROMPT_CONTEXT_TOKENS, 0) :]
         self._prefix = 0
         self._read = len(self._ids)
+        self._defer = defer and not stop
         self._held = ""  # decoded text that might be the start of a stop string
         self.output_text = ""
         self.stop_string: str | None = None
@@ -68,6 +73,9 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Sequence[int]) -> DetokenizerDelta:
         if self.finished:
+            return DetokenizerDelta("")
+        if self._defer:
+            self._ids.extend(t for t in token_ids if self._keeps(t))
             return DetokenizerDelta("")
         text = []
         for token_id in token_ids:

@@ -270,3 +270,22 @@ def test_stop_match_that_ends_first_wins(tok):
 def test_empty_stop_string_rejected(tok):
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(tok, stop=["ok", ""])
+
+
+@pytest.mark.parametrize("prompt", [[], [5, 40, 7]])
+def test_deferred_text_equals_the_streamed_text(tok, prompt):
+    """defer (no stream, no stop strings): nothing before flush, then the streamed text."""
+    rng = random.Random(7)
+    for _ in range(40):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 30))]
+        streamed = "".join(stream(IncrementalDetokenizer(tok, prompt), ids))
+        det = IncrementalDetokenizer(tok, prompt, defer=True)
+        deltas = stream(det, ids, chunk=rng.choice([1, 4]))
+        assert all(d == "" for d in deltas[:-1])
+        assert deltas[-1] == streamed == det.output_text
+
+
+def test_defer_is_ignored_with_stop_strings(tok):
+    det = IncrementalDetokenizer(tok, stop=["STOP"], defer=True)
+    ids = tok.encode("hello STOP world")
+    assert "".join(stream(det, ids)) == "hello " and det.stop_string == "STOP"

@@ -158,9 +158,11 @@ class EngineCore:
                     params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     extra_keys: tuple = (), group: str | None = None,
-                    media: Sequence[MediaItem] = ()) -> None:
+                    media: Sequence[MediaItem] = (), stream_text: bool = True) -> None:
         """`group` is the fairness unit (default: this request with its n completions).
-        media: the prompt's images (their placeholder runs already expanded in the ids)."""
+        media: the prompt's images (their placeholder runs already expanded in the ids).
+        stream_text=False: the caller reads the text only once the request ends (the deltas
+        before the last carry none; ids and logprobs still come each step)."""
         if request_id in self._children:
             raise ValueError(f"duplicate request id {request_id!r}")
         if params.stop and self.tokenizer is None:
@@ -193,7 +195,8 @@ class EngineCore:
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(
                     self.tokenizer, prompt_token_ids, child_params.skip_special_tokens,
-                    child_params.stop, child_params.include_stop_str_in_output)
+                    child_params.stop, child_params.include_stop_str_in_output,
+                    defer=not stream_text)
             self._tracked[cid] = _Tracked(request_id, i, detok)
         self._children[request_id] = children
 

@@ -153,7 +153,7 @@ class LLM:
         for prompt, sp in zip(prompts, params_list):
             text, ids, media = self._prompt_media(prompt)
             rid = str(next(self._ids))
-            self.engine.add_request(rid, ids, sp, media=media)
+            self.engine.add_request(rid, ids, sp, media=media, stream_text=False)
             order.append(rid)
             results[rid] = RequestOutput(rid, text, ids, [
                 CompletionOutput(i, "", [], logprobs=[] if sp.logprobs is not None else None)
