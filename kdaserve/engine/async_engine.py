@@ -70,6 +70,7 @@ class AddCmd(msgspec.Struct, tag="add"):
     priority: int = 0
     group: str | None = None       # fairness unit (one HTTP request's prompts share it)
     media: list[MediaWire] = []    # images, their placeholder runs expanded in the prompt
+    stream_text: bool = True       # False: the text is read once the request ends
 
 
 class AbortCmd(msgspec.Struct, tag="abort"):
@@ -270,7 +271,8 @@ class _EngineLoop:
             params = msgspec.msgpack.decode(cmd.params, type=SamplingParams)
             self.core.add_request(cmd.request_id, cmd.prompt_token_ids, params,
                                   priority=cmd.priority, group=cmd.group,
-                                  media=[m.item() for m in cmd.media])
+                                  media=[m.item() for m in cmd.media],
+                                  stream_text=cmd.stream_text)
         except ValueError as exc:   # SamplingParamsError and msgspec.ValidationError included
             self._send(AddFailed(cmd.request_id, str(exc), invalid_input=True))
         except Exception as exc:
@@ -566,7 +568,7 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0,
                        group: str | None = None, media: Sequence[MediaItem] = (),
-                       ) -> AsyncIterator[RequestDelta]:
+                       stream_text: bool = True) -> AsyncIterator[RequestDelta]:
         """Submit a request and yield its deltas until all `params.n` completions finished.
 
         Input errors surface as ValueError on the first iteration; leaving the loop early (or
@@ -591,7 +593,7 @@ class AsyncEngine:
         try:
             self._send(AddCmd(request_id, list(prompt_token_ids),
                               msgspec.Raw(self._encoder.encode(params)), priority, group,
-                              [MediaWire.of(m) for m in media]))
+                              [MediaWire.of(m) for m in media], stream_text))
             while remaining:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):

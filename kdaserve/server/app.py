@@ -190,14 +190,15 @@ class OpenAIServing:
                 param="max_tokens", code="context_length_exceeded")
 
     async def _start(self, request: Request, request_id: str, prompts: list[Prompt],
-                     params: SamplingParams) -> list[Run]:
+                     params: SamplingParams, stream: bool) -> list[Run]:
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         check_sequences(len(prompts), params.n, self.limits)
         timeout = self.limits.request_timeout_s
         deadline = time.monotonic() + timeout if timeout else None
         runs = [Run(self.engine, f"{request_id}-{i}", p, params, self.metrics.timer(),
-                    group=request_id, deadline=deadline) for i, p in enumerate(prompts)]
+                    group=request_id, deadline=deadline, stream_text=stream)
+                for i, p in enumerate(prompts)]
         self.active.update(r.request_id for r in runs)
         try:
             await unless_disconnected(request, all_or_none(r.start() for r in runs))
@@ -322,7 +323,7 @@ class OpenAIServing:
         for p in prompts:
             self._check_fits(len(p.token_ids), max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        runs = await self._start(request, request_id, prompts, params)
+        runs = await self._start(request, request_id, prompts, params, bool(req.stream))
         if req.stream:
             return self._stream(self._completion_events(req, request_id, runs))
         results = await self._collect(request, runs)
@@ -444,7 +445,7 @@ class OpenAIServing:
         params = self._params(req, requested, k, plan)
         self._check_fits(len(prompt.token_ids), requested, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        runs = await self._start(request, request_id, [prompt], params)
+        runs = await self._start(request, request_id, [prompt], params, bool(req.stream))
         if req.stream:
             return self._stream(self._chat_events(req, request_id, runs[0], plan))
         [outs] = await self._collect(request, runs)

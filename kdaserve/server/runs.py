@@ -134,12 +134,12 @@ class Run:
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt: Prompt,
                  params: SamplingParams, timer: RequestTimer, group: str | None = None,
-                 deadline: float | None = None) -> None:
+                 deadline: float | None = None, stream_text: bool = True) -> None:
         self.prompt = prompt
         self.n = params.n
         self.request_id = request_id
         self._gen = engine.generate(request_id, prompt.token_ids, params, group=group,
-                                    media=prompt.media)
+                                    media=prompt.media, stream_text=stream_text)
         self._first: RequestDelta | None = None
         self._timer = timer
         self._reasons: list[str] = []
