@@ -47,7 +47,7 @@ def _cache_dir() -> Path:
 
 # sources whose kernels run on threads of their own when the compiler has OpenMP (they share
 # torch's libgomp: csrc/decode_cpu.c); built without it where it is missing
-_OPENMP_SOURCES = {"decode_cpu.c"}
+_OPENMP_SOURCES = {"decode_cpu.c", "kda_cpu.c", "mla_cpu.c", "moe_cpu.c"}
 
 
 def _build(src: Path) -> Path | None:
@@ -137,6 +137,30 @@ def _split_rows(fn: Callable[..., None], num_rows: int, work: int, *args) -> Non
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
+def parallel_rows(source: str, fn: Callable[..., None], num_rows: int, work: int,
+                  *args, pool: bool = True) -> None:
+    """fn(row_begin, row_end, nthreads, *args) of csrc/`source` over rows [0, num_rows). Built
+    with OpenMP, the kernel splits them over torch's own threads (a pool of ours beside them
+    competed with torch's workers, which spin for a while after each op: on two cores a
+    prefill's KDA kernels ran at half speed); otherwise they split over a pool here, or with
+    pool=False stay on the calling thread."""
+    if _openmp_built(source):
+        fn(0, num_rows, torch.get_num_threads() if work >= _PARALLEL_MIN_STEPS else 1, *args)
+    elif pool:
+        _split_rows(fn, num_rows, work, 1, *args)
+    else:
+        fn(0, num_rows, 1, *args)
+
+
+@cache
+def _openmp_built(source: str) -> bool:
+    lib = _library(source)
+    if lib is None or not hasattr(lib, "kernels_parallel"):
+        return False
+    lib.kernels_parallel.restype = ctypes.c_int64
+    return bool(lib.kernels_parallel())
+
+
 def _c_function(source: str, name: str, argtypes: list) -> Callable[..., None] | None:
     """The void C function `name` of csrc/`source` with its argument types, or None."""
     lib = _library(source)
@@ -152,8 +176,8 @@ def _c_function(source: str, name: str, argtypes: list) -> Callable[..., None] |
 def kda_recurrent_slots_kernel() -> KDARecurrentSlots | None:
     """The compiled in-place KDA recurrence, or None (no compiler, disabled, build failed)."""
     fn = _c_function("kda_cpu.c", "kda_recurrent_slots",
-                     [_I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
-                      _PTR, _PTR, _PTR, _I64])
+                     [_I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR,
+                      _PTR, _PTR, _PTR, _PTR, _I64])
     if fn is None:
         return None
 
@@ -171,8 +195,9 @@ def kda_recurrent_slots_kernel() -> KDARecurrentSlots | None:
         assert L % keep_every == 0 and (kept is None or kept.is_contiguous())
         o = torch.empty(B, L, H, V, dtype=torch.float32)
         slots_, q_, k_, v_, g_, beta_ = args
-        _split_rows(fn, B, B * L * H, _ptr(store), _ptr(slots_), L, H, K, V, _ptr(q_),
-                    _ptr(k_), _ptr(v_), _ptr(g_), _ptr(beta_), _ptr(o), _ptr(kept), keep_every)
+        parallel_rows("kda_cpu.c", fn, B, B * L * H, _ptr(store), _ptr(slots_), L, H, K, V,
+                      _ptr(q_), _ptr(k_), _ptr(v_), _ptr(g_), _ptr(beta_), _ptr(o), _ptr(kept),
+                      keep_every)
         return o
 
     return run
@@ -185,9 +210,9 @@ KDAPrepare = Callable[..., tuple[torch.Tensor, ...]]
 def kda_prepare_kernel() -> KDAPrepare | None:
     """The compiled conv + activations + norms + decay of a KDA layer's inputs, or None."""
     fn = _c_function("kda_cpu.c", "kda_prepare",
-                     [_I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
-                      _PTR, _PTR, _F32, _I64, _PTR, _I64, _F32, _PTR, _PTR, _PTR, _PTR, _PTR,
-                      _PTR])
+                     [_I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR,
+                      _I64, _PTR, _PTR, _F32, _I64, _PTR, _I64, _F32, _PTR, _PTR, _PTR, _PTR,
+                      _PTR, _PTR])
     if fn is None:
         return None
 
@@ -212,11 +237,11 @@ def kda_prepare_kernel() -> KDAPrepare | None:
         q, k, v, g = (torch.empty(T, H, D, dtype=torch.float32) for _ in range(4))
         beta = torch.empty(T, H, dtype=torch.float32)
         new_window = torch.empty(B, W, C, dtype=torch.float32)
-        _split_rows(fn, B, T * H * 8, _ptr(cu), W + 1, H, D, _ptr(pre), pre.stride(0),
-                    _ptr(window), _ptr(conv_wt), _ptr(fraw), fraw.stride(0), _ptr(dt_bias),
-                    _ptr(a), 0.0 if lower_bound is None else float(lower_bound),
-                    int(lower_bound is not None), _ptr(braw), braw.stride(0), float(q_scale),
-                    _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(new_window))
+        parallel_rows("kda_cpu.c", fn, B, T * H * 8, _ptr(cu), W + 1, H, D, _ptr(pre),
+                      pre.stride(0), _ptr(window), _ptr(conv_wt), _ptr(fraw), fraw.stride(0),
+                      _ptr(dt_bias), _ptr(a), 0.0 if lower_bound is None else float(lower_bound),
+                      int(lower_bound is not None), _ptr(braw), braw.stride(0), float(q_scale),
+                      _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(new_window))
         return q, k, v, g, beta, new_window
 
     return run
@@ -236,9 +261,9 @@ def activation_args(act: GLUActivation | None) -> tuple[int, float, float]:
 @cache
 def moe_experts_kernel() -> MoEExperts | None:
     """The compiled routed-expert MLPs over ragged groups (csrc/moe_cpu.c), or None."""
-    fn = _c_function("moe_cpu.c", "moe_experts_act",
-                     [_I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
-                      _I64, _F32, _F32])
+    fn = _c_function("moe_cpu.c", "moe_experts_rows",
+                     [_I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
+                      _PTR, _I64, _F32, _F32])
     # the SiLU-only entry point of before the selector keeps its argument types for callers
     # that bind the library directly
     _c_function("moe_cpu.c", "moe_experts",
@@ -253,16 +278,17 @@ def moe_experts_kernel() -> MoEExperts | None:
         offsets [E+1] int64 the groups' bounds; slot_w [S]; w13t [E,H,2I], w2t [E,I,H]
         contiguous; out [T,H] gets += slot_w * expert MLP(x[token]) with the gated
         activation `act` (None: SiLU). All fp32. Returns out.
-        Runs on the calling thread: splitting the tokens between two threads (each reading
-        every expert's weights) measured slower at 64 to 2048 tokens on the 2-core box."""
+        The tokens split over torch's threads (each thread reads every expert's weights);
+        without OpenMP the call stays on the calling thread: a Python pool was slower."""
         E, H, I2 = w13t.shape
         x, token, offsets, slot_w = (t.contiguous() for t in (x, token, offsets, slot_w))
         assert w13t.is_contiguous() and w2t.is_contiguous() and out.is_contiguous()
         assert all(t.dtype == torch.float32 for t in (x, slot_w, w13t, w2t, out))
         assert token.dtype == offsets.dtype == torch.int64 and offsets.numel() == E + 1
         assert w2t.shape == (E, I2 // 2, H) and x.shape[1] == H == out.shape[1]
-        fn(0, x.shape[0], E, H, I2 // 2, _ptr(x), _ptr(token), _ptr(offsets), _ptr(slot_w),
-           _ptr(w13t), _ptr(w2t), _ptr(out), *activation_args(act))
+        parallel_rows("moe_cpu.c", fn, x.shape[0], token.numel() * I2, E, H, I2 // 2, _ptr(x),
+                      _ptr(token), _ptr(offsets), _ptr(slot_w), _ptr(w13t), _ptr(w2t),
+                      _ptr(out), *activation_args(act), pool=False)
         return out
 
     return run
@@ -272,9 +298,9 @@ def moe_experts_kernel() -> MoEExperts | None:
 def moe_experts_mxfp4_kernel() -> MoEExperts | None:
     """The compiled routed-expert MLPs on MXFP4 weights read in place (csrc/moe_cpu.c,
     `moe_experts_mxfp4`), or None (no compiler, disabled, build failed)."""
-    fn = _c_function("moe_cpu.c", "moe_experts_mxfp4",
-                     [_I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
-                      _PTR, _PTR, _I64, _F32, _F32])
+    fn = _c_function("moe_cpu.c", "moe_experts_mxfp4_rows",
+                     [_I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
+                      _PTR, _PTR, _PTR, _I64, _F32, _F32])
     if fn is None:
         return None
 
@@ -303,8 +329,9 @@ def moe_experts_mxfp4_kernel() -> MoEExperts | None:
         assert token.dtype == offsets.dtype == torch.int64 and offsets.numel() == E + 1
         assert x.dim() == 2 and x.shape[1] == H == out.shape[1] and out.shape[0] == x.shape[0]
         assert slot_w.numel() == token.numel()
-        fn(0, x.shape[0], E, H, I, _ptr(x), _ptr(token), _ptr(offsets), _ptr(slot_w),
-           *(_ptr(t) for t in weights), _ptr(out), *activation_args(act))
+        parallel_rows("moe_cpu.c", fn, x.shape[0], token.numel() * I2, E, H, I, _ptr(x),
+                      _ptr(token), _ptr(offsets), _ptr(slot_w), *(_ptr(t) for t in weights),
+                      _ptr(out), *activation_args(act), pool=False)
         return out
 
     return run

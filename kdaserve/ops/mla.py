@@ -162,8 +162,8 @@ def _paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
     """csrc/mla_cpu.c's fused paged decode, or None (no compiler, disabled, build failed)."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn = cpu_kernels._c_function("mla_cpu.c", "mla_decode_paged",
-                                 [i64, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64,
-                                  ptr, ptr])
+                                 [i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64,
+                                  i64, ptr, ptr])
     if fn is None:
         return None
 
@@ -179,8 +179,8 @@ def _paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
         lens_ = kv_lens.to(torch.int64).contiguous()
         o = torch.empty(t * num_splits, h, d)
         lse = torch.empty(t * num_splits, h)
-        cpu_kernels._split_rows(
-            fn, t * num_splits, int(lens_.sum()) * h, ctypes.c_void_p(pages.data_ptr()), bs, d,
+        cpu_kernels.parallel_rows(
+            "mla_cpu.c", fn, t * num_splits, int(lens_.sum()) * h, ctypes.c_void_p(pages.data_ptr()), bs, d,
             ctypes.c_void_p(blocks_.data_ptr()), blocks_.shape[1],
             ctypes.c_void_p(lens_.data_ptr()), ctypes.c_void_p(qa.data_ptr()), h, split,
             num_splits, ctypes.c_void_p(o.data_ptr()), ctypes.c_void_p(lse.data_ptr()))

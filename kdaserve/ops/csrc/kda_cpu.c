@@ -22,16 +22,35 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "fastmath.h"
 #include "kda_step.h"
 
-void kda_recurrent_slots(int64_t row_begin, int64_t row_end, float *store, const int64_t *slots,
-                         int64_t L, int64_t H, int64_t K, int64_t V,
+/* 1 when built with OpenMP: the kernels below then split their work over `nthreads` threads
+ * of torch's own pool (libgomp, shared), where a Python thread pool beside it competed with
+ * its workers, which spin for a while after each torch op (a prefill's recurrence ran at half
+ * speed on two cores). Without OpenMP the caller splits rows over threads of its own. */
+int64_t kernels_parallel(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void kda_recurrent_slots(int64_t row_begin, int64_t row_end, int64_t nthreads, float *store,
+                         const int64_t *slots, int64_t L, int64_t H, int64_t K, int64_t V,
                          const float *q, const float *k, const float *v, const float *g,
                          const float *beta, float *o, float *kept, int64_t keep_every) {
-    float kv[V], delta[V], out[V], decay[K];
+    /* each (row, head) state runs on its own, so they split over the threads */
+    (void)nthreads;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t b = row_begin; b < row_end; ++b) {
         for (int64_t h = 0; h < H; ++h) {
+            float kv[V], delta[V], out[V], decay[K];
             float *S = store + (slots[b] * H + h) * K * V;
             for (int64_t t = 0; t < L; ++t) {
                 const int64_t bth = (b * L + t) * H + h;
@@ -82,50 +101,79 @@ static inline float sum_squares(const float *x, int64_t n) {
     return total;
 }
 
-void kda_prepare(int64_t seq_begin, int64_t seq_end, const int64_t *cu, int64_t taps,
-                 int64_t H, int64_t D, const float *pre, int64_t pre_stride,
+/* Token rows [t0, t1) of sequences [seq_begin, seq_end): each row reads only inputs. */
+static void prepare_rows(int64_t seq_begin, int64_t seq_end, int64_t t0, int64_t t1,
+                         const int64_t *cu, int64_t taps, int64_t H, int64_t D,
+                         const float *pre, int64_t pre_stride, const float *window,
+                         const float *conv_wt, const float *fraw, int64_t f_stride,
+                         const float *dt_bias, const float *a, float lower_bound,
+                         int64_t use_bound, const float *braw, int64_t b_stride, float q_scale,
+                         float *q, float *k, float *v, float *g, float *beta) {
+    const int64_t HD = H * D, C = 3 * HD, W = taps - 1;
+    float row_buf[C];
+    float *restrict row = row_buf;
+    int64_t b = seq_begin;
+    for (int64_t t = t0; t < t1; ++t) {
+        while (b < seq_end - 1 && t >= cu[b + 1]) ++b;
+        const int64_t start = cu[b], p = t - start;
+        const float *win = window + b * W * C;
+        for (int64_t c = 0; c < C; ++c) row[c] = 0.0f;
+        for (int64_t j = 0; j < taps; ++j) {
+            const int64_t src = p - W + j;   /* < 0: an input before this step */
+            const float *in = src >= 0 ? pre + (start + src) * pre_stride
+                                       : win + (W + src) * C;
+            const float *wj = conv_wt + j * C;
+            for (int64_t c = 0; c < C; ++c) row[c] += in[c] * wj[c];
+        }
+        for (int64_t c = 0; c < C; ++c) row[c] = silu(row[c]);
+        for (int64_t h = 0; h < H; ++h) {
+            const float *rq = row + h * D, *rk = row + HD + h * D, *rv = row + 2 * HD + h * D;
+            const float nq = q_scale / sqrtf(sum_squares(rq, D) + 1e-6f);
+            const float nk = 1.0f / sqrtf(sum_squares(rk, D) + 1e-6f);
+            float *restrict oq = q + (t * H + h) * D, *restrict ok = k + (t * H + h) * D;
+            float *restrict ov = v + (t * H + h) * D, *restrict og = g + (t * H + h) * D;
+            const float *fr = fraw + t * f_stride + h * D, *bias = dt_bias + h * D;
+            const float ah = a[h];
+            for (int64_t d = 0; d < D; ++d) {
+                oq[d] = rq[d] * nq;
+                ok[d] = rk[d] * nk;
+                ov[d] = rv[d];
+            }
+            if (use_bound)
+                for (int64_t d = 0; d < D; ++d)
+                    og[d] = lower_bound * sigmoid(ah * (fr[d] + bias[d]));
+            else
+                for (int64_t d = 0; d < D; ++d) og[d] = -ah * softplus(fr[d] + bias[d]);
+            beta[t * H + h] = sigmoid(braw[t * b_stride + h]);
+        }
+    }
+}
+
+void kda_prepare(int64_t seq_begin, int64_t seq_end, int64_t nthreads, const int64_t *cu,
+                 int64_t taps, int64_t H, int64_t D, const float *pre, int64_t pre_stride,
                  const float *window, const float *conv_wt, const float *fraw, int64_t f_stride,
                  const float *dt_bias, const float *a, float lower_bound, int64_t use_bound,
                  const float *braw, int64_t b_stride, float q_scale, float *q, float *k,
                  float *v, float *g, float *beta, float *new_window) {
-    const int64_t HD = H * D, C = 3 * HD, W = taps - 1;
-    float row_buf[C];
-    float *restrict row = row_buf;
+    const int64_t C = 3 * H * D, W = taps - 1;
+    const int64_t first = cu[seq_begin], last = cu[seq_end];
+    /* token rows split evenly over the threads, whatever the sequences' lengths */
+    (void)nthreads;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int64_t parts = 1, part = 0;
+#ifdef _OPENMP
+        parts = omp_get_num_threads();
+        part = omp_get_thread_num();
+#endif
+        const int64_t n = last - first;
+        prepare_rows(seq_begin, seq_end, first + n * part / parts, first + n * (part + 1) / parts,
+                     cu, taps, H, D, pre, pre_stride, window, conv_wt, fraw, f_stride, dt_bias,
+                     a, lower_bound, use_bound, braw, b_stride, q_scale, q, k, v, g, beta);
+    }
     for (int64_t b = seq_begin; b < seq_end; ++b) {
         const int64_t start = cu[b], len = cu[b + 1] - start;
         const float *win = window + b * W * C;
-        for (int64_t p = 0; p < len; ++p) {
-            const int64_t t = start + p;
-            for (int64_t c = 0; c < C; ++c) row[c] = 0.0f;
-            for (int64_t j = 0; j < taps; ++j) {
-                const int64_t src = p - W + j;   /* < 0: an input before this step */
-                const float *in = src >= 0 ? pre + (start + src) * pre_stride
-                                           : win + (W + src) * C;
-                const float *wj = conv_wt + j * C;
-                for (int64_t c = 0; c < C; ++c) row[c] += in[c] * wj[c];
-            }
-            for (int64_t c = 0; c < C; ++c) row[c] = silu(row[c]);
-            for (int64_t h = 0; h < H; ++h) {
-                const float *rq = row + h * D, *rk = row + HD + h * D, *rv = row + 2 * HD + h * D;
-                const float nq = q_scale / sqrtf(sum_squares(rq, D) + 1e-6f);
-                const float nk = 1.0f / sqrtf(sum_squares(rk, D) + 1e-6f);
-                float *restrict oq = q + (t * H + h) * D, *restrict ok = k + (t * H + h) * D;
-                float *restrict ov = v + (t * H + h) * D, *restrict og = g + (t * H + h) * D;
-                const float *fr = fraw + t * f_stride + h * D, *bias = dt_bias + h * D;
-                const float ah = a[h];
-                for (int64_t d = 0; d < D; ++d) {
-                    oq[d] = rq[d] * nq;
-                    ok[d] = rk[d] * nk;
-                    ov[d] = rv[d];
-                }
-                if (use_bound)
-                    for (int64_t d = 0; d < D; ++d)
-                        og[d] = lower_bound * sigmoid(ah * (fr[d] + bias[d]));
-                else
-                    for (int64_t d = 0; d < D; ++d) og[d] = -ah * softplus(fr[d] + bias[d]);
-                beta[t * H + h] = sigmoid(braw[t * b_stride + h]);
-            }
-        }
         float *nw = new_window + b * W * C;
         for (int64_t i = 0; i < W; ++i) {
             const int64_t src = len - W + i;

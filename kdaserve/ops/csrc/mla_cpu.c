@@ -4,6 +4,11 @@
  * key per token (the latent): a block is read from memory once for every head. The splits'
  * partials (output and log-sum-exp per head) are merged by the caller. fp32. */
 #include <stdint.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "fastmath.h"
 
 #define MAX_BS 1024
@@ -20,17 +25,30 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+/* 1 when built with OpenMP: mla_decode_paged then splits its units over `nthreads` of
+ * torch's threads itself (see kda_cpu.c's kernels_parallel). */
+int64_t kernels_parallel(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* units u in [unit_begin, unit_end): row t = u / num_splits gets keys
  * [s * split_keys, min((s+1) * split_keys, kv_lens[t])) of split s = u % num_splits.
  * pages [NB,bs,d], blocks [T,width], qa [T,h,d] (scaled), o [T*num_splits,h,d],
  * lse [T*num_splits,h]; a unit without keys gets o = 0, lse = -inf. */
-void mla_decode_paged(int64_t unit_begin, int64_t unit_end, const float *restrict pages, int64_t bs,
+void mla_decode_paged(int64_t unit_begin, int64_t unit_end, int64_t nthreads,
+                      const float *restrict pages, int64_t bs,
                       int64_t d, const int64_t *blocks, int64_t width, const int64_t *kv_lens,
                       const float *qa, int64_t h, int64_t split_keys, int64_t num_splits,
                       float *o, float *lse) {
-    float s[MAX_BS];
-    float m[h], l[h];
+    (void)nthreads;
+#pragma omp parallel for schedule(dynamic) num_threads(nthreads) if (nthreads > 1)
     for (int64_t u = unit_begin; u < unit_end; ++u) {
+        float s[MAX_BS];
+        float m[h], l[h];
         const int64_t t = u / num_splits, sp = u % num_splits;
         const int64_t k0 = sp * split_keys;
         int64_t k1 = k0 + split_keys;

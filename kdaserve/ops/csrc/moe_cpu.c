@@ -20,9 +20,15 @@
  * linear_beta <= 0), as kdaserve/ops/activation.py computes it.
  *
  * moe_experts_mxfp4 (below) runs the same MLPs on MXFP4 weights in the checkpoint's layout.
+ * The *_rows entry points split a token range over `nthreads` of torch's own threads
+ * (OpenMP, sharing torch's libgomp; see kda_cpu.c's kernels_parallel).
  */
 #include <stdint.h>
 #include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -281,4 +287,49 @@ void moe_experts_mxfp4(int64_t t_begin, int64_t t_end, int64_t E, int64_t H, int
             }
         }
     }
+}
+
+int64_t kernels_parallel(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Tokens [t_begin, t_end) in even parts, one per thread. */
+#ifdef _OPENMP
+#define TOKEN_PARTS(CALL)                                                                       \
+    _Pragma("omp parallel num_threads(nthreads) if (nthreads > 1)") {                           \
+        const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();               \
+        const int64_t n = t_end - t_begin;                                                      \
+        const int64_t lo = t_begin + n * part / parts, hi = t_begin + n * (part + 1) / parts;   \
+        CALL;                                                                                   \
+    }
+#else
+#define TOKEN_PARTS(CALL)                                                                       \
+    {                                                                                           \
+        (void)nthreads;                                                                         \
+        const int64_t lo = t_begin, hi = t_end;                                                 \
+        CALL;                                                                                   \
+    }
+#endif
+
+void moe_experts_rows(int64_t t_begin, int64_t t_end, int64_t nthreads, int64_t E, int64_t H,
+                      int64_t I, const float *x, const int64_t *token, const int64_t *offsets,
+                      const float *slot_w, const float *w13t, const float *w2t, float *out,
+                      int64_t act_kind, float beta, float linear_beta) {
+    TOKEN_PARTS(moe_experts_act(lo, hi, E, H, I, x, token, offsets, slot_w, w13t, w2t, out,
+                                act_kind, beta, linear_beta))
+}
+
+void moe_experts_mxfp4_rows(int64_t t_begin, int64_t t_end, int64_t nthreads, int64_t E,
+                            int64_t H, int64_t I, const float *x, const int64_t *token,
+                            const int64_t *offsets, const float *slot_w,
+                            const uint8_t *w13_packed, const uint8_t *w13_scale,
+                            const uint8_t *w2_packed, const uint8_t *w2_scale, float *out,
+                            int64_t act_kind, float beta, float linear_beta) {
+    TOKEN_PARTS(moe_experts_mxfp4(lo, hi, E, H, I, x, token, offsets, slot_w, w13_packed,
+                                  w13_scale, w2_packed, w2_scale, out, act_kind, beta,
+                                  linear_beta))
 }
