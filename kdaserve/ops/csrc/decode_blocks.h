@@ -280,6 +280,15 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
         for (int64_t s = 0; s < S; ++s)
             if ((int64_t)idf[s] == e) slot[n++] = s;
         if (!n) continue;
+        /* ask for all of this expert's weights at once: the products read them in several
+         * strided passes, each waiting on its misses one stream at a time */
+        {
+            const char *p13 = (const char *)(w13 + e * Wd * 2 * I);
+            const char *p2 = (const char *)(w2 + e * I * Wd);
+            const int64_t bytes = (int64_t)sizeof(WT) * Wd * 2 * I;
+            for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p13 + off, 0, 2);
+            for (int64_t off = 0; off < bytes / 2; off += 64) __builtin_prefetch(p2 + off, 0, 2);
+        }
         float *xe = malloc(sizeof(float) * (size_t)(n * (Wd + 3 * I)));
         float *gu = xe + n * Wd, *a = gu + n * 2 * I;
         for (int64_t r = 0; r < n; ++r)

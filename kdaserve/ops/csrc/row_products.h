@@ -189,6 +189,13 @@ static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_
     for (int64_t t = first / 16; t < tiles; t += 2) {
         const int64_t n = 16 * t;
         const int C = n + 32 <= N32 ? 2 : 1;
+        /* the next tile's weights (this thread's, under the static split) are on their way
+         * while this one runs: several rows make a tile long enough to hide them */
+        if (B > 2 && t + 2 < tiles)
+            for (int64_t i = 0; i < K; ++i) {
+                __builtin_prefetch(W + i * N + n + 32, 0, 2);
+                __builtin_prefetch(W + i * N + n + 48, 0, 2);
+            }
         int64_t b = 0;
         if (C == 2) {
             for (; b + 6 <= B; b += 6) NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 6, 2);
