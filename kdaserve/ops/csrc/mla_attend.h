@@ -85,6 +85,12 @@ static void NAME(mla_span)(const float *q, int64_t H, int64_t Dc, int64_t LD, co
     const int64_t D8 = Dc - Dc % 8;
     for (int64_t h = 0; h < H; ++h) { m[h] = -INFINITY; l[h] = 0.0f; }
     for (int64_t i = 0; i < H * Dc; ++i) acc[i] = 0.0f;
+    /* the first pages, which the prefetch in the loop below never asks for */
+    for (int64_t pg = t0 / bs; pg <= (t1 - 1) / bs && pg < t0 / bs + MLA_AHEAD; ++pg) {
+        const char *nx = (const char *)(pages + bt[pg] * bs * LD);
+        for (int64_t off = 0; off < (int64_t)sizeof(CT) * bs * LD; off += 64)
+            __builtin_prefetch(nx + off, 0, 0);
+    }
     for (int64_t t = t0; t < t1;) {
         int64_t n = bs - t % bs;
         n = n < t1 - t ? n : t1 - t;
@@ -189,6 +195,8 @@ static void NAME(mla_attend_rows)(int64_t B, int64_t H, int64_t N, int64_t R, in
         NAME(mla_span)(qf + b * H * LD, H, Dc, LD, pages, bs, block_table + b * width, t0, t1,
                        scale, pm, pl, pa);
     }
+    /* rows merge on their own: in parallel when there are several */
+#pragma omp parallel for schedule(static) if (B > 1)
     for (int64_t b = 0; b < B; ++b)
         for (int64_t hh = 0; hh < H; ++hh) {
             float mx = -INFINITY;
