@@ -241,3 +241,48 @@ def test_moe_kernel_token_ranges_are_bitwise_independent():
     for lo, hi in ((0, 9), (9, T)):
         fn(lo, hi, E, H, I, *ptr, ctypes.c_void_p(halves.data_ptr()))
     assert torch.equal(whole, halves) and whole.abs().sum() > 0
+
+
+@needs_cc
+def test_thread_count_does_not_change_results():
+    """The kernels split their work over torch's threads themselves (OpenMP): one thread and
+    two give bitwise the same recurrence, the same prepared inputs and the same experts."""
+    from kdaserve.ops.cpu_kernels import kda_prepare_kernel, moe_experts_kernel
+
+    recur, prep, moe = kda_recurrent_slots_kernel(), kda_prepare_kernel(), moe_experts_kernel()
+    assert recur is not None and prep is not None and moe is not None
+    g = torch.Generator().manual_seed(3)
+    B, L, H, D = 5, 40, 2, 64                       # enough steps to split
+    inputs = _inputs(B, L, H, D, seed=11)
+    store0 = torch.randn(B, H, D, D, generator=g) * 0.1
+    T, W = 3 * 70, 3
+    pre, fraw = torch.randn(T, 3 * H * D, generator=g), torch.randn(T, H * D, generator=g)
+    braw, window = torch.randn(T, H, generator=g), torch.randn(3, W, 3 * H * D, generator=g)
+    cu = torch.tensor([0, 70, 71, T])                # uneven sequences
+    conv = torch.randn(W + 1, 3 * H * D, generator=g)
+    dt, a = torch.randn(H * D, generator=g), torch.rand(H, generator=g)
+    E, Hm, I, S = 6, 32, 16, 300
+    x = torch.randn(S, Hm, generator=g)
+    ids = torch.rand(S, E, generator=g).topk(2, -1).indices.reshape(-1)
+    order = ids.argsort(stable=True)
+    offsets = torch.zeros(E + 1, dtype=torch.long)
+    offsets[1:] = torch.bincount(ids, minlength=E).cumsum(0)
+    w13t, w2t = torch.randn(E, Hm, 2 * I, generator=g), torch.randn(E, I, Hm, generator=g)
+    slot_w = torch.rand(2 * S, generator=g)
+
+    def run() -> list[torch.Tensor]:
+        store = store0.clone()
+        o = recur(store, torch.arange(B), *inputs)
+        prepared = prep(pre, window, cu, conv, fraw, dt, a, braw, H, D ** -0.5)
+        out = moe(x, order // 2, offsets, slot_w, w13t, w2t, torch.zeros(S, Hm))
+        return [o, store, *prepared, out]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(p, q) for p, q in zip(one, two))
