@@ -23,6 +23,7 @@
 
 #include "fastmath.h"
 #include "kda_step.h"
+#include "vec16.h"
 
 /* bf16 is the top half of an fp32: widening is a shift; narrowing rounds to nearest even
  * (as torch's .to(torch.bfloat16) does; NaN is not expected here). */
@@ -88,19 +89,10 @@ static inline v8f ld8bf16(const uint16_t *p) {
     return f;
 }
 
-/* Sixteen lanes (one AVX-512 register, two AVX2 ones) for the outer-product tiles of
- * row_products.h, whose sums stay in lanes and are never reduced. */
-typedef float v16f __attribute__((vector_size(64), aligned(4)));
+/* Sixteen lanes (vec16.h) for the outer-product tiles of row_products.h, whose sums stay in
+ * lanes and are never reduced; their bf16 weights widened. */
 typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
-
-static inline v16f ld16f(const float *p) {
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void st16f(float *p, v16f v) { memcpy(p, &v, sizeof v); }
 
 static inline v16f ld16bf16(const uint16_t *p) {
     v16h h;

@@ -22,24 +22,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "fastmath.h"
+#include "threads.h"
 #include "kda_step.h"
-
-/* 1 when built with OpenMP: the kernels below then split their work over `nthreads` threads
- * of torch's own pool (libgomp, shared), where a Python thread pool beside it competed with
- * its workers, which spin for a while after each torch op (a prefill's recurrence ran at half
- * speed on two cores). Without OpenMP the caller splits rows over threads of its own. */
-int64_t kernels_parallel(void) {
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
-}
 
 void kda_recurrent_slots(int64_t row_begin, int64_t row_end, int64_t nthreads, float *store,
                          const int64_t *slots, int64_t L, int64_t H, int64_t K, int64_t V,
@@ -161,15 +146,11 @@ void kda_prepare(int64_t seq_begin, int64_t seq_end, int64_t nthreads, const int
     (void)nthreads;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        int64_t parts = 1, part = 0;
-#ifdef _OPENMP
-        parts = omp_get_num_threads();
-        part = omp_get_thread_num();
-#endif
-        const int64_t n = last - first;
-        prepare_rows(seq_begin, seq_end, first + n * part / parts, first + n * (part + 1) / parts,
-                     cu, taps, H, D, pre, pre_stride, window, conv_wt, fraw, f_stride, dt_bias,
-                     a, lower_bound, use_bound, braw, b_stride, q_scale, q, k, v, g, beta);
+        int64_t lo, hi;
+        thread_share(first, last, &lo, &hi);
+        prepare_rows(seq_begin, seq_end, lo, hi, cu, taps, H, D, pre, pre_stride, window,
+                     conv_wt, fraw, f_stride, dt_bias, a, lower_bound, use_bound, braw,
+                     b_stride, q_scale, q, k, v, g, beta);
     }
     for (int64_t b = seq_begin; b < seq_end; ++b) {
         const int64_t start = cu[b], len = cu[b + 1] - start;

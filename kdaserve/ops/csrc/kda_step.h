@@ -9,16 +9,7 @@
 #include <string.h>
 
 #include "fastmath.h"
-
-typedef float kda_v16 __attribute__((vector_size(64), aligned(4)));
-
-static inline kda_v16 kda_ld(const float *p) {
-    kda_v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void kda_st(float *p, kda_v16 v) { memcpy(p, &v, sizeof v); }
+#include "vec16.h"
 
 /* V = 16 NV (NV <= 8): the V-wide sums kv and out stay in registers while i runs (the loops
  * below kept them in memory, so each i waited on a store and a reload), summed in the same
@@ -27,31 +18,31 @@ static inline void kda_st(float *p, kda_v16 v) { memcpy(p, &v, sizeof v); }
     static inline void kda_step_##NV(float *restrict S, const float *q, const float *k,         \
                                      const float *v, const float *decay, float beta,            \
                                      float *out, int64_t K) {                                   \
-        kda_v16 acc[NV], dl[NV];                                                                \
-        for (int c = 0; c < NV; ++c) acc[c] = (kda_v16){0};                                     \
+        v16f acc[NV], dl[NV];                                                                   \
+        for (int c = 0; c < NV; ++c) acc[c] = (v16f){0};                                        \
         for (int64_t i = 0; i < K; ++i) {                                                       \
             float *row = S + i * 16 * NV;                                                       \
             const float e = decay[i], ki = k[i];                                                \
             for (int c = 0; c < NV; ++c) {                                                      \
-                const kda_v16 r = kda_ld(row + 16 * c) * e;                                     \
-                kda_st(row + 16 * c, r);                                                        \
+                const v16f r = ld16f(row + 16 * c) * e;                                         \
+                st16f(row + 16 * c, r);                                                         \
                 acc[c] += ki * r;                                                               \
             }                                                                                   \
         }                                                                                       \
         for (int c = 0; c < NV; ++c) {                                                          \
-            dl[c] = (kda_ld(v + 16 * c) - acc[c]) * beta;                                       \
-            acc[c] = (kda_v16){0};                                                              \
+            dl[c] = (ld16f(v + 16 * c) - acc[c]) * beta;                                        \
+            acc[c] = (v16f){0};                                                                 \
         }                                                                                       \
         for (int64_t i = 0; i < K; ++i) {                                                       \
             float *row = S + i * 16 * NV;                                                       \
             const float ki = k[i], qi = q[i];                                                   \
             for (int c = 0; c < NV; ++c) {                                                      \
-                const kda_v16 r = kda_ld(row + 16 * c) + ki * dl[c];                            \
-                kda_st(row + 16 * c, r);                                                        \
+                const v16f r = ld16f(row + 16 * c) + ki * dl[c];                                \
+                st16f(row + 16 * c, r);                                                         \
                 acc[c] += qi * r;                                                               \
             }                                                                                   \
         }                                                                                       \
-        for (int c = 0; c < NV; ++c) kda_st(out + 16 * c, acc[c]);                              \
+        for (int c = 0; c < NV; ++c) st16f(out + 16 * c, acc[c]);                               \
     }
 KDA_STEP_REGS(4)
 KDA_STEP_REGS(8)

@@ -5,11 +5,8 @@
  * partials (output and log-sum-exp per head) are merged by the caller. fp32. */
 #include <stdint.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "fastmath.h"
+#include "threads.h"
 
 #define MAX_BS 1024
 
@@ -23,16 +20,6 @@ static inline float dot(const float *a, const float *b, int64_t n) {
               + ((part[4] + part[5]) + (part[6] + part[7]));
     for (; c < n; ++c) s += a[c] * b[c];
     return s;
-}
-
-/* 1 when built with OpenMP: mla_decode_paged then splits its units over `nthreads` of
- * torch's threads itself (see kda_cpu.c's kernels_parallel). */
-int64_t kernels_parallel(void) {
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
 }
 
 /* units u in [unit_begin, unit_end): row t = u / num_splits gets keys

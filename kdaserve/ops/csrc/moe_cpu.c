@@ -26,15 +26,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
 #include "fastmath.h"
+#include "threads.h"
 
 #define MAX_ROWS 8
 #ifdef __AVX512F__
@@ -135,9 +132,9 @@ void moe_experts_act(int64_t t_begin, int64_t t_end, int64_t E, int64_t H, int64
             /* the first pass over this expert's weights prefetches the next one's */
             const float *n13 = after < E && s == begin ? w13t + after * H * 2 * I : 0;
             const float *n2 = after < E && s == begin ? w2t + after * I * H : 0;
-#define ROWS_CASE(R) \
-    case R: expert_rows(R, x, token + s, slot_w + s, w13, w2, H, I, out, acc, act, y, n13, n2, \
-                        act_kind, beta, linear_beta); \
+#define ROWS_CASE(R)                                                                            \
+    case R: expert_rows(R, x, token + s, slot_w + s, w13, w2, H, I, out, acc, act, y, n13, n2,  \
+                        act_kind, beta, linear_beta);                                           \
         break;
             switch (n) {
                 ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
@@ -289,31 +286,14 @@ void moe_experts_mxfp4(int64_t t_begin, int64_t t_end, int64_t E, int64_t H, int
     }
 }
 
-int64_t kernels_parallel(void) {
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 /* Tokens [t_begin, t_end) in even parts, one per thread. */
-#ifdef _OPENMP
 #define TOKEN_PARTS(CALL)                                                                       \
+    (void)nthreads;                                                                             \
     _Pragma("omp parallel num_threads(nthreads) if (nthreads > 1)") {                           \
-        const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();               \
-        const int64_t n = t_end - t_begin;                                                      \
-        const int64_t lo = t_begin + n * part / parts, hi = t_begin + n * (part + 1) / parts;   \
+        int64_t lo, hi;                                                                         \
+        thread_share(t_begin, t_end, &lo, &hi);                                                 \
         CALL;                                                                                   \
     }
-#else
-#define TOKEN_PARTS(CALL)                                                                       \
-    {                                                                                           \
-        (void)nthreads;                                                                         \
-        const int64_t lo = t_begin, hi = t_end;                                                 \
-        CALL;                                                                                   \
-    }
-#endif
 
 void moe_experts_rows(int64_t t_begin, int64_t t_end, int64_t nthreads, int64_t E, int64_t H,
                       int64_t I, const float *x, const int64_t *token, const int64_t *offsets,
