@@ -31,7 +31,7 @@ MIN_OUTPUTS = 16
 @cache
 def _kernel():
     return _c_function("decode_cpu.c", "linear_rows_f32",
-                       [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64])
+                       [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64])
 
 
 def k_major(w: torch.Tensor) -> bool:
@@ -54,7 +54,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], N, dtype=torch.float32)
     if rows.shape[0]:
-        fn(rows.shape[0], N, K, rows.data_ptr(), rows.stride(0), w.data_ptr(), out.data_ptr(), N)
+        fn(rows.shape[0], N, K, rows.data_ptr(), rows.stride(0), w.data_ptr(), out.data_ptr(), N,
+           torch.get_num_threads())
     return out.view(*x.shape[:-1], N)
 
 

@@ -99,3 +99,20 @@ def test_bf16_and_gpu_models_are_left_alone():
     model = random_model(tiny_config(), seed=5).to_dtype(torch.bfloat16).fuse_for_inference()
     assert not any(isinstance(m, KMajorLinear) for m in model.modules())
     assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def test_thread_count_does_not_change_the_product():
+    """Many rows split over torch's threads by rows (linear_rows): one thread and two agree
+    bitwise, and the count is torch's, passed in (not the calling thread's OpenMP default)."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(300, 64, generator=g)
+    wk = k_major_weight(torch.randn(40, 64, generator=g))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x, wk)
+        torch.set_num_threads(2)
+        two = linear(x, wk)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)

@@ -228,9 +228,12 @@ static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_
  * split by rows instead, in blocks of whole 6-row tiles. Either way each output sums in K
  * order, so the split changes nothing in the result. */
 void NAME(linear_rows)(int64_t B, int64_t N, int64_t K, const float *X, int64_t ldx,
-                       const WT *W, float *Y, int64_t ldy) {
+                       const WT *W, float *Y, int64_t ldy, int64_t nthreads) {
+    (void)nthreads;
 #ifdef _OPENMP
-    if (B >= 96 && omp_get_max_threads() > 1) {
+    /* torch's count (OpenMP keeps it per calling thread; an engine thread may not have set it) */
+    omp_set_num_threads((int)(nthreads > 0 ? nthreads : 1));
+    if (B >= 96 && nthreads > 1) {
 #pragma omp parallel
         {
             const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
