@@ -19,6 +19,7 @@ from kdaserve.model.layers import MLP, RMSNorm
 from kdaserve.model.mla import MultiHeadLatentAttention
 from kdaserve.model.moe import SparseMoE
 from kdaserve.ops.cpu_kernels import decode_block_kernels, moe_experts_kernel
+from kdaserve.ops.cpu_linear import available as k_major_available
 from kdaserve.ops.cpu_linear import store_k_major
 
 # Parameters kept in fp32 whatever the model dtype (as transformers does).
@@ -79,7 +80,8 @@ class HybridForCausalLM(nn.Module):
         SparseMoE): fp32 for the ragged-group kernel, bf16 for the fused decode blocks, which
         read 48-wide experts ~1.5x faster that way (docs/benchmarks.md); fp32 on CPU, the
         projections stored K-major for the compiled products (kdaserve/ops/cpu_linear.py)."""
-        k_major = self.dtype == torch.float32 and next(self.parameters()).device.type == "cpu"
+        k_major = (self.dtype == torch.float32 and next(self.parameters()).device.type == "cpu"
+                   and k_major_available())
         fused: list[nn.Module] = []
         for layer in self.model.layers:
             if isinstance(layer.self_attn, KimiDeltaAttention):

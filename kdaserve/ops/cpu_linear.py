@@ -34,6 +34,11 @@ def _kernel():
                        [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64])
 
 
+def available() -> bool:
+    """True when the compiled product is there (a C compiler, kernels not disabled)."""
+    return _kernel() is not None
+
+
 def k_major(w: torch.Tensor) -> bool:
     """True when the [out, in] weight w is an fp32 CPU view of K-major memory that the
     compiled product reads in place."""
@@ -76,7 +81,7 @@ def store_k_major(module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
     those with a bias or fewer than MIN_OUTPUTS outputs) K-major and makes them KMajorLinear;
     returns how many. A weight shared with another module (tied embeddings) must be skipped
     by the caller: the other module would read the new layout."""
-    if _kernel() is None:
+    if not available():
         return 0
     done = 0
     for sub in module.modules():
