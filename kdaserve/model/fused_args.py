@@ -55,9 +55,10 @@ class BlockArgs:
         return _p(t)
 
     def _wt(self, t: torch.Tensor) -> ctypes.c_void_p:
-        """A projection weight [out, in] stored transposed ([in, out], K-major) in the model's
-        dtype, for the blocks' outer-product products (row_products.h `matmat_t`). A copy:
-        the model keeps its own for the torch forms (prefill, the references)."""
+        """A projection weight [out, in] read transposed ([in, out], K-major) in the model's
+        dtype, for the blocks' outer-product products (row_products.h `matmat_t`): in place
+        when the model stores it K-major (fp32 on CPU, kdaserve/ops/cpu_linear.py), else a
+        transposed copy (bf16: the torch forms keep the checkpoint's layout)."""
         return self._w(t.detach().t().to(self.wdtype).contiguous())
 
     def mixer(self, layer: DecoderLayer) -> tuple:

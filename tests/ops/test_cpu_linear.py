@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from tiny_models import random_model, tiny_config
 from torch import nn
 
+from kdaserve.model.fused_args import BlockArgs
 from kdaserve.model.kda import KimiDeltaAttention
 from kdaserve.ops.cpu_linear import KMajorLinear, _kernel, k_major, k_major_weight, linear
 
@@ -83,6 +84,9 @@ def test_inference_storage_keeps_the_model():
         assert torch.equal(p, before[n]), n
     swapped = [m for m in model.modules() if isinstance(m, KMajorLinear)]
     assert swapped and all(k_major(m.weight) for m in swapped)
+    # the fused decode blocks read that memory in place: no transposed copy
+    args = BlockArgs(model)
+    assert all(args._wt(m.weight).value == m.weight.data_ptr() for m in swapped)
     for layer in model.model.layers:
         if isinstance(layer.self_attn, KimiDeltaAttention):
             assert k_major(layer.self_attn._fused)
