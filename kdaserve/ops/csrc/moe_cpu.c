@@ -21,7 +21,7 @@
  *
  * moe_experts_mxfp4 (below) runs the same MLPs on MXFP4 weights in the checkpoint's layout.
  * The *_rows entry points split a token range over `nthreads` of torch's own threads
- * (OpenMP, sharing torch's libgomp; see kda_cpu.c's kernels_parallel).
+ * (OpenMP, sharing torch's libgomp; csrc/threads.h).
  */
 #include <stdint.h>
 #include <string.h>
