@@ -358,8 +358,9 @@ def decode_block_kernels(weights: str = "f32"):
     fns["head"].restype = None
     fns["mix"] = lib.attn_res_mix_rows          # K3's attention residuals (fp32 activations)
     fns["mix"].restype = None
-    lib.decode_blocks_parallel.restype = ctypes.c_int64
-    fns["parallel"] = bool(lib.decode_blocks_parallel())
+    # the blocks run their work on several threads themselves (csrc/threads.h): the caller
+    # should not split rows over threads of its own on top
+    fns["parallel"] = _openmp_built("decode_cpu.c")
     fns["threads"] = lib.decode_blocks_threads
     fns["threads"].restype = None
     fns["threads"].argtypes = [ctypes.c_int64]

@@ -17,12 +17,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "fastmath.h"
 #include "kda_step.h"
+#include "threads.h"
 #include "vec16.h"
 
 /* bf16 is the top half of an fp32: widening is a shift; narrowing rounds to nearest even
@@ -124,16 +121,6 @@ static inline float hsum8(v8f a) {
  * products of at least this many multiply-adds split their output rows over the threads, and
  * rows (or heads) of the per-row parts run in parallel where independent. */
 #define PAR_MIN_MACS 32768
-
-/* 1 when the blocks run their work on several threads themselves (the caller should not
- * split rows over threads of its own on top). */
-int64_t decode_blocks_parallel(void) {
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
-}
 
 /* The calling thread's team size for the blocks' parallel parts (OpenMP keeps it per thread:
  * the engine's thread takes torch's setting, e.g. --torch-threads 1, before each step). */

@@ -6,7 +6,6 @@
 #define KDASERVE_KDA_STEP_H
 
 #include <stdint.h>
-#include <string.h>
 
 #include "fastmath.h"
 #include "vec16.h"
@@ -51,14 +50,13 @@ KDA_STEP_REGS(8)
 static inline void kda_step(float *S, const float *q, const float *k, const float *v,
                             const float *g, float beta, float *out, int64_t K, int64_t V,
                             float *kv, float *delta, float *decay) {
+    for (int64_t i = 0; i < K; ++i) decay[i] = exp_approx(g[i]);
     if (V == 64 || V == 128) {
-        for (int64_t i = 0; i < K; ++i) decay[i] = exp_approx(g[i]);
         if (V == 64) kda_step_4(S, q, k, v, decay, beta, out, K);
         else kda_step_8(S, q, k, v, decay, beta, out, K);
         return;
     }
     for (int64_t j = 0; j < V; ++j) kv[j] = 0.0f;
-    for (int64_t i = 0; i < K; ++i) decay[i] = exp_approx(g[i]);
     for (int64_t i = 0; i < K; ++i) {
         float *row = S + i * V;
         const float e = decay[i], ki = k[i];
