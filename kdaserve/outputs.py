@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kdaserve.cache.ops import CacheOp, OpFailure
+from kdaserve.cache.ops import CacheOp, CacheOutcome, FreeRequest
 from kdaserve.request import SamplingParams
 
 
@@ -18,9 +18,14 @@ class ScheduledSequence:
     block_ids: list[int]
     state_slot: int
     sample: bool                      # the chunk ends at the last known token: sample one
-    restore_snapshot: int | None = None  # snapshot id to load into the slot first (prefix hit)
     num_draft_tokens: int = 0         # the last len(...) token_ids are drafts to verify
     media: tuple = ()                 # MediaItems whose placeholders overlap token_ids
+
+    @property
+    def is_decode(self) -> bool:
+        """A decode row: one token with context in the cache, or a token and its drafts to
+        verify. The forward packs these first (kdaserve/model/batch.py); the only definition."""
+        return self.context_len > 0 and (len(self.token_ids) == 1 or self.num_draft_tokens > 0)
 
 
 @dataclass
@@ -39,11 +44,9 @@ class RequestData:
 class SchedulerOutput:
     sequences: list[ScheduledSequence]
     preempted: list[str] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)   # freed since the last step
-    snapshot_requests: list[tuple[str, int, int]] = field(default_factory=list)
-    # (request_id, absolute position, snapshot id) to save KDA states at, during this step
-    cache_ops: list[CacheOp] = field(default_factory=list)
-    # offload stores/loads/drops, run in order before the forward (kdaserve/cache/ops.py)
+    ops: list[CacheOp] = field(default_factory=list)
+    # every cache tensor movement of the step, in order (kdaserve/cache/ops.py says when each
+    # kind runs): frees, offload stores/loads/drops, restores, snapshots, settling drafts
 
     draft_limits: dict[str, int] | None = None
     # speculation: how many drafts to propose for each request's next step (absent: the most)
@@ -64,6 +67,14 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.sequences
 
+    @property
+    def finished(self) -> list[str]:
+        """Requests freed since the last step."""
+        return [op.request_id for op in self.ops if isinstance(op, FreeRequest)]
+
+    def ops_of(self, kind: type) -> list:
+        return [op for op in self.ops if isinstance(op, kind)]
+
 
 @dataclass
 class SampledToken:
@@ -76,14 +87,12 @@ class SampledToken:
 class ModelRunnerOutput:
     """sampled: the new tokens of each request that sampled (one, or with speculation the
     accepted drafts followed by the correction/bonus token). drafts: proposals to verify next
-    step. dropped_snapshots: planned snapshots whose position was rejected (never written), or
-    whose request was left out of the step (a failed load)."""
+    step. cache: the outcome of the step's cache operations (failed entries; a failed load's
+    request was left out of the step; snapshots planned but never written)."""
 
     sampled: dict[str, list[SampledToken]]
     drafts: dict[str, list[int]] = field(default_factory=dict)
-    dropped_snapshots: list[int] = field(default_factory=list)
-    cache_op_failures: list[OpFailure] = field(default_factory=list)
-    # entries that failed to store or load; a failed load's request was left out of the step
+    cache: CacheOutcome = field(default_factory=CacheOutcome)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
     # requests asking for prompt logprobs: (first prompt position scored, its entries)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kdaserve.model.batch import HybridCache, build_forward_batch
+from kdaserve.model.batch import build_forward_batch
+from kdaserve.model.hybrid_cache import HybridCache
 
 
 def prefill(model, cache: HybridCache, tables, slots, prompts) -> None:

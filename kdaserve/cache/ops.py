@@ -1,14 +1,23 @@
-"""Cache operations: the tensor movements the cache bookkeeping decides, as plain records.
+"""Cache operations: every tensor movement the cache bookkeeping decides, as plain records.
 
-The cache manager emits them (`CacheManager.take_ops`) into `SchedulerOutput.cache_ops`, in the
-order they must run; the runner (`kdaserve/engine/cache_ops.py`) carries them out before the
-step's forward, against the device cache and the offload tiers' stores, and reports the ones
-that failed (`ModelRunnerOutput.cache_op_failures`), which the manager then forgets.
+The scheduler and the cache manager (`CacheManager.take_ops`) put them in `SchedulerOutput.ops`
+in the order they must run; one executor in the runner (`kdaserve/engine/cache_ops.py`) carries
+them out against the device cache and the offload tiers' stores, and one `CacheOutcome` comes
+back in `ModelRunnerOutput.cache`: the entries that failed (the manager forgets them) and the
+snapshots that were planned but never written (the manager drops them).
+
+When each kind runs, in the list's order within its phase:
+- before the forward: `FreeRequest`, the offload ops (`StoreBlock`, `StoreSnapshot`,
+  `LoadBlock`, `LoadState`, `KeepState`, `DropEntry`) and `RestoreSnapshot`;
+- during the forward: `TakeSnapshot` (a state inside the step's tokens; the layout plans it);
+- after verification: `SettleDrafts`, and the `TakeSnapshot`s of a request that verifies
+  drafts (taken only if their position was accepted).
 
 Why an explicit list: the bookkeeping reuses a device block or snapshot id the moment it hands
 it out, so whatever must survive (its content, copied to a tier) has to be copied before the
 forward overwrites it, and a tier entry has to be in the device pool before the forward reads
-it. Running the list in order before the forward gives exactly that.
+it. Running the list in order gives exactly that. Disaggregation ships the same operations
+to another instance.
 
 Keys are 16-byte chained block hashes. A block's key is its own hash; a snapshot's key is the
 hash of the last block of the prefix it summarises. `kind` tells the two apart inside a tier.
@@ -16,7 +25,7 @@ hash of the last block of the prefix it summarises. `kind` tells the two apart i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 BLOCK = "block"
@@ -59,7 +68,7 @@ class LoadBlock:
 @dataclass(frozen=True)
 class LoadState:
     """Copy tier snapshot `key` straight into the live KDA slot of `request_id` (the tier's
-    counterpart of `ScheduledSequence.restore_snapshot`; no device snapshot id is spent)."""
+    counterpart of `RestoreSnapshot`; no device snapshot id is spent)."""
 
     tier: str
     key: bytes
@@ -86,7 +95,50 @@ class DropEntry:
     key: bytes
 
 
-CacheOp = Union[StoreBlock, StoreSnapshot, LoadBlock, LoadState, KeepState, DropEntry]
+@dataclass(frozen=True)
+class RestoreSnapshot:
+    """Copy device snapshot `snapshot_id` into `slot`, the live KDA slot of `request_id`: a
+    prefix hit continues from the state the snapshot holds."""
+
+    request_id: str
+    snapshot_id: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class TakeSnapshot:
+    """Save the KDA state of `request_id` with its first `position` tokens in (a block
+    boundary among this step's tokens) as device snapshot `snapshot_id`. Never written (the
+    request sat the step out, or the position held a rejected draft): reported dropped."""
+
+    request_id: str
+    position: int
+    snapshot_id: int
+
+
+@dataclass(frozen=True)
+class SettleDrafts:
+    """After verification, `slot` (the live slot of `request_id`) holds the state after the
+    request's last accepted token: rolled back from the states the forward kept after each
+    position when a draft was rejected, left as is when all stood."""
+
+    request_id: str
+    slot: int
+
+
+@dataclass(frozen=True)
+class FreeRequest:
+    """`request_id` is gone (finished, aborted): the runner forgets what it holds for it
+    (its copy of the request, sampling generator, draft probabilities, grammar state). Its
+    blocks and slot are already free in the bookkeeping; nothing is copied."""
+
+    request_id: str
+
+
+CacheOp = Union[StoreBlock, StoreSnapshot, LoadBlock, LoadState, KeepState, DropEntry,
+                RestoreSnapshot, TakeSnapshot, SettleDrafts, FreeRequest]
+# the offload tiers' operations (kdaserve/engine/tier_transfer.py carries them out)
+TIER_OPS = (StoreBlock, StoreSnapshot, LoadBlock, LoadState, KeepState, DropEntry)
 
 
 @dataclass(frozen=True)
@@ -100,3 +152,29 @@ class OpFailure:
     key: bytes
     request_id: str | None
     reason: str
+
+
+@dataclass
+class CacheOutcome:
+    """What came of a step's cache operations, back to the scheduler."""
+
+    failures: list[OpFailure] = field(default_factory=list)
+    # planned snapshots never written: their position held a rejected draft, or their
+    # request sat the step out
+    dropped_snapshots: list[int] = field(default_factory=list)
+
+    def extend(self, other: CacheOutcome) -> None:
+        self.failures.extend(other.failures)
+        self.dropped_snapshots.extend(other.dropped_snapshots)
+
+
+def request_of(op: CacheOp) -> str | None:
+    """The request an operation belongs to (None: a tier's own, e.g. a store on eviction)."""
+    return getattr(op, "request_id", None)
+
+
+def ops_for(ops: list[CacheOp], request_ids: set[str]) -> list[CacheOp]:
+    """The operations of a part of the step (a data-parallel rank's requests): those of its
+    requests, every `FreeRequest` (each runner forgets the request) and the tiers' own."""
+    return [op for op in ops if isinstance(op, FreeRequest) or request_of(op) is None
+            or request_of(op) in request_ids]

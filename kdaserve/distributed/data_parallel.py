@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from kdaserve.cache.ops import RestoreSnapshot, TakeSnapshot, ops_for
 from kdaserve.outputs import ModelRunnerOutput, SchedulerOutput
 
 
@@ -33,10 +34,10 @@ class Placement:
         self._block_owner: dict[int, int] = {}
         self._snapshot_owner: dict[int, int] = {}
 
-    def _place(self, seq) -> int:
+    def _place(self, seq, restore: int | None) -> int:
         if seq.context_len > 0:            # a prefix hit: where the prefix was computed
-            if seq.restore_snapshot is not None and seq.restore_snapshot in self._snapshot_owner:
-                return self._snapshot_owner[seq.restore_snapshot]
+            if restore is not None and restore in self._snapshot_owner:
+                return self._snapshot_owner[restore]
             if seq.block_ids and seq.block_ids[0] in self._block_owner:
                 return self._block_owner[seq.block_ids[0]]
         load = [0] * self.size
@@ -48,24 +49,26 @@ class Placement:
         """The ranks of this step's requests (and the ownership of what they write)."""
         for rid in (*out.finished, *out.preempted):
             self.rank_of.pop(rid, None)
+        restores = {op.request_id: op.snapshot_id for op in out.ops_of(RestoreSnapshot)}
         for s in out.sequences:
             r = self.rank_of.get(s.request_id)
             if r is None:
-                r = self.rank_of[s.request_id] = self._place(s)
+                r = self.rank_of[s.request_id] = self._place(s, restores.get(s.request_id))
                 self.placed[r] += 1
             for b in s.block_ids:
                 self._block_owner[b] = r
-        for rid, _pos, sid in out.snapshot_requests:
-            self._snapshot_owner[sid] = self.rank_of[rid]
+        for op in out.ops_of(TakeSnapshot):
+            self._snapshot_owner[op.snapshot_id] = self.rank_of[op.request_id]
         return {s.request_id: self.rank_of[s.request_id] for s in out.sequences}
 
 
 def rank_share(out: SchedulerOutput, rank: int) -> SchedulerOutput:
-    """This rank's sequences and snapshots; the request data and finished ids stay whole, so
-    that every rank knows every request (one may be placed elsewhere after preemption)."""
+    """This rank's sequences and their cache operations; the request data and the frees stay
+    whole, so that every rank knows every request (one may be placed elsewhere after
+    preemption)."""
     mine = {rid for rid, r in out.dp_ranks.items() if r == rank}
     return replace(out, sequences=[s for s in out.sequences if s.request_id in mine],
-                   snapshot_requests=[t for t in out.snapshot_requests if t[0] in mine])
+                   ops=ops_for(out.ops, mine))
 
 
 def idle_moe_pass(model, device: torch.device) -> None:
@@ -85,8 +88,7 @@ def merge(outs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
     for o in outs:
         merged.sampled.update(o.sampled)
         merged.drafts.update(o.drafts)
-        merged.dropped_snapshots.extend(o.dropped_snapshots)
-        merged.cache_op_failures.extend(o.cache_op_failures)
+        merged.cache.extend(o.cache)
         merged.prompt_logprobs.update(o.prompt_logprobs)
     return merged
 

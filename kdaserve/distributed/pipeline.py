@@ -27,6 +27,8 @@ from kdaserve.distributed.data_parallel import merge
 from kdaserve.distributed.parallel_state import get_context
 from kdaserve.distributed.pipeline_model import Carry, run_stage, stage_of
 from kdaserve.engine.encoder_cache import embed_with_media
+from kdaserve.engine.runner import ForwardResult
+from kdaserve.model.kept_states import ForwardKept
 from kdaserve.outputs import ModelRunnerOutput, SchedulerOutput
 
 _TAGS = 3           # tensors in one carry at most (hidden, bank, bank inverse RMS)
@@ -39,8 +41,8 @@ def active() -> bool:
 
 
 def micro_batches(out: SchedulerOutput, n: int) -> list[SchedulerOutput]:
-    """Up to n parts of the step, each a set of whole sequences with their snapshot requests,
-    balanced by tokens (longest first, each to the lightest part). Deterministic: every stage
+    """Up to n parts of the step, each a set of whole sequences (the plan of each takes its
+    own rows' snapshots from the step's operations), balanced by tokens (longest first, each to the lightest part). Deterministic: every stage
     computes the same split from the same message."""
     seqs = out.sequences
     parts: list[list] = [[] for _ in range(min(n, len(seqs)))]
@@ -49,12 +51,7 @@ def micro_batches(out: SchedulerOutput, n: int) -> list[SchedulerOutput]:
         i = load.index(min(load))
         parts[i].append(s)
         load[i] += len(s.token_ids)
-    result = []
-    for part in parts:
-        ids = {s.request_id for s in part}
-        result.append(replace(out, sequences=part, snapshot_requests=[
-            t for t in out.snapshot_requests if t[0] in ids]))
-    return result
+    return [replace(out, sequences=part) for part in parts]
 
 
 @torch.inference_mode()
@@ -63,9 +60,8 @@ def execute_step(runner, out: SchedulerOutput) -> ModelRunnerOutput | None:
     ctx = get_context()
     model, device = runner.model, runner.device
     stage = stage_of(model, ctx)
-    failures, lost = runner.begin(out)
-    steps = [runner.prepare(p.sequences, p.snapshot_requests, lost)
-             for p in micro_batches(out, stage.size)]
+    ops = runner.begin(out)
+    steps = [runner.plan(p.sequences, ops) for p in micro_batches(out, stage.size)]
     steps = [s for s in steps if s is not None]
     if any(s.fb is None for s in steps):
         raise RuntimeError("a pipeline stage cannot take the fused decode path")
@@ -89,8 +85,9 @@ def execute_step(runner, out: SchedulerOutput) -> ModelRunnerOutput | None:
             embeds = embed_with_media(model, st.ids, st.seqs, st.starts, runner.encoder_cache)
         y = run_stage(model, stage, st.ids, st.fb, carry, embeds)
         if stage.last:
-            results.append(runner.finish(st, y, [], st.fb.positions, st.fb.mla.slot_mapping,
-                                         masks, out.draft_limits, out.drafting))
+            fwd = ForwardResult(y, [], st.fb.positions, st.fb.mla.slot_mapping,
+                                ForwardKept(st.fb) if st.fb.decode is not None else None)
+            results.append(runner.finish(st, fwd, masks, ops, out.draft_limits, out.drafting))
         else:
             sends += [dist.isend(t, dst=ctx.rank + 1, tag=m * _TAGS + k)
                       for k, t in enumerate(y.tensors())]
@@ -101,10 +98,9 @@ def execute_step(runner, out: SchedulerOutput) -> ModelRunnerOutput | None:
     result: ModelRunnerOutput = box[0]
     if not stage.last:
         for st in steps:          # commit each verify row's state after its accepted drafts
-            runner.settle(st, result.sampled)
+            runner.settle(st, ops, ForwardKept(st.fb) if st.fb.decode is not None else None,
+                          result.sampled)
     if ctx.rank != 0:
         return None
-    result.dropped_snapshots.extend(
-        sid for rid, _, sid in out.snapshot_requests if rid in lost)
-    result.cache_op_failures = failures
+    result.cache = ops.outcome    # rank 0 settled as the last stage did: the same drops
     return result

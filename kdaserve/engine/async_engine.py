@@ -137,7 +137,7 @@ class EngineStatsSnapshot(msgspec.Struct):
     spec_accepted_tokens: int = 0
     # adaptive speculation's decisions (kdaserve.engine.spec.adaptive.decisions); {} when off
     spec_adaptive: dict[str, float] = {}
-    # offload tiers: tier name -> counters (see kdaserve.engine.cache_ops.offload_stats)
+    # offload tiers: tier name -> counters (see kdaserve.engine.tier_transfer.offload_stats)
     offload: dict[str, dict[str, float]] = {}
 
 
@@ -280,7 +280,7 @@ class _EngineLoop:
             self._send(AddFailed(cmd.request_id, _describe(exc), invalid_input=False))
 
     def _stats(self) -> EngineStatsSnapshot:
-        from kdaserve.engine.cache_ops import offload_stats   # torch: in the engine process
+        from kdaserve.engine.tier_transfer import offload_stats   # torch: in the engine process
 
         core, cache = self.core, self.core.cache
         cs = cache.stats

@@ -1,246 +1,146 @@
-"""Carries out the cache operations of a step (kdaserve/cache/ops.py) against the device cache
-and the offload tiers' stores, and opens the tiers at startup.
+"""The one executor of a step's cache operations (kdaserve/cache/ops.py) in the runner.
 
-This is the torch side of offloading: an entry's payload is the raw bytes of its device
-tensors, concatenated in a fixed order (a block: its latents in every MLA layer; a snapshot:
-the recurrent state of every KDA layer, then every conv window), read through byte views so no
-dtype conversion or alignment is involved. Operations run in order, before the forward: stores
-read device entries before the step reuses them, loads fill blocks and slots before the step
-reads them. A failure is reported, never raised: a failed load leaves its request out of the
-step (the scheduler recomputes it), a failed store only loses the entry.
+It walks `SchedulerOutput.ops` in order. What needs nothing from the forward runs at once
+(`begin`): frees, the offload tiers' stores, loads and drops (kdaserve/engine/tier_transfer.py)
+and snapshot restores (batched into one copy per KDA layer). What the forward must do is
+handed to it: the snapshots among a step's tokens (`StepOps.takes_for`, which the layout plans).
+What depends on verification runs after sampling (`settle`): rolling verify rows back to
+their last accepted token, and their snapshots, taken only where the position stood. One
+`CacheOutcome` comes back: failed entries and snapshots never written.
 
-On CPU the copies run inline (they are memcpy-sized next to a prefill). On CUDA the host tier
-sits in pinned memory; moving the copies to a side stream, off the step's critical path, is
-the next step and needs nothing from the bookkeeping.
+A request whose tier load failed sits the step out (`StepOps.lost`): its later operations
+are skipped and its snapshots reported dropped, and the scheduler recomputes it.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from kdaserve.cache.offload import Offload
 from kdaserve.cache.ops import (
-    BLOCK,
-    SNAPSHOT,
+    TIER_OPS,
     CacheOp,
-    DropEntry,
-    KeepState,
-    LoadBlock,
-    LoadState,
+    CacheOutcome,
+    FreeRequest,
     OpFailure,
-    StoreBlock,
-    StoreSnapshot,
+    RestoreSnapshot,
+    SettleDrafts,
+    TakeSnapshot,
 )
-from kdaserve.model.batch import HybridCache
-
-logger = logging.getLogger("kdaserve")
-
-
-class Store(Protocol):
-    name: str
-    persistent: bool
-
-    def put(self, kind: str, key: bytes, payload: memoryview, position: int = 0,
-            chain: tuple[bytes, ...] = ()) -> None: ...
-
-    def get(self, kind: str, key: bytes) -> memoryview: ...
-
-    def drop(self, kind: str, key: bytes) -> None: ...
+from kdaserve.model.hybrid_cache import HybridCache
+from kdaserve.model.kept_states import KeptStates
+from kdaserve.model.layout.snapshots import SnapshotAt
+from kdaserve.outputs import ScheduledSequence
+from kdaserve.engine.tier_transfer import Store, TierTransfer, TransferStats
 
 
 @dataclass
-class TransferStats:
-    """Bytes actually moved, per tier (the bookkeeping's counters are in offload.py)."""
+class StepOps:
+    """A step's operations once those before the forward ran: what is left for the forward
+    and for settling, and the outcome so far."""
 
-    stored_entries: int = 0
-    stored_bytes: int = 0
-    loaded_entries: int = 0
-    loaded_bytes: int = 0
-    load_seconds: float = 0.0
+    takes: list[TakeSnapshot] = field(default_factory=list)
+    settles: dict[str, SettleDrafts] = field(default_factory=dict)     # by request
+    lost: set[str] = field(default_factory=set)       # requests that sit the step out
+    outcome: CacheOutcome = field(default_factory=CacheOutcome)
+
+    def takes_for(self, rows: Mapping[str, int]) -> list[SnapshotAt]:
+        """The snapshots the forward takes among these rows (request -> batch row): all but
+        those of rows verifying drafts, which wait for verification."""
+        return [SnapshotAt(rows[t.request_id], t.position, t.snapshot_id) for t in self.takes
+                if t.request_id in rows and t.request_id not in self.settles]
 
 
-class CacheOpRunner:
-    def __init__(self, cache: HybridCache, stores: Mapping[str, Store]) -> None:
+class CacheOpExecutor:
+    def __init__(self, cache: HybridCache, stores: Mapping[str, Store],
+                 on_free: Callable[[str], None] = lambda rid: None) -> None:
         self.cache = cache
-        self.stores = dict(stores)
-        self.stats = {name: TransferStats() for name in self.stores}
-        self._failures_logged = 0
-        # several ranks, each with its share of every entry: makes the failures the same on
-        # every rank (kdaserve.distributed.comm.union_failures); None with one rank
-        self.agree: Callable[[list[OpFailure]], list[OpFailure]] | None = None
+        self.tiers = TierTransfer(cache, stores)
+        self.on_free = on_free
 
-    def run(self, ops: list[CacheOp]) -> list[OpFailure]:
-        failures = self._run_all(ops)
-        return self.agree(failures) if self.agree is not None else failures
+    @property
+    def stores(self) -> dict[str, Store]:
+        return self.tiers.stores
 
-    def _run_all(self, ops: list[CacheOp]) -> list[OpFailure]:
-        failures: list[OpFailure] = []
-        lost: set[str] = set()          # requests with a failed load: skip their other loads
-        i = 0
-        while i < len(ops):
-            op = ops[i]
-            if isinstance(op, LoadBlock):
-                # a hit loads its blocks back to back: one scatter per MLA layer for all
-                j = i
-                while j < len(ops) and isinstance(ops[j], LoadBlock):
-                    j += 1
-                failures += self._load_blocks(ops[i:j], lost)
-                i = j
-                continue
-            i += 1
-            if isinstance(op, (LoadState, KeepState)) and op.request_id in lost:
-                continue
-            try:
-                self._run(op)
-            except Exception as exc:    # a tier problem is a miss, never a crash
-                f = self._failure(op, exc)
-                failures += f
-                lost.update(x.request_id for x in f if x.request_id is not None)
-        return failures
+    @property
+    def stats(self) -> dict[str, TransferStats]:
+        return self.tiers.stats
 
-    def _load_blocks(self, ops: list[CacheOp], lost: set[str]) -> list[OpFailure]:
-        start = time.perf_counter()
-        pages = self.cache.mla_pages
-        sizes = [p[0].numel() * p.element_size() for p in pages]
-        failures: list[OpFailure] = []
-        good: list[LoadBlock] = []
-        rows: list[memoryview] = []
+    def set_agreement(self, agree: Callable[[list[OpFailure]], list[OpFailure]]) -> None:
+        """Several ranks, each holding its share of every entry: failures are made the same
+        on every rank (kdaserve.distributed.comm.union_failures)."""
+        self.tiers.agree = agree
+
+    def begin(self, ops: Sequence[CacheOp]) -> StepOps:
+        """Run the operations that precede the forward, in order."""
+        step = StepOps()
+        tier_ops: list[CacheOp] = []
+        restores: list[RestoreSnapshot] = []
         for op in ops:
-            assert isinstance(op, LoadBlock)
-            if op.request_id in lost:
+            if isinstance(op, FreeRequest):
+                self.on_free(op.request_id)
+            elif isinstance(op, TIER_OPS):
+                tier_ops.append(op)
+            elif isinstance(op, RestoreSnapshot):
+                restores.append(op)
+            elif isinstance(op, TakeSnapshot):
+                step.takes.append(op)
+            elif isinstance(op, SettleDrafts):
+                step.settles[op.request_id] = op
+            else:
+                raise TypeError(f"not a cache operation: {op!r}")
+        # the scheduler lists frees and tier operations before any request's restore
+        if tier_ops:
+            step.outcome.failures = self.tiers.run(tier_ops)
+            step.lost = {f.request_id for f in step.outcome.failures
+                         if f.request_id is not None}
+        restores = [r for r in restores if r.request_id not in step.lost]
+        if restores:
+            dev = self.cache.kda_states[0].device if self.cache.kda_states else "cpu"
+            self.cache.restore(torch.tensor([r.slot for r in restores], device=dev),
+                               torch.tensor([r.snapshot_id for r in restores], device=dev))
+        step.outcome.dropped_snapshots = [t.snapshot_id for t in step.takes
+                                          if t.request_id in step.lost]
+        return step
+
+    def run(self, ops: Sequence[CacheOp]) -> CacheOutcome:
+        """Operations outside a step (flushing the device cache to the tiers)."""
+        step = self.begin(ops)
+        if step.takes or step.settles:
+            raise ValueError("snapshots and drafts are settled within a step")
+        return step.outcome
+
+    def settle(self, step: StepOps, seqs: Sequence[ScheduledSequence], valid: Sequence[int],
+               kept: KeptStates | None) -> None:
+        """After verification: each verify row's slot gets the state after its last accepted
+        token (`valid[b]` of row b's tokens stand), and its snapshots are taken where their
+        position stood, dropped where it did not."""
+        rolled, taken = [], []
+        for b, s in enumerate(seqs):
+            if s.request_id not in step.settles:
+                if s.num_draft_tokens:
+                    raise ValueError(f"request {s.request_id!r} verifies drafts without a "
+                                     "SettleDrafts operation: its slot would keep rejected "
+                                     "drafts' states")
                 continue
-            try:
-                payload = self.stores[op.tier].get(BLOCK, op.key)
-                if len(payload) != sum(sizes):
-                    raise ValueError(f"payload of {len(payload)} bytes, the layout needs "
-                                     f"{sum(sizes)}")
-            except Exception as exc:
-                failures += self._failure(op, exc)
-                lost.add(op.request_id)
+            if valid[b] < len(s.token_ids):
+                rolled.append((b, valid[b] - 1, step.settles[s.request_id].slot))
+            for t in step.takes:
+                if t.request_id != s.request_id:
+                    continue
+                upto = t.position - s.context_len
+                if upto <= valid[b]:
+                    taken.append((b, upto - 1, t.snapshot_id))
+                else:
+                    step.outcome.dropped_snapshots.append(t.snapshot_id)
+        c = self.cache
+        for todo, states, convs in ((rolled, c.kda_states, c.kda_conv),
+                                    (taken, c.snap_states, c.snap_conv)):
+            if not todo or not c.kda_states:
                 continue
-            good.append(op)
-            rows.append(payload)
-        good_rows = [(op, r) for op, r in zip(good, rows) if op.request_id not in lost]
-        if good_rows and sizes:
-            buf = np.empty((len(good_rows), sum(sizes)), dtype=np.uint8)
-            for k, (_, r) in enumerate(good_rows):
-                buf[k] = np.frombuffer(r, dtype=np.uint8)
-            src = torch.from_numpy(buf)
-            ids = torch.tensor([op.block_id for op, _ in good_rows], device=pages[0].device)
-            at = 0
-            for p, n in zip(pages, sizes):
-                layer = src[:, at:at + n].contiguous().view(p.dtype).view(-1, *p.shape[1:])
-                p.index_copy_(0, ids, layer.to(p.device))
-                at += n
-        elapsed = time.perf_counter() - start
-        for op, _ in good_rows:
-            st = self.stats[op.tier]
-            st.loaded_entries += 1
-            st.loaded_bytes += sum(sizes)
-            st.load_seconds += elapsed / len(good_rows)
-        return failures
-
-    def _run(self, op: CacheOp) -> None:
-        if isinstance(op, StoreBlock):
-            self._store(op.tiers, BLOCK, op.key, self.cache.block_views(op.block_id))
-        elif isinstance(op, StoreSnapshot):
-            self._store(op.tiers, SNAPSHOT, op.key, self.cache.snapshot_views(op.snapshot_id),
-                        op.position, op.chain)
-        elif isinstance(op, LoadState):
-            self._load(op.tier, SNAPSHOT, op.key, self.cache.slot_views(op.slot))
-        elif isinstance(op, KeepState):
-            for dst, src in zip(self.cache.snapshot_views(op.snapshot_id),
-                                self.cache.slot_views(op.slot)):
-                dst.copy_(src)
-        elif isinstance(op, DropEntry):
-            self.stores[op.tier].drop(op.kind, op.key)
-
-    def _store(self, tiers: tuple[str, ...], kind: str, key: bytes, views: list[torch.Tensor],
-               position: int = 0, chain: tuple[bytes, ...] = ()) -> None:
-        parts = [v.reshape(-1).view(torch.uint8) for v in views]
-        payload = memoryview(torch.cat(parts).cpu().numpy()) if parts else memoryview(b"")
-        errors = []
-        for name in tiers:
-            try:
-                self.stores[name].put(kind, key, payload, position, chain)
-            except Exception as exc:
-                errors.append((name, exc))
-                continue
-            st = self.stats[name]
-            st.stored_entries += 1
-            st.stored_bytes += len(payload)
-        if errors:
-            raise _StoreErrors(errors)
-
-    def _load(self, tier: str, kind: str, key: bytes, views: list[torch.Tensor]) -> None:
-        start = time.perf_counter()
-        payload = self.stores[tier].get(kind, key)
-        want = sum(v.numel() * v.element_size() for v in views)
-        if len(payload) != want:
-            raise ValueError(f"payload of {len(payload)} bytes, the layout needs {want}")
-        src = torch.frombuffer(payload, dtype=torch.uint8) if want else None
-        at = 0
-        for v in views:
-            n = v.numel() * v.element_size()
-            v.view(-1).view(torch.uint8).copy_(src[at:at + n])
-            at += n
-        st = self.stats[tier]
-        st.loaded_entries += 1
-        st.loaded_bytes += want
-        st.load_seconds += time.perf_counter() - start
-
-    def _failure(self, op: CacheOp, exc: Exception) -> list[OpFailure]:
-        if isinstance(exc, _StoreErrors):
-            out = [OpFailure(name, _kind(op), op.key, None, f"store: {e}")
-                   for name, e in exc.errors]
-        elif isinstance(op, (LoadBlock, LoadState)):
-            out = [OpFailure(op.tier, _kind(op), op.key, op.request_id, f"load: {exc}")]
-        elif isinstance(op, KeepState):     # the request sits out; its snapshot is dropped
-            out = [OpFailure("device", SNAPSHOT, b"", op.request_id, f"keep: {exc}")]
-        elif isinstance(op, DropEntry):
-            out = []                    # the entry is already out of the index
-        else:
-            out = [OpFailure(t, _kind(op), op.key, None, f"store: {exc}") for t in op.tiers]
-        # every failure is counted in /metrics; the log says the first ones and then every
-        # 1000th, so a full disk does not flood it
-        self._failures_logged += 1
-        if self._failures_logged <= 20 or self._failures_logged % 1000 == 0:
-            logger.warning("offload: %s of %s %s failed (%s); treated as a miss",
-                           type(op).__name__, _kind(op), getattr(op, "key", b"").hex()[:16], exc)
-        return out
-
-
-class _StoreErrors(Exception):
-    def __init__(self, errors: list[tuple[str, Exception]]) -> None:
-        super().__init__("; ".join(f"{n}: {e}" for n, e in errors))
-        self.errors = errors
-
-
-def _kind(op: CacheOp) -> str:
-    if isinstance(op, DropEntry):
-        return op.kind
-    return BLOCK if isinstance(op, (StoreBlock, LoadBlock)) else SNAPSHOT
-
-
-def offload_stats(offload: Offload | None,
-                  moved_by_tier: Mapping[str, TransferStats]) -> dict[str, dict[str, float]]:
-    """Per tier: what it holds, what moved (`moved_by_tier`: CacheOpRunner.stats), and how
-    lookups went (for /metrics)."""
-    if offload is None:
-        return {}
-    out = {}
-    for t in offload.tiers:
-        c, moved = offload.counters[t.name], moved_by_tier.get(t.name, TransferStats())
-        out[t.name] = {"entries": t.num_entries, "bytes": t.bytes_held, "capacity": t.capacity,
-                       "evictions": t.evictions, "queries": c.queries, "hits": c.hits,
-                       "hit_rate": c.hits / c.queries if c.queries else 0.0,
-                       "hit_tokens": c.hit_tokens, "load_failures": c.load_failures,
-                       "store_failures": c.store_failures, **asdict(moved)}
-    return out
+            assert kept is not None, "a verifying forward keeps its states"
+            dev = c.kda_states[0].device
+            b, upto, dest = (torch.tensor(x, device=dev) for x in zip(*todo))
+            kept.copy_to(b, upto, states, convs, dest)

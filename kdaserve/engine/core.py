@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from kdaserve.cache.manager import CacheManager
+from kdaserve.cache.ops import TakeSnapshot
 from kdaserve.cache.planner import CachePlan, cache_budget, plan_cache
 from kdaserve.cache.spec import specs_for
 from kdaserve.config import EngineConfig, SchedulerConfig
@@ -232,7 +233,7 @@ class EngineCore:
         """Copy the device prefix cache into the offload tiers now (see CacheManager.flush)."""
         ops = self.cache.flush(drop_device)
         if ops:
-            self.cache.settle(self.executor.run_cache_ops(ops))
+            self.cache.settle(self.executor.run_cache_ops(ops).failures)
             self.executor.run_cache_ops(self.cache.take_ops())   # drops of failed entries
 
     def close(self) -> None:
@@ -281,7 +282,7 @@ class EngineCore:
     def _on_step_failure(self, out, exc: Exception) -> list[RequestDelta]:
         # snapshots planned for the failed step may never have been written: never let a hit
         # (or an offload tier) take them
-        self.cache.drop_snapshots([sid for _, _, sid in out.snapshot_requests])
+        self.cache.drop_snapshots([op.snapshot_id for op in out.ops_of(TakeSnapshot)])
         ids = [s.request_id for s in out.sequences if s.request_id in self.scheduler.requests]
         if not ids:
             raise exc

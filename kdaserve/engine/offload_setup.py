@@ -25,7 +25,7 @@ from kdaserve.cache.spec import specs_for
 from kdaserve.cache.stores import DiskStore, HostStore, OffloadError
 from kdaserve.cache.tiers import Tier, TierEntry
 from kdaserve.config import EngineConfig
-from kdaserve.engine.cache_ops import Store
+from kdaserve.engine.tier_transfer import Store
 
 logger = logging.getLogger("kdaserve")
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import Counter, deque
 
 from kdaserve.cache.manager import CacheManager
+from kdaserve.cache.ops import CacheOp, FreeRequest, RestoreSnapshot, SettleDrafts, TakeSnapshot
 from kdaserve.config import SchedulerConfig
 from kdaserve.engine.prompt_logprobs import record, wants_prompt_logprobs
 from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
@@ -135,19 +136,26 @@ class Scheduler:
                 budget -= n
         if len(preempted) == self._fair_preempted:
             self._admit(scheduled, budget, chunk_cap)
-        snaps: list[tuple[str, int, int]] = []
-        seqs = [self._to_sequence(req, n, snaps, drafts.get(req.request_id, 0))
+        seq_ops: list[CacheOp] = []
+        seqs = [self._to_sequence(req, n, seq_ops, drafts.get(req.request_id, 0))
                 for req, n in scheduled]
         self._restore.clear()
-        finished, self._finished_since_step = self._finished_since_step, []
         limits = None
         if self.spec_policy is not None:      # prefilling requests: what acceptance earns
             first = self.spec_policy.initial_drafts(max(1, len(self.running)))
             limits = {req.request_id: self._draft_plan.get(req.request_id, first)
                       for req, _ in scheduled}
-        return SchedulerOutput(sequences=seqs, preempted=preempted, finished=finished,
-                               snapshot_requests=snaps, cache_ops=self.cache.take_ops(),
-                               draft_limits=limits, drafting=self._drafting())
+        return SchedulerOutput(sequences=seqs, preempted=preempted,
+                               ops=self._step_ops(seq_ops), draft_limits=limits,
+                               drafting=self._drafting())
+
+    def _step_ops(self, seq_ops: list[CacheOp]) -> list[CacheOp]:
+        """The step's cache operations in the order they run: frees, then the manager's
+        (offload stores before the forward reuses an id, loads before it reads one; taken
+        after every allocation and snapshot plan of the step, which may evict), then each
+        sequence's restores, snapshots and settling of drafts."""
+        finished, self._finished_since_step = self._finished_since_step, []
+        return [*(FreeRequest(rid) for rid in finished), *self.cache.take_ops(), *seq_ops]
 
     def _allocate_or_preempt(self, req: Request, n: int, scheduled: list[tuple[Request, int]],
                              preempted: list[str], drafts: dict[str, int]) -> tuple[bool, int]:
@@ -294,11 +302,9 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-        snaps: list[tuple[str, int, int]] = []
-        seq = self._to_sequence(req, n, snaps)
-        finished, self._finished_since_step = self._finished_since_step, []
-        return SchedulerOutput(sequences=[seq], preempted=[], finished=finished,
-                               snapshot_requests=snaps, cache_ops=self.cache.take_ops(),
+        seq_ops: list[CacheOp] = []
+        seq = self._to_sequence(req, n, seq_ops)
+        return SchedulerOutput(sequences=[seq], preempted=[], ops=self._step_ops(seq_ops),
                                drafting=self._drafting())
 
     def _drafting(self) -> bool:
@@ -313,27 +319,31 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _to_sequence(self, req: Request, n: int, snaps: list[tuple[str, int, int]],
+    def _to_sequence(self, req: Request, n: int, ops: list[CacheOp],
                      num_drafts: int = 0) -> ScheduledSequence:
-        start = req.num_computed_tokens
+        """The request's share of the step; its cache operations go to `ops`."""
+        rid, start = req.request_id, req.num_computed_tokens
+        slot = self.cache.slot(rid)
         tokens = req.token_ids_between(start, start + n - num_drafts)
         if num_drafts:
             tokens += req.spec_token_ids[:num_drafts]
+        if rid in self._restore:
+            ops.append(RestoreSnapshot(rid, self._restore[rid], slot))
         if self.cache.prefix_caching:
             # Snapshots past a draft's position are taken only if that draft is accepted; the
             # runner reports the others as dropped (hashing drafts here is what they would be).
             all_ids = req.all_token_ids
             for pos, sid in self.cache.plan_snapshots(
-                    req.request_id, all_ids + tokens[1:] if num_drafts else all_ids,
+                    rid, all_ids + tokens[1:] if num_drafts else all_ids,
                     req.num_prompt_tokens, start, start + n, req.extra_keys, req.cache_salt,
                     certain=start + n - num_drafts):
-                snaps.append((req.request_id, pos, sid))
+                ops.append(TakeSnapshot(rid, pos, sid))
+        if num_drafts:
+            ops.append(SettleDrafts(rid, slot))
         return ScheduledSequence(
-            request_id=req.request_id, token_ids=tokens, context_len=start,
-            block_ids=self.cache.block_ids(req.request_id),
-            state_slot=self.cache.slot(req.request_id),
+            request_id=rid, token_ids=tokens, context_len=start,
+            block_ids=self.cache.block_ids(rid), state_slot=slot,
             sample=start + n - num_drafts == req.num_tokens,
-            restore_snapshot=self._restore.get(req.request_id),
             num_draft_tokens=num_drafts,
             media=tuple(m for m in req.media if m.overlaps(start, start + n)),
         )
@@ -343,8 +353,8 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, finish what hit a stop.
         Returns the requests that got a new token (finished ones included)."""
         touched = []
-        if result.dropped_snapshots:
-            self.cache.drop_snapshots(result.dropped_snapshots)
+        if result.cache.dropped_snapshots:
+            self.cache.drop_snapshots(result.cache.dropped_snapshots)
         reloaded = self._settle_cache_ops(result)
         for seq in out.sequences:
             req = self.requests.get(seq.request_id)
@@ -391,9 +401,9 @@ class Scheduler:
         """Entries that failed to store or load leave the offload tiers; a request whose load
         failed sat the step out and starts over (its next prefix hit is shorter: recomputed,
         never computed on bad data)."""
-        if not result.cache_op_failures:
+        if not result.cache.failures:
             return set()
-        failed = self.cache.settle(result.cache_op_failures)
+        failed = self.cache.settle(result.cache.failures)
         for rid in failed:
             req = self.requests.get(rid)
             if req is not None and req in self.running:

@@ -28,7 +28,7 @@ import os
 import torch
 
 from kdaserve.model.base import DecoderLayer, HybridForCausalLM
-from kdaserve.model.batch import HybridCache
+from kdaserve.model.hybrid_cache import HybridCache
 from kdaserve.model.fused_args import _I, _NULL, BlockArgs, _p
 from kdaserve.model.fused_rows import (  # noqa: F401 (the runner's names for them)
     MAX_FUSED_ROWS,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdaserve.model.batch import HybridCache
+from kdaserve.model.hybrid_cache import HybridCache
 
 # the blocks read each weight once per step for all rows (decode_blocks.h, matmat); up to this
 # many decode rows they beat the batched torch forward (docs/benchmarks.md, "Fused decode")

@@ -165,7 +165,7 @@ class KimiDeltaAttention(nn.Module):
         n_snap = snap_idx.shape[0] if snap_idx is not None else 0
         snap_windows = windows[:n_snap] if windows is not None else None
         if dec_idx is not None:
-            fb.decode_windows[self.kda_index] = windows[n_snap:]
+            fb.out.decode_windows[self.kda_index] = windows[n_snap:]
 
         outs = []
         if Bd:  # decode rows continue their slot's state, updated in place
@@ -182,7 +182,7 @@ class KimiDeltaAttention(nn.Module):
             o_d = o_d.reshape(-1, H, D)
             outs.append(o_d if dec is None else o_d[dec.unpad_idx])
             if kept is not None:
-                fb.decode_states[self.kda_index] = kept
+                fb.out.decode_states[self.kda_index] = kept
         s_p = None
         if B > Bd:
             Bp, L = lay.pad_src.shape
@@ -205,7 +205,7 @@ class KimiDeltaAttention(nn.Module):
             o_p = o_p.reshape(Bp * L, H, D)
             outs.append(o_p if lay.pad_is_reshape else o_p[lay.unpad_idx])
             if kept is not None:
-                fb.chunk_states[self.kda_index] = kept
+                fb.out.chunk_states[self.kda_index] = kept
         o = torch.cat(outs, 0) if len(outs) > 1 else outs[0]                   # [T, H, D]
         if cache is not None:
             if s_p is not None:
@@ -213,7 +213,7 @@ class KimiDeltaAttention(nn.Module):
             conv_store.index_copy_(0, fb.state_slots, new_window.to(conv_store.dtype))
             if plan is not None:
                 self._save_snapshots(cache, plan, state_store[fb.state_slots[plan.seq]],
-                                     fb.chunk_states.get(self.kda_index), snap_windows, Bd)
+                                     fb.out.chunk_states.get(self.kda_index), snap_windows, Bd)
         gate = self._gate(g_a).view(T, H, D)
         o = self.o_norm(o.to(x.dtype), gate).reshape(T, H * D)
         return self.o_proj(o)

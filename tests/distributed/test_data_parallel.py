@@ -11,6 +11,13 @@ import json
 import pytest
 import torch
 
+from kdaserve.cache.ops import (
+    CacheOutcome,
+    DropEntry,
+    FreeRequest,
+    RestoreSnapshot,
+    TakeSnapshot,
+)
 from kdaserve.bench.moe import moe_config, random_moe, rank_share, routings
 from kdaserve.config import ConfigError
 from kdaserve.distributed.data_parallel import Placement, merge, rank_share as dp_share
@@ -55,36 +62,40 @@ def test_ep_all2all_with_each_ranks_own_tokens(tmp_path, counts):
             assert json.load(f)["err"] < 1e-5, r
 
 
-def _seq(rid: str, context: int = 0, blocks=(), snap=None) -> ScheduledSequence:
-    return ScheduledSequence(rid, [1, 2], context, list(blocks), 0, True, restore_snapshot=snap)
+def _seq(rid: str, context: int = 0, blocks=()) -> ScheduledSequence:
+    return ScheduledSequence(rid, [1, 2], context, list(blocks), 0, True)
 
 
 def test_placement_balances_and_follows_prefix_owners():
     p = Placement(2)
     step = SchedulerOutput([_seq("a", blocks=[0, 1]), _seq("b", blocks=[2, 3])],
-                           snapshot_requests=[("b", 16, 7)])
+                           ops=[TakeSnapshot("b", 16, 7)])
     assert p.assign(step) == {"a": 0, "b": 1}
     # a new request is balanced; hits go where their prefix was written, whatever the load
     step = SchedulerOutput([_seq("c", blocks=[4]), _seq("hit-b", 16, [2, 5]),
-                            _seq("hit-snap", 16, [9], snap=7)])
+                            _seq("hit-snap", 16, [9])], ops=[RestoreSnapshot("hit-snap", 7, 0)])
     assert p.assign(step) == {"c": 0, "hit-b": 1, "hit-snap": 1}
     assert p.placed == [2, 3]
     # finished and preempted requests leave; a preempted one is placed again when it returns
-    p.assign(SchedulerOutput([], finished=["a", "c"], preempted=["hit-b"]))
+    p.assign(SchedulerOutput([], ops=[FreeRequest("a"), FreeRequest("c")], preempted=["hit-b"]))
     assert set(p.rank_of) == {"b", "hit-snap"}
     assert p.assign(SchedulerOutput([_seq("hit-b")])) == {"hit-b": 0}
 
 
 def test_rank_share_and_merge():
-    out = SchedulerOutput([_seq("a"), _seq("b")], finished=["z"],
-                          snapshot_requests=[("a", 16, 1), ("b", 16, 2)], dp_ranks={"a": 0, "b": 1})
+    out = SchedulerOutput([_seq("a"), _seq("b")], dp_ranks={"a": 0, "b": 1},
+                          ops=[FreeRequest("z"), TakeSnapshot("a", 16, 1),
+                               TakeSnapshot("b", 16, 2), DropEntry("host", "block", b"k")])
     mine = dp_share(out, 1)
     assert [s.request_id for s in mine.sequences] == ["b"]
-    assert mine.snapshot_requests == [("b", 16, 2)] and mine.finished == ["z"]
-    merged = merge([ModelRunnerOutput({"a": [SampledToken(3)]}, dropped_snapshots=[1]),
-                    ModelRunnerOutput({"b": [SampledToken(4)]}, drafts={"b": [5]})])
+    assert mine.ops == [FreeRequest("z"), TakeSnapshot("b", 16, 2),
+                        DropEntry("host", "block", b"k")] and mine.finished == ["z"]
+    merged = merge([ModelRunnerOutput({"a": [SampledToken(3)]},
+                                      cache=CacheOutcome(dropped_snapshots=[1])),
+                    ModelRunnerOutput({"b": [SampledToken(4)]}, drafts={"b": [5]},
+                                      cache=CacheOutcome(dropped_snapshots=[6]))])
     assert set(merged.sampled) == {"a", "b"} and merged.drafts == {"b": [5]}
-    assert merged.dropped_snapshots == [1]
+    assert merged.cache.dropped_snapshots == [1, 6]
 
 
 # LOOP is the second request, so that its rank (1) is not where a balanced placement puts the

@@ -41,7 +41,7 @@ def _llm(model: str, snap: int, directory, tiers: str = "host,disk") -> LLM:
 
 
 def _stats(llm: LLM, name: str) -> dict:
-    from kdaserve.engine.cache_ops import offload_stats
+    from kdaserve.engine.tier_transfer import offload_stats
 
     return offload_stats(llm.engine.cache.offload, llm.engine.executor.transfer_stats())[name]
 

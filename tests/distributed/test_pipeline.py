@@ -21,13 +21,17 @@ from test_layouts import HIT, PROMPTS
 from test_worker_death import ROOT, SCRIPT, _wait_gone
 from tiny_models import random_model, tiny_config
 
+from kdaserve.cache.ops import FreeRequest, TakeSnapshot
+from kdaserve.engine.cache_ops import StepOps
+from kdaserve.model.layout.snapshots import SnapshotAt
 from kdaserve.config import ConfigError, ModelConfig
 from kdaserve.distributed.layout import cache_model_config, stage_layers
 from kdaserve.distributed.parallel_state import ParallelContext
 from kdaserve.distributed.pipeline import micro_batches
 from kdaserve.distributed.pipeline_model import Carry, run_stage, stage_of
 from kdaserve.engine.llm import LLM
-from kdaserve.model.batch import HybridCache, build_forward_batch
+from kdaserve.model.batch import build_forward_batch
+from kdaserve.model.hybrid_cache import HybridCache
 from kdaserve.model.loader import load_model, save_model
 from kdaserve.outputs import ScheduledSequence, SchedulerOutput
 from kdaserve.request import SamplingParams
@@ -147,13 +151,16 @@ def _seq(rid: str, n: int) -> ScheduledSequence:
 
 
 def test_micro_batches_balance_tokens_and_keep_snapshots():
-    out = SchedulerOutput([_seq("a", 10), _seq("b", 3), _seq("c", 6), _seq("d", 2)],
-                          finished=["z"], snapshot_requests=[("c", 16, 4), ("a", 16, 5)])
+    ops = [FreeRequest("z"), TakeSnapshot("c", 16, 4), TakeSnapshot("a", 16, 5)]
+    out = SchedulerOutput([_seq("a", 10), _seq("b", 3), _seq("c", 6), _seq("d", 2)], ops=ops)
     parts = micro_batches(out, 2)
     # longest first, each to the lighter part: a | c, b, d (10 tokens against 11)
     assert [[s.request_id for s in p.sequences] for p in parts] == [["a"], ["c", "b", "d"]]
-    assert parts[0].snapshot_requests == [("a", 16, 5)]
-    assert parts[1].snapshot_requests == [("c", 16, 4)]
+    # each part's plan takes its own rows' snapshots from the step's operations
+    step = StepOps(takes=[op for op in ops if isinstance(op, TakeSnapshot)])
+    rows = [{s.request_id: b for b, s in enumerate(p.sequences)} for p in parts]
+    assert step.takes_for(rows[0]) == [SnapshotAt(0, 16, 5)]
+    assert step.takes_for(rows[1]) == [SnapshotAt(0, 16, 4)]
     assert all(p.finished == ["z"] for p in parts)
     assert len(micro_batches(SchedulerOutput([_seq("a", 4)]), 4)) == 1
     assert micro_batches(SchedulerOutput([]), 2) == []

@@ -25,7 +25,7 @@ def setup(hf_checkpoint):
 
 
 def tier(llm: LLM, name: str) -> dict:
-    from kdaserve.engine.cache_ops import offload_stats
+    from kdaserve.engine.tier_transfer import offload_stats
 
     return offload_stats(llm.engine.cache.offload, llm.engine.runner.cache_ops.stats)[name]
 

@@ -8,7 +8,7 @@ after the last accepted token to the request's slot. Checked here, with a tiny r
   recurrence over positions 0..j (and the chunked form agrees);
 - model: in one forward mixing verify rows of different lengths, a one-token decode row and a
   prefill row, the kept state / conv window of every (row, position) equals the slot of a plain
-  run (prefill, then one token at a time) over the same tokens, and `HybridCache.commit_decode`
+  run (prefill, then one token at a time) over the same tokens, and `ForwardKept.copy_to`
   copies exactly that one into the slot it names;
 - runner: `ModelRunner.execute` with drafts that agree with the greedy target for a positions
   then disagree (a = 0..k, several requests at once): it emits the a drafts and the correction,
@@ -25,7 +25,10 @@ from tiny_models import random_model, tiny_config
 from kdaserve.cache.planner import CachePlan
 from kdaserve.engine.runner import ModelRunner
 from kdaserve.engine.step_message import StepMessages
-from kdaserve.model.batch import HybridCache, build_forward_batch
+from kdaserve.model.batch import build_forward_batch
+from kdaserve.cache.ops import SettleDrafts
+from kdaserve.model.hybrid_cache import HybridCache
+from kdaserve.model.kept_states import ForwardKept
 from kdaserve.ops.kda import kda_chunk, kda_recurrent
 from kdaserve.outputs import ScheduledSequence, SchedulerOutput
 from kdaserve.request import Request, SamplingParams
@@ -133,7 +136,7 @@ def test_kept_states_are_prefix_final_states():
     assert none is None
 
 
-# ---- model: kept states and commit_decode ----------------------------------------------------
+# ---- model: kept states and ForwardKept ----------------------------------------------------
 
 def test_every_kept_position_and_commit_match_plain_recurrence(model):
     g = torch.Generator().manual_seed(1)
@@ -151,7 +154,7 @@ def test_every_kept_position_and_commit_match_plain_recurrence(model):
     rows = [(s, len(prompts[i]), i, _table(i)) for i, s in enumerate(steps)]
     rows.append((prompts[3], 0, 3, _table(3)))
     fb, logits = _forward(model, cache, rows, num_decode=3, all_logits=True)
-    assert fb.decode is not None and set(fb.decode_states) == set(range(len(cache.kda_states)))
+    assert fb.decode is not None and set(fb.out.decode_states) == set(range(len(cache.kda_states)))
 
     plains = []
     for i in range(3):
@@ -162,8 +165,8 @@ def test_every_kept_position_and_commit_match_plain_recurrence(model):
     at = 0
     for b, s in enumerate(steps):
         for j in range(len(s)):
-            kept = ([st[b, j] for st in fb.decode_states.values()],
-                    [w[b * ld + j] for w in fb.decode_windows.values()])
+            kept = ([st[b, j] for st in fb.out.decode_states.values()],
+                    [w[b * ld + j] for w in fb.out.decode_windows.values()])
             _assert_state(kept, plains[b].states[j + 1], f"row {b}, kept after position {j}")
             assert (logits[at + j] - plains[b].logits[j + 1]).abs().max() < 1e-4
         at += len(s)
@@ -175,8 +178,9 @@ def test_every_kept_position_and_commit_match_plain_recurrence(model):
     # commit every (row, position) of the verify rows into spare slots, in one call
     pairs = [(b, j) for b in range(2) for j in range(len(steps[b]))]
     dest = list(range(4, 4 + len(pairs)))
-    cache.commit_decode(fb, torch.tensor([b for b, _ in pairs]),
-                        torch.tensor([j for _, j in pairs]), torch.tensor(dest))
+    ForwardKept(fb).copy_to(torch.tensor([b for b, _ in pairs]),
+                            torch.tensor([j for _, j in pairs]), cache.kda_states,
+                            cache.kda_conv, torch.tensor(dest))
     for (b, j), d in zip(pairs, dest):
         _assert_state(_slot(cache, d), plains[b].states[j + 1], f"commit row {b} upto {j}")
     for b in range(3):  # the rows' own slots are untouched by commits elsewhere
@@ -202,7 +206,8 @@ def test_commit_each_rejection_point_then_continue(model, k):
             cache.kda_conv[layer][1] = cv
         fb, _ = _forward(model, cache, [(step, n, 1, _table(0))], 1)
         if a < k:                   # as the runner: all accepted needs no commit
-            cache.commit_decode(fb, torch.tensor([0]), torch.tensor([a]), torch.tensor([1]))
+            ForwardKept(fb).copy_to(torch.tensor([0]), torch.tensor([a]), cache.kda_states,
+                                    cache.kda_conv, torch.tensor([1]))
         ref = Plain(model, prompt)
         ref.feed(step[:a + 1])
         _assert_state(_slot(cache, 1), ref.states[-1], f"a={a}")
@@ -254,7 +259,9 @@ def test_runner_rolls_back_to_last_accepted(model, accepts):
         last = reqs[f"r{i}"].output_token_ids[-1]
         seqs.append(_seq(f"r{i}", [last] + drafts, len(prompts[i]), i, drafts=k))
     seqs.append(_seq("r2", reqs["r2"].output_token_ids[-1:], len(prompts[2]), 2))
-    out = runner.execute(msgs.attach(SchedulerOutput(seqs), reqs))
+    # as the scheduler does: a verify row's slot is settled after verification
+    settle = [SettleDrafts(f"r{i}", i) for i in range(2)]
+    out = runner.execute(msgs.attach(SchedulerOutput(seqs, ops=settle), reqs))
 
     n_pre = [len(p) + 1 for p in prompts[:3]]          # the slot held prompt + t0 before
     for i in range(2):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdaserve.model.batch import HybridCache, build_forward_batch
+from kdaserve.model.batch import build_forward_batch
+from kdaserve.model.hybrid_cache import HybridCache
 from kdaserve.model.kimi_linear import KimiLinearForCausalLM
 from kdaserve.ops.mla import mla_decode_absorbed, mla_prefill_attention
 from tiny_models import random_model, tiny_config

@@ -17,7 +17,10 @@ from torch import nn
 
 from kdaserve.assets import kimi_linear_demo_path
 from kdaserve.engine.llm import LLM
-from kdaserve.model.batch import HybridCache, build_forward_batch
+from kdaserve.model.batch import build_forward_batch
+from kdaserve.model.kept_states import ForwardKept
+from kdaserve.model.layout.snapshots import SnapshotAt
+from kdaserve.model.hybrid_cache import HybridCache
 from kdaserve.model.fused_decode import FusedDecoder, fused_decoder, supports
 from kdaserve.model.moe import SparseMoE
 from kdaserve.request import SamplingParams
@@ -57,7 +60,7 @@ def test_step_matches_torch_forward(gate, rows):
         fb = build_forward_batch([1] * rows, ctx, num_decode=rows,
                                  conv_kernel=cfg.conv_kernel_size, chunk_size=model.chunk_size,
                                  cache=ref_cache, block_tables=tables, state_slots=slots,
-                                 snapshots=[(0, ctx[0] + 1, step)])
+                                 snapshots=[SnapshotAt(0, ctx[0] + 1, step)])
         with torch.inference_mode():
             want, want_hidden = model(ids, fb, capture_layers=(0, 2))
         hidden: list[torch.Tensor] = []
@@ -104,14 +107,15 @@ def test_verify_rows_match_the_torch_verify_forward():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for i in range(len(cache.kda_states)):
         for j in range(4):                 # the states after each position of the verify row
-            torch.testing.assert_close(kept.states[i][j], fb.decode_states[i][0, j],
+            torch.testing.assert_close(kept.states[i][j], fb.out.decode_states[i][0, j],
                                        rtol=1e-4, atol=1e-5)
     for name in ("kda_states", "kda_conv", "mla_pages"):
         for a, b in zip(getattr(cache, name), getattr(ref_cache, name)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     # rolling the verify row back to its second position: the slot holds what kept says
     kept.copy_to(torch.tensor([1]), cache.kda_states, cache.kda_conv, torch.tensor([1]))
-    ref_cache.commit_decode(fb, torch.tensor([0]), torch.tensor([1]), torch.tensor([1]))
+    ForwardKept(fb).copy_to(torch.tensor([0]), torch.tensor([1]), ref_cache.kda_states,
+                           ref_cache.kda_conv, torch.tensor([1]))
     for name in ("kda_states", "kda_conv"):
         for a, b in zip(getattr(cache, name), getattr(ref_cache, name)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

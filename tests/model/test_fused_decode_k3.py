@@ -17,7 +17,9 @@ from k3_models import k3_raw, random_k3
 from kdaserve.assets import default_model_path
 from kdaserve.config import ModelConfig
 from kdaserve.engine.llm import LLM
-from kdaserve.model.batch import HybridCache, build_forward_batch
+from kdaserve.model.batch import build_forward_batch
+from kdaserve.model.layout.snapshots import SnapshotAt
+from kdaserve.model.hybrid_cache import HybridCache
 from kdaserve.model.fused_decode import FusedDecoder, Kept, fused_decoder, supports
 from kdaserve.model.moe import SparseMoE
 from kdaserve.request import SamplingParams
@@ -70,7 +72,7 @@ def test_k3_step_matches_torch_forward(variant, rows):
         fb = build_forward_batch([1] * rows, ctx, num_decode=rows,
                                  conv_kernel=cfg.conv_kernel_size, chunk_size=model.chunk_size,
                                  cache=ref_cache, block_tables=tables, state_slots=slots,
-                                 snapshots=[(0, ctx[0] + 1, step)])
+                                 snapshots=[SnapshotAt(0, ctx[0] + 1, step)])
         with torch.inference_mode():
             want, want_hidden = model(ids, fb, capture_layers=(0, 3))
         hidden: list[torch.Tensor] = []
@@ -113,7 +115,7 @@ def test_k3_verify_rows_and_thread_split():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-4)
     for i in range(len(cache.kda_states)):
         for j in range(4):
-            torch.testing.assert_close(kept.states[i][j], fb.decode_states[i][0, j],
+            torch.testing.assert_close(kept.states[i][j], fb.out.decode_states[i][0, j],
                                        rtol=1e-4, atol=1e-4)
 
     rows = 5

@@ -116,7 +116,8 @@ def test_compiled_prepare_matches_torch_ops(monkeypatch, lower_bound):
     from tiny_models import random_model, tiny_config
 
     from kdaserve.model import kda as kda_module
-    from kdaserve.model.batch import HybridCache, build_forward_batch
+    from kdaserve.model.batch import build_forward_batch
+    from kdaserve.model.hybrid_cache import HybridCache
     from kdaserve.ops.registry import kda_ops
 
     assert kda_ops(torch.device("cpu")).prepare is not None

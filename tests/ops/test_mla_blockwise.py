@@ -7,7 +7,8 @@ import pytest
 import torch
 from tiny_models import random_model, tiny_config
 
-from kdaserve.model.batch import HybridCache, build_forward_batch
+from kdaserve.model.batch import build_forward_batch
+from kdaserve.model.hybrid_cache import HybridCache
 from kdaserve.ops import mla, online_softmax
 from kdaserve.ops.mla import (
     mla_decode_absorbed,

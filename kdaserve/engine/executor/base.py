@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from kdaserve.cache.ops import CacheOp, OpFailure
+from kdaserve.cache.ops import CacheOp, CacheOutcome
 from kdaserve.outputs import ModelRunnerOutput, SchedulerOutput
 from kdaserve.structured.spec import GuidedDecoding
 
@@ -22,8 +22,8 @@ class Executor(ABC):
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
 
     @abstractmethod
-    def run_cache_ops(self, ops: list[CacheOp]) -> list[OpFailure]:
-        """Offload stores/loads/drops outside a step (flush)."""
+    def run_cache_ops(self, ops: list[CacheOp]) -> CacheOutcome:
+        """Cache operations outside a step (flushing the device cache to the offload tiers)."""
 
     @abstractmethod
     def validate_guided(self, guided: GuidedDecoding) -> None:
@@ -65,7 +65,7 @@ class RankExecutor(Executor):
             out.dp_ranks = self._placement.assign(out)
         return self._call(("execute", out), "running a step")
 
-    def run_cache_ops(self, ops: list[CacheOp]) -> list[OpFailure]:
+    def run_cache_ops(self, ops: list[CacheOp]) -> CacheOutcome:
         return self._call(("cache_ops", ops), "running cache operations")
 
     def num_forward_tokens(self) -> int:

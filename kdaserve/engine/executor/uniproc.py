@@ -3,7 +3,7 @@ message object itself is handed over, nothing is copied or serialized)."""
 
 from __future__ import annotations
 
-from kdaserve.cache.ops import CacheOp, OpFailure
+from kdaserve.cache.ops import CacheOp, CacheOutcome
 from kdaserve.engine.executor.base import Executor
 from kdaserve.engine.runner import ModelRunner
 from kdaserve.outputs import ModelRunnerOutput, SchedulerOutput
@@ -17,7 +17,7 @@ class UniProcExecutor(Executor):
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
 
-    def run_cache_ops(self, ops: list[CacheOp]) -> list[OpFailure]:
+    def run_cache_ops(self, ops: list[CacheOp]) -> CacheOutcome:
         return self.runner.cache_ops.run(ops)
 
     def validate_guided(self, guided: GuidedDecoding) -> None:

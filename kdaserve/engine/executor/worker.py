@@ -67,7 +67,7 @@ def build_worker_runner(config: EngineConfig, plan, ctx, local_rank: int | None 
                          proposer=build_proposer(config, model, device, plan), stores=stores,
                          structured=StructuredOutputs(tok, model.config.vocab_size))
     if stores and ctx.world_size > 1:
-        runner.cache_ops.agree = union_failures
+        runner.cache_ops.set_agreement(union_failures)
     return runner
 
 
