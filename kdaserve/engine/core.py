@@ -20,27 +20,26 @@ from kdaserve.engine.offload_setup import open_tiers
 from kdaserve.engine.executor import Executor, ExecutorError
 from kdaserve.engine.executor.uniproc import UniProcExecutor
 from kdaserve.engine.runner import ModelRunner
+from kdaserve.engine.runner_builder import (
+    build_runner,
+    engine_chunk_size,
+    has_tokenizer,
+    prepare_model,
+)
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
-from kdaserve.engine.spec.proposer import NgramDrafts, Proposer
 from kdaserve.engine.step_message import StepMessages
 from kdaserve.media import MediaItem, check_media
 from kdaserve.model.base import HybridForCausalLM
-from kdaserve.model.loader import checkpoint_has_vision, load_model
+from kdaserve.model.loader import checkpoint_has_vision
 from kdaserve.model.registry import load_config
 from kdaserve.model.vision.tower import vision_config_of
 from kdaserve.ops.host_memory import tune_host_allocator
 from kdaserve.outputs import RequestDelta
 from kdaserve.request import Request, RequestStatus, SamplingParams, child_seed
-from kdaserve.structured.manager import StructuredOutputs
 from kdaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kdaserve")
-
-
-def default_chunk_size(device: torch.device) -> int:
-    """64 suits the GPU kernels; the torch form is several times faster with small chunks on CPU."""
-    return 64 if device.type == "cuda" else 16
 
 
 @dataclass
@@ -88,22 +87,13 @@ class EngineCore:
             rank_cfg = cache_model_config(cfg, par.tensor_parallel_size,
                                           par.pipeline_parallel_size)
         else:
-            if model is None:
-                model = load_model(config.model, dtype=config.dtype, device=str(device),
-                                   chunk_size=chunk, progress=progress)
-            else:
-                model.set_chunk_size(chunk)
-            self.model = model.fuse_for_inference()
-            if par.moe_backend != "auto":
-                from kdaserve.model.moe_backends import set_moe_backend
-
-                set_moe_backend(model, par.moe_backend)
+            self.model = model = prepare_model(config, device, model, progress=progress)
             cfg = rank_cfg = model.config
             tower = getattr(model, "vision_tower", None)
             self._vision = tower.cfg if tower is not None else None
             self._log_weights(model, config)
         self.model_config = cfg
-        if tokenizer is None and config.model and _has_tokenizer(Path(config.model)):
+        if tokenizer is None and config.model and has_tokenizer(Path(config.model)):
             tokenizer = Tokenizer.from_pretrained(config.model)
         self.tokenizer = tokenizer
         # caches are sized per rank: a tensor-parallel rank holds its heads' KDA states, a
@@ -137,16 +127,16 @@ class EngineCore:
         spec = config.speculative
         if spec is not None and spec.adaptive:
             self.scheduler.spec_policy = AdaptiveSpeculation(spec.num_speculative_tokens)
-        structured = StructuredOutputs(tokenizer, cfg.vocab_size)
         if par.executor == "uni":
-            self.executor: Executor = UniProcExecutor(ModelRunner(
-                model, self.plan, device, seed=config.seed,
-                proposer=build_proposer(config, model, device, self.plan),
-                stores=tiers.stores if tiers else None, structured=structured))
+            self.executor: Executor = UniProcExecutor(build_runner(
+                config, self.plan, model, device, tokenizer,
+                stores=tiers.stores if tiers else None))
         else:
             from kdaserve.engine.executor import start_ranks
-
-            self.executor = start_ranks(config, self.plan, structured)
+            
+            # grammars are validated here, compiled again on each rank
+            self.executor = start_ranks(config, self.plan,
+                                        StructuredOutputs(tokenizer, cfg.vocab_size))
         self._messages = StepMessages()
         self.eos_ids = frozenset(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}
@@ -380,26 +370,3 @@ class EngineCore:
         kids = self._children.get(tr.parent)
         if kids is not None and all(k not in self._tracked for k in kids):
             del self._children[tr.parent]
-
-
-def build_proposer(config: EngineConfig, model: HybridForCausalLM,
-                   device: torch.device, plan: CachePlan) -> Proposer | None:
-    spec = config.speculative
-    if spec is None:
-        return None
-    if spec.method == "ngram":
-        return NgramDrafts(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
-    from kdaserve.engine.spec.dspark import DSparkProposer
-
-    return DSparkProposer.from_config(spec, config, model, device, plan.num_blocks,
-                                      plan.block_size)
-
-
-def engine_chunk_size(config: EngineConfig) -> int:
-    chunk = config.kda_chunk_size or default_chunk_size(torch.device(config.device))
-    # Snapshots sit on block boundaries, which must be KDA chunk boundaries (powers of 2).
-    return min(chunk, config.cache.block_size)
-
-
-def _has_tokenizer(path: Path) -> bool:
-    return (path / "tokenizer.json").is_file() or (path / "tiktoken.model").is_file()

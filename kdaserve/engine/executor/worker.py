@@ -40,32 +40,30 @@ def _die_with_parent(parent_pid: int) -> None:
 def build_worker_runner(config: EngineConfig, plan, ctx, local_rank: int | None = None):
     """`local_rank`: this rank's GPU on its node (torchrun's LOCAL_RANK; Ray shows each actor
     one GPU); by default the global rank modulo the node's GPUs."""
-    from kdaserve.engine.core import _has_tokenizer, build_proposer, engine_chunk_size
+    from pathlib import Path
+
     from kdaserve.distributed.comm import union_failures
     from kdaserve.distributed.layout import rank_model_config
     from kdaserve.engine.offload_setup import worker_stores
-    from kdaserve.engine.runner import ModelRunner
-    from kdaserve.model.loader import load_model
-    from kdaserve.structured.manager import StructuredOutputs
+    from kdaserve.engine.runner_builder import (
+        build_runner,
+        engine_chunk_size,
+        has_tokenizer,
+        prepare_model,
+    )
     from kdaserve.tokenizer import Tokenizer
-    from pathlib import Path
 
     device = torch.device(config.device)
     if device.type == "cuda":
         index = ctx.rank if local_rank is None else local_rank
         device = torch.device("cuda", index % max(torch.cuda.device_count(), 1))
         torch.cuda.set_device(device)
-    model = load_model(config.model, dtype=config.dtype, device=str(device),
-                       chunk_size=engine_chunk_size(config), progress=False, parallel=ctx,
-                       moe_backend=config.parallel.moe_backend)
-    model.fuse_for_inference()
-    tok = Tokenizer.from_pretrained(config.model) if _has_tokenizer(Path(config.model)) else None
+    model = prepare_model(config, device, parallel=ctx)
+    tok = Tokenizer.from_pretrained(config.model) if has_tokenizer(Path(config.model)) else None
     rank_cfg = rank_model_config(model.config, ctx.tp_size)     # what the engine sized
     stores = worker_stores(config, rank_cfg, engine_chunk_size(config), device, ctx.rank,
                            ctx.world_size)
-    runner = ModelRunner(model, plan, device, seed=config.seed,
-                         proposer=build_proposer(config, model, device, plan), stores=stores,
-                         structured=StructuredOutputs(tok, model.config.vocab_size))
+    runner = build_runner(config, plan, model, device, tok, stores=stores)
     if stores and ctx.world_size > 1:
         runner.cache_ops.set_agreement(union_failures)
     return runner
