@@ -20,8 +20,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--repetition-penalty", type=float, default=None)
-    # --seed is the sampling seed here; the engine's seed keeps its default
-    p.add_argument("--seed", type=int, default=None)
+    # --seed is the sampling seed here (its own dest, so EngineArgs.from_cli leaves the
+    # engine's seed at its default)
+    p.add_argument("--seed", dest="sampling_seed", type=int, default=None)
     p.add_argument("--greedy", action="store_true", help="temperature 0")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     add_engine_arguments(p.add_argument_group("engine (the same settings as LLM(...))"),
@@ -39,7 +40,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    fields = {"max_tokens": args.max_tokens, "top_k": args.top_k, "seed": args.seed,
+    fields = {"max_tokens": args.max_tokens, "top_k": args.top_k, "seed": args.sampling_seed,
               "temperature": 0.0 if args.greedy else args.temperature,
               "top_p": args.top_p, "repetition_penalty": args.repetition_penalty}
     params = sampling_params_with_defaults(llm.config.model, fields)
