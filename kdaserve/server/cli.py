@@ -32,8 +32,16 @@ from kdaserve.tokenizer import Tokenizer
 from kdaserve.vision_input import VisionInput
 
 # the flag parsing lives in server/args.py (no web stack); these names stay importable here
-__all__ = ["API_KEY_ENV", "DEMO_MODEL_NAME", "add_serve_arguments", "parse_size", "main",
-           "run_serve", "served_model_name", "load_generation_defaults"]
+__all__ = [
+    "API_KEY_ENV",
+    "DEMO_MODEL_NAME",
+    "add_serve_arguments",
+    "load_generation_defaults",
+    "main",
+    "parse_size",
+    "run_serve",
+    "served_model_name",
+]
 
 logger = logging.getLogger("kdaserve")
 
