@@ -3,50 +3,44 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
+    from kdaserve.engine.args import add_engine_arguments
+
     p.add_argument("prompt", help="prompt text")
-    p.add_argument("--model", default=None, help="model directory (default: bundled demo model)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=None,
                    help="default: the model's generation_config.json, else 1.0")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    # --seed is the sampling seed here (its own dest, so EngineArgs.from_cli leaves the
+    # engine's seed at its default)
+    p.add_argument("--seed", dest="sampling_seed", type=int, default=None)
     p.add_argument("--greedy", action="store_true", help="temperature 0")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    from kdaserve.config import EXECUTORS
-
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--expert-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", type=int, default=1)
-    p.add_argument("--distributed-executor", choices=EXECUTORS, default=None,
-                   help="default: torchrun's ranks under torchrun, else uni for one rank, "
-                        "else mp (docs/parallelism.md)")
-    p.add_argument("--ray-address", default=None, help="with --distributed-executor ray")
-    p.add_argument("--torch-threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's)")
+    add_engine_arguments(p.add_argument_group("engine (the same settings as LLM(...))"),
+                         exclude=("seed",))
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from kdaserve.engine.args import EngineArgs
     from kdaserve.engine.llm import LLM
     from kdaserve.generation_defaults import sampling_params_with_defaults
 
-    llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size,
-              expert_parallel_size=args.expert_parallel_size,
-              data_parallel_size=args.data_parallel_size,
-              pipeline_parallel_size=args.pipeline_parallel_size,
-              distributed_executor=args.distributed_executor, ray_address=args.ray_address,
-              num_threads=args.torch_threads)     # a torchrun rank > 0 ends in here
+    llm = LLM(**asdict(EngineArgs.from_cli(args)))     # a torchrun rank > 0 ends in here
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    fields = {"max_tokens": args.max_tokens, "top_k": args.top_k, "seed": args.seed,
+    fields = {"max_tokens": args.max_tokens, "top_k": args.top_k, "seed": args.sampling_seed,
               "temperature": 0.0 if args.greedy else args.temperature,
               "top_p": args.top_p, "repetition_penalty": args.repetition_penalty}
     params = sampling_params_with_defaults(llm.config.model, fields)
@@ -56,59 +50,73 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+Filler = Callable[[argparse.ArgumentParser], None]
+
+
+def _from(module: str, name: str = "add_arguments") -> Filler:
+    """A subcommand's flag builder, imported only when that subcommand is chosen."""
+    def fill(parser: argparse.ArgumentParser) -> None:
+        getattr(importlib.import_module(module), name)(parser)
+
+    return fill
+
+
+class _LazySubParsers(argparse._SubParsersAction):
+    """Subcommands whose flags are added only once the command line names them: most of them
+    import torch (seconds), which `kdaserve --help` or another subcommand must not pay for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fillers: dict[str, Filler] = {}
+
+    def add_lazy(self, name: str, help: str, fill: Filler) -> argparse.ArgumentParser:
+        parser = self.add_parser(name, help=help)
+        self._fillers[name] = fill
+        return parser
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        fill = self._fillers.pop(values[0], None)
+        if fill is not None:
+            fill(self._name_parser_map[values[0]])
+        super().__call__(parser, namespace, values, option_string)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kdaserve", description="Serve hybrid KDA + MLA MoE models.")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    from kdaserve.server.cli import add_serve_arguments
-
-    add_serve_arguments(sub.add_parser(
-        "serve", help="OpenAI-compatible HTTP server (default: bundled demo on 127.0.0.1:8000)"))
-    _generate_args(sub.add_parser("generate", help="one-shot generation from a prompt"))
-    from kdaserve.model.inspect import add_arguments as add_inspect_arguments
-
-    add_inspect_arguments(sub.add_parser(
-        "inspect", help="parameter counts and cache sizes of a config, without weights"))
-
-    bench = sub.add_parser("bench", help="benchmarks (JSON output)")
-    bsub = bench.add_subparsers(dest="bench", required=True)
-    from kdaserve.bench import offline
-
-    from kdaserve.bench import kda, prefix, reference, spec
-
-    offline.add_arguments(bsub.add_parser("offline", help="offline throughput vs transformers"))
-    prefix.add_arguments(bsub.add_parser("prefix", help="shared-prefix TTFT, caching off vs on"))
-    spec.add_arguments(bsub.add_parser("spec", help="speculative decoding vs plain decode"))
-    kda.add_arguments(bsub.add_parser("kda", help="KDA recurrence: torch vs compiled CPU kernel"))
-    reference.add_arguments(bsub.add_parser(
-        "reference", help="model vs transformers, fla-core (kimi_linear) or mlx-lm (kimi_k3)"))
-    from kdaserve.bench import long as bench_long
-    bench_long.add_arguments(bsub.add_parser("long", help="cost against context length, to 1M"))
-    from kdaserve.bench import moe as bench_moe
-    bench_moe.add_arguments(bsub.add_parser(
-        "moe", help="MoE backends (reference, grouped, tp_sharded, ep_all2all) side by side"))
-    from kdaserve.bench import compare
-    compare.add_arguments(bsub.add_parser("compare", help="kdaserve vs llama.cpp, same model"))
-    from kdaserve.bench import cuda as bench_cuda
-    bench_cuda.add_arguments(bsub.add_parser("cuda", help="the CUDA path: checks and timings"))
-    try:
-        from kdaserve.bench.serve import add_bench_serve_arguments
-    except ImportError:  # pragma: no cover - lands with the server
-        pass
-    else:
-        add_bench_serve_arguments(bsub.add_parser("serve", help="load generator for a server"))
-
-    from kdaserve.train.demo import add_arguments as add_train_arguments
-
-    add_train_arguments(sub.add_parser("train", help="train the demo model from its corpus"))
-    from kdaserve.train.draft import add_train_draft_arguments
-    from kdaserve.train.draft_data import add_extract_arguments
-
-    add_extract_arguments(sub.add_parser(
-        "extract-hidden", help="target hidden states over a corpus, for draft training"))
-    add_train_draft_arguments(sub.add_parser(
-        "train-draft", help="train the DSpark draft on extract-hidden shards"))
+    sub = p.add_subparsers(dest="command", required=True, action=_LazySubParsers)
+    sub.add_lazy("serve", "OpenAI-compatible HTTP server (default: bundled demo on "
+                 "127.0.0.1:8000)", _from("kdaserve.server.args", "add_serve_arguments"))
+    sub.add_lazy("generate", "one-shot generation from a prompt", _generate_args)
+    sub.add_lazy("inspect", "parameter counts and cache sizes of a config, without weights",
+                 _from("kdaserve.model.inspect"))
+    sub.add_lazy("bench", "benchmarks (JSON output)", _bench_args)
+    sub.add_lazy("train", "train the demo model from its corpus", _from("kdaserve.train.demo"))
+    sub.add_lazy("extract-hidden", "target hidden states over a corpus, for draft training",
+                 _from("kdaserve.train.draft_data", "add_extract_arguments"))
+    sub.add_lazy("train-draft", "train the DSpark draft on extract-hidden shards",
+                 _from("kdaserve.train.draft", "add_train_draft_arguments"))
     return p
+
+
+def _bench_args(bench: argparse.ArgumentParser) -> None:
+    bsub = bench.add_subparsers(dest="bench", required=True, action=_LazySubParsers)
+    for name, help, fill in [
+        ("offline", "offline throughput vs transformers", _from("kdaserve.bench.offline")),
+        ("prefix", "shared-prefix TTFT, caching off vs on", _from("kdaserve.bench.prefix")),
+        ("spec", "speculative decoding vs plain decode", _from("kdaserve.bench.spec")),
+        ("kda", "KDA recurrence: torch vs compiled CPU kernel", _from("kdaserve.bench.kda")),
+        ("reference", "model vs transformers, fla-core (kimi_linear) or mlx-lm (kimi_k3)",
+         _from("kdaserve.bench.reference")),
+        ("long", "cost against context length, to 1M", _from("kdaserve.bench.long")),
+        ("moe", "MoE backends (reference, grouped, tp_sharded, ep_all2all) side by side",
+         _from("kdaserve.bench.moe")),
+        ("compare", "kdaserve vs llama.cpp, same model", _from("kdaserve.bench.compare")),
+        ("cuda", "the CUDA path: checks and timings", _from("kdaserve.bench.cuda")),
+        ("serve", "load generator for a server",
+         _from("kdaserve.bench.serve", "add_bench_serve_arguments")),
+    ]:
+        bsub.add_lazy(name, help, fill)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -181,7 +181,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _size(text: str) -> int:
-    from kdaserve.server.cli import parse_size   # the server's stack only when asked
+    from kdaserve.arg_types import parse_size
 
     return parse_size(text)
 

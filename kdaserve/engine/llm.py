@@ -10,14 +10,7 @@ from typing import Any, Union
 
 from tqdm.auto import tqdm
 
-from kdaserve.assets import default_model_path
-from kdaserve.config import (
-    CacheConfig,
-    EngineConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
+from kdaserve.engine.args import EngineArgs
 from kdaserve.engine.core import EngineCore
 from kdaserve.outputs import CompletionOutput, RequestOutput
 from kdaserve.image_io import ImageLimits, check_count, load_image
@@ -29,64 +22,19 @@ PromptType = Union[str, dict[str, Any], list[int]]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, dtype: str = "float32", device: str = "cpu",
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int = 4096, cache_memory: int = 256 << 20,
-                 block_size: int = 16, num_blocks: int | None = None,
-                 kda_chunk_size: int | None = None, seed: int = 0,
-                 long_prefill_token_threshold: int | None = None,
-                 enable_prefix_caching: bool = True,
-                 state_snapshot_budget: int | None = None,
-                 state_snapshot_interval: int = 512,
-                 speculative_method: str | None = None, num_speculative_tokens: int = 7,
-                 speculative_model: str | None = None, speculative_adaptive: bool = True,
-                 offload: str | Sequence[str] | None = None,
-                 offload_bytes: int | Sequence[int] | None = None,
-                 offload_dir: str | None = None,
-                 gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
-                 expert_parallel_size: int = 1, data_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1,
-                 moe_backend: str = "auto",
-                 distributed_executor: str | None = None, ray_address: str | None = None,
-                 num_threads: int | None = None) -> None:
-        """`offload`: "host", "disk" or "host,disk" (evicted prefix-cache entries go there);
-        `offload_bytes`: one cap, or one per tier; `offload_dir`: the disk tier's directory.
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`kwargs`: the fields of `EngineArgs` (engine/args.py, with their defaults), e.g.
+        `max_model_len`, `cache_memory` (bytes), `enable_prefix_caching`; an unknown name is a
+        TypeError. `offload`: "host", "disk" or "host,disk" (evicted prefix-cache entries go
+        there); `offload_bytes`: one cap, or one per tier; `offload_dir`: the disk tier's
+        directory.
 
         Under torchrun (docs/parallelism.md) every rank runs the script: on rank 0 this is
         the engine; on any other rank the constructor runs that rank's worker loop until rank
         0 shuts down and then ends the process (the rest of the script runs on rank 0 only).
         `ray_address`: with distributed_executor="ray", the cluster to join."""
-        tiers = tuple(t.strip() for t in (offload.split(",") if isinstance(offload, str)
-                                          else offload or ()) if t.strip())
-        caps = (offload_bytes,) if isinstance(offload_bytes, int) else tuple(offload_bytes or ())
-        path = str(model) if model is not None else str(default_model_path())
-        self.config = EngineConfig(
-            model=path, dtype=dtype, device=device, kda_chunk_size=kda_chunk_size, seed=seed,
-            num_threads=num_threads,
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                    expert_parallel_size=expert_parallel_size,
-                                    data_parallel_size=data_parallel_size,
-                                    pipeline_parallel_size=pipeline_parallel_size,
-                                    moe_backend=moe_backend,
-                                    distributed_executor=distributed_executor,
-                                    ray_address=ray_address),
-            cache=CacheConfig(block_size=block_size, cache_memory_bytes=cache_memory,
-                              gpu_memory_utilization=gpu_memory_utilization,
-                              num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
-                              state_snapshot_budget_bytes=state_snapshot_budget,
-                              state_snapshot_interval=state_snapshot_interval,
-                              offload_tiers=tiers, offload_bytes=caps,
-                              offload_dir=str(offload_dir) if offload_dir else None),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len,
-                                      long_prefill_token_threshold=long_prefill_token_threshold),
-            speculative=SpeculativeConfig(method=speculative_method,
-                                          num_speculative_tokens=num_speculative_tokens,
-                                          draft_model=speculative_model,
-                                          adaptive=speculative_adaptive)
-            if speculative_method else None,
-        )
+        self.config = EngineArgs.from_kwargs("LLM()", model=model, **kwargs).to_engine_config()
+        path = self.config.model
         from kdaserve.engine.executor.torchrun import is_torchrun_worker, run_torchrun_rank
 
         if is_torchrun_worker(self.config.parallel):

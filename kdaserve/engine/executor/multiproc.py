@@ -11,13 +11,16 @@ import socket
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
 
 import torch.multiprocessing as tmp
 
 from kdaserve.config import EngineConfig
 from kdaserve.engine.executor.base import ExecutorError, RankExecutor
 from kdaserve.engine.executor.worker import worker_main
-from kdaserve.structured.manager import StructuredOutputs
+
+if TYPE_CHECKING:  # for annotations only: importing an executor loads no llguidance
+    from kdaserve.structured.manager import StructuredOutputs
 
 logger = logging.getLogger("kdaserve")
 

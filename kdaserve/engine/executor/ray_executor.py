@@ -17,10 +17,13 @@ import socket
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kdaserve.config import ConfigError, EngineConfig
 from kdaserve.engine.executor.base import ExecutorError, RankExecutor
-from kdaserve.structured.manager import StructuredOutputs
+
+if TYPE_CHECKING:  # for annotations only: importing an executor loads no llguidance
+    from kdaserve.structured.manager import StructuredOutputs
 
 logger = logging.getLogger("kdaserve")
 

@@ -15,11 +15,14 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kdaserve.config import ConfigError, EngineConfig, ParallelConfig
 from kdaserve.engine.executor.base import ExecutorError, RankExecutor
 from kdaserve.engine.executor.worker import follow, publish, run_on_rank, start_rank
-from kdaserve.structured.manager import StructuredOutputs
+
+if TYPE_CHECKING:  # for annotations only: importing an executor loads no llguidance
+    from kdaserve.structured.manager import StructuredOutputs
 
 logger = logging.getLogger("kdaserve")
 

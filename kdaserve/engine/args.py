@@ -1,0 +1,226 @@
+"""`EngineArgs`: the engine's user-facing settings, one field each, with their defaults and help.
+
+`LLM(...)`, `kdaserve serve`, `kdaserve generate` and the benches all go through it, and
+`to_engine_config` is the only place that maps settings to `EngineConfig`, so the offline and
+the served engine cannot drift apart. `add_engine_arguments` makes the command-line flags from
+the fields (`--field-name`; older spellings kept as aliases). Plain Python: building a parser
+must not import torch (`kdaserve --help` stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from kdaserve import arg_types
+from kdaserve.config import (
+    EXECUTORS,
+    MOE_BACKENDS,
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+
+DTYPES = ("float32", "bfloat16", "float16")
+SPECULATIVE_METHODS = ("dspark", "ngram")
+
+
+def _arg(default: Any, help: str, *, parse: Callable[[str], Any] | None = None,
+         choices: Sequence[str] | None = None, aliases: tuple[str, ...] = (),
+         metavar: str | None = None, shown: str | None = None) -> Any:
+    """A field with its flag's help. `parse`: the flag's value type (default: from the
+    annotation); `aliases`: older flag spellings that must keep working; `shown`: the default
+    as the help prints it."""
+    return field(default=default, metadata={
+        "help": help, "parse": parse, "choices": choices, "aliases": aliases,
+        "metavar": metavar, "shown": shown})
+
+
+@dataclass
+class EngineArgs:
+    """Defaults: where `LLM(...)` and `kdaserve serve` used to differ, the cache was 256 MiB
+    offline and 512 MiB served; both are now 512 MiB (CacheConfig's own default)."""
+
+    model: str | None = _arg(None, "model directory (config.json, *.safetensors, tokenizer "
+                             "files); default: the bundled demo model", metavar="PATH")
+    dtype: str = _arg("float32", "weight and activation dtype", choices=DTYPES)
+    device: str = _arg("cpu", "torch device, e.g. cpu or cuda")
+    kda_chunk_size: int | None = _arg(None, "KDA prefill chunk size (default: 64 on GPU, 16 "
+                                      "on CPU)", parse=arg_types.positive_int)
+    seed: int = _arg(0, "engine random seed")
+    num_threads: int | None = _arg(None, "torch intra-op threads of the engine process "
+                                   "(default: torch's)", parse=arg_types.positive_int,
+                                   aliases=("--torch-threads",))
+    # scheduler
+    max_num_seqs: int = _arg(64, "most requests in one batch; also the number of KDA state "
+                             "slots", parse=arg_types.positive_int)
+    max_num_batched_tokens: int = _arg(2048, "token budget of one engine step",
+                                       parse=arg_types.positive_int)
+    max_model_len: int = _arg(4096, "longest prompt + completion in tokens",
+                              parse=arg_types.positive_int)
+    long_prefill_token_threshold: int | None = _arg(
+        None, "most prompt tokens one request prefills in a step (default: the step's "
+        "budget)", parse=arg_types.positive_int)
+    # cache
+    cache_memory: int = _arg(512 << 20, "memory for MLA pages and KDA state slots, e.g. "
+                             "256MiB, 1GiB or bytes", parse=arg_types.parse_size,
+                             shown="512MiB")
+    gpu_memory_utilization: float | None = _arg(
+        None, "on CUDA, size the cache as this fraction of the GPU's memory less what is in "
+        "use after loading the weights, e.g. 0.9 (--cache-memory is used on CPU)",
+        parse=arg_types.fraction)
+    block_size: int = _arg(16, "tokens per MLA cache block, a power of two",
+                           parse=arg_types.positive_int)
+    num_blocks: int | None = _arg(None, "MLA cache blocks (default: what --cache-memory "
+                                  "leaves after the state slots)", parse=arg_types.positive_int)
+    enable_prefix_caching: bool = _arg(True, "hybrid prefix caching (MLA blocks + KDA state "
+                                       "snapshots)", aliases=("--prefix-caching",))
+    state_snapshot_budget: int | float | None = _arg(
+        None, "memory for KDA state snapshots: bytes (e.g. 64MiB) or a fraction of "
+        "--cache-memory (e.g. 0.25, the default)", parse=arg_types.size_or_fraction)
+    state_snapshot_interval: int = _arg(512, "also snapshot KDA states every N tokens of "
+                                        "long prompts", parse=arg_types.positive_int)
+    offload: str | Sequence[str] | None = _arg(
+        None, "keep evicted prefix-cache entries in host memory, on disk, or both (host,disk: "
+        "host in front of disk; default: off)", parse=arg_types.offload_tiers)
+    offload_bytes: int | Sequence[int] | None = _arg(
+        None, "offload tier cap, e.g. 8GiB, or one per tier: 8GiB,50GiB (default: 4GiB host, "
+        "16GiB disk)", parse=arg_types.offload_sizes)
+    offload_dir: str | None = _arg(None, "directory of the disk tier; entries survive "
+                                   "restarts with the same model and cache layout")
+    # speculative decoding
+    speculative_method: str | None = _arg(
+        None, "speculative decoding: the DSpark draft fed by the target's hidden states, or "
+        "n-gram prompt lookup (default: off)", choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = _arg(7, "drafts verified per step",
+                                       parse=arg_types.positive_int,
+                                       aliases=("--speculative-tokens",))
+    speculative_model: str | None = _arg(None, "DSpark draft directory (default: "
+                                         "<model>/draft)")
+    speculative_adaptive: bool = _arg(
+        True, "choose the drafts verified per request and step from measured acceptance and "
+        "step cost, speculation off where it does not pay")
+    # parallelism (docs/parallelism.md)
+    tensor_parallel_size: int = _arg(1, "ranks that shard attention heads, MLPs and the "
+                                     "vocabulary, one process each",
+                                     parse=arg_types.positive_int)
+    expert_parallel_size: int = _arg(1, "ranks the routed experts are partitioned over (1 or "
+                                     "equal to --tensor-parallel-size)",
+                                     parse=arg_types.positive_int)
+    data_parallel_size: int = _arg(1, "attention data parallel with expert-parallel MoE (DEP): "
+                                   "each rank runs attention for its own requests; needs "
+                                   "--expert-parallel-size equal to it",
+                                   parse=arg_types.positive_int)
+    pipeline_parallel_size: int = _arg(1, "pipeline stages: the decoder layers split across "
+                                       "this many ranks, several micro-batches in flight; with "
+                                       "the other parallel sizes 1", parse=arg_types.positive_int)
+    moe_backend: str = _arg("auto", "how routed experts run; auto picks by topology and logs "
+                            "why", choices=MOE_BACKENDS)
+    distributed_executor: str | None = _arg(
+        None, "in-process (one rank), one spawned process per rank (mp), the ranks torchrun "
+        "started, or one Ray actor per rank (ray) (default: torchrun's ranks under torchrun, "
+        "else uni for one rank, else mp)", choices=EXECUTORS)
+    ray_address: str | None = _arg(None, "with --distributed-executor ray: the cluster to "
+                                   "join, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a "
+                                   "local cluster)")
+
+    @classmethod
+    def from_kwargs(cls, caller: str = "EngineArgs", **kwargs: Any) -> EngineArgs:
+        """Like the constructor, but an unknown name is a TypeError that says which one and who
+        was called (`LLM()` rather than the dataclass nobody called by hand)."""
+        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(f"{caller} got unexpected keyword argument(s): "
+                            f"{', '.join(map(repr, unknown))}")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_cli(cls, namespace: argparse.Namespace) -> EngineArgs:
+        """The fields from parsed flags; a field without a flag (a subcommand that leaves
+        some out) keeps its default."""
+        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)
+                      if hasattr(namespace, f.name)})
+
+    def to_engine_config(self) -> EngineConfig:
+        from kdaserve.assets import default_model_path
+
+        offload = self.offload
+        tiers = tuple(t.strip() for t in (offload.split(",") if isinstance(offload, str)
+                                          else offload or ()) if t.strip())
+        sizes = self.offload_bytes
+        caps = (sizes,) if isinstance(sizes, int) else tuple(sizes or ())
+        budget = self.state_snapshot_budget
+        if isinstance(budget, float):         # a fraction of the cache
+            budget = int(budget * self.cache_memory)
+        return EngineConfig(
+            model=str(self.model) if self.model is not None else str(default_model_path()),
+            dtype=self.dtype, device=self.device, kda_chunk_size=self.kda_chunk_size,
+            seed=self.seed, num_threads=self.num_threads,
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    expert_parallel_size=self.expert_parallel_size,
+                                    data_parallel_size=self.data_parallel_size,
+                                    pipeline_parallel_size=self.pipeline_parallel_size,
+                                    moe_backend=self.moe_backend,
+                                    distributed_executor=self.distributed_executor,
+                                    ray_address=self.ray_address),
+            cache=CacheConfig(block_size=self.block_size, cache_memory_bytes=self.cache_memory,
+                              gpu_memory_utilization=self.gpu_memory_utilization,
+                              num_blocks=self.num_blocks,
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              state_snapshot_budget_bytes=budget,
+                              state_snapshot_interval=self.state_snapshot_interval,
+                              offload_tiers=tiers, offload_bytes=caps,
+                              offload_dir=str(self.offload_dir) if self.offload_dir else None),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                long_prefill_token_threshold=self.long_prefill_token_threshold),
+            speculative=SpeculativeConfig(method=self.speculative_method,
+                                          num_speculative_tokens=self.num_speculative_tokens,
+                                          draft_model=self.speculative_model,
+                                          adaptive=self.speculative_adaptive)
+            if self.speculative_method else None,
+        )
+
+
+def _value_type(hint: Any) -> Callable[[str], Any]:
+    """int, float or str from an annotation such as `int | None`."""
+    options = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    for kind in (int, float, str):
+        if kind in options:
+            return kind
+    raise TypeError(f"no command-line type for {hint!r}: give the field a `parse`")
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                         exclude: Iterable[str] = ()) -> None:
+    """One flag per EngineArgs field (`exclude`: fields a command spells its own way)."""
+    skip = set(exclude)
+    hints = typing.get_type_hints(EngineArgs)
+    for f in fields(EngineArgs):
+        if f.name in skip:
+            continue
+        meta = f.metadata
+        default = f.default if f.default is not MISSING else None
+        help_text = meta["help"]
+        if "default" not in help_text and default is not None:
+            shown = ("on" if default else "off") if isinstance(default, bool) else default
+            help_text += f" (default: {meta['shown'] or shown})"
+        names = (flag_name(f.name), *meta["aliases"])
+        if isinstance(default, bool):           # --flag and --no-flag
+            parser.add_argument(*names, dest=f.name, default=default, help=help_text,
+                                action=argparse.BooleanOptionalAction)
+            continue
+        parser.add_argument(*names, dest=f.name, default=default, help=help_text,
+                            type=meta["parse"] or _value_type(hints[f.name]),
+                            choices=meta["choices"], metavar=meta["metavar"])
+

@@ -1,0 +1,84 @@
+"""`kdaserve serve`'s flags: the server's own (listening, limits, auth, parsers) and the engine's,
+generated from `EngineArgs`. Kept apart from server/cli.py so that building the parser (and
+`kdaserve serve --help`) imports neither torch nor the web stack."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from kdaserve import arg_types
+from kdaserve.engine.args import add_engine_arguments
+from kdaserve.image_io import ImageLimits
+from kdaserve.server.reasoning import REASONING_FORMATS
+from kdaserve.server.tool_parsers import TOOL_PARSERS
+
+DEMO_MODEL_NAME = "kdaserve-demo"
+API_KEY_ENV = "KDASERVE_API_KEY"
+# The defaults of server/app.py (DEFAULT_MAX_BODY_BYTES) and engine/async_engine.py
+# (DEFAULT_MAX_WAITING, DEFAULT_MAX_QUEUED_TOKENS), repeated: importing those modules here would
+# load FastAPI, ZeroMQ and numpy for `--help` (tests/engine/test_engine_args.py checks they agree).
+DEFAULT_MAX_BODY_SIZE = "16MiB"
+DEFAULT_MAX_WAITING = 1024
+DEFAULT_MAX_QUEUED_TOKENS = 1 << 20
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    p = parser
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=arg_types.port, default=8000,
+                   help="port to listen on (default: %(default)s)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients send and see in /v1/models (default: "
+                        f"{DEMO_MODEL_NAME!r} for the bundled model, else the directory name)")
+    p.add_argument("--max-waiting", type=arg_types.non_negative_int, default=DEFAULT_MAX_WAITING,
+                   help="most sequences (n per prompt) waiting for their first token; beyond "
+                        "it requests get HTTP 503 with Retry-After (default: %(default)s)")
+    p.add_argument("--max-queued-tokens", type=arg_types.positive_int,
+                   default=DEFAULT_MAX_QUEUED_TOKENS,
+                   help="most prompt tokens waiting for their first token (default: "
+                        "%(default)s)")
+    p.add_argument("--max-seqs-per-request", type=arg_types.positive_int, default=128,
+                   help="most sequences (prompts x n) one request may ask for (default: "
+                        "%(default)s)")
+    p.add_argument("--default-max-tokens", type=arg_types.positive_int, default=1024,
+                   help="max_tokens of chat requests that give none (default: %(default)s; "
+                        "completions default to 16 as in OpenAI's API)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may run before it is aborted (HTTP 504 or an error "
+                        "event); 0: no limit (default: %(default)s)")
+    p.add_argument("--health-timeout", type=float, default=10.0,
+                   help="/health turns 503 when the engine has not reported for this many "
+                        "seconds (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds running streams get to finish before they are "
+                        "ended with an error event (default: %(default)s)")
+    p.add_argument("--max-image-bytes", type=arg_types.parse_size, default=ImageLimits.max_bytes,
+                   help="largest encoded image accepted, e.g. 20MiB (default: %(default)s)")
+    p.add_argument("--max-image-pixels", type=arg_types.positive_int,
+                   default=ImageLimits.max_pixels,
+                   help="most pixels (width x height) of one image; larger ones, decompression "
+                        "bombs included, are refused from their header (default: %(default)s)")
+    p.add_argument("--max-images-per-request", type=arg_types.positive_int,
+                   default=ImageLimits.max_images,
+                   help="most images in one chat request (default: %(default)s)")
+    p.add_argument("--allow-image-urls", default=None, metavar="HOST,...",
+                   help="fetch http(s) image URLs from these hosts ('.example.com' matches "
+                        "its subdomains); by default only inline data URLs are accepted")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set; "
+                        "/health stays open)")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="with --api-key, leave /metrics open too")
+    p.add_argument("--max-body-size", type=arg_types.parse_size, default=DEFAULT_MAX_BODY_SIZE,
+                   help=f"largest request body; bigger ones get HTTP 413 (default: "
+                        f"{DEFAULT_MAX_BODY_SIZE})")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="read tool calls in this model format (tool_choice auto); "
+                        "required/named tool_choice work without one (default: none)")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_FORMATS), default=None,
+                   help="move thinking text to reasoning_content (default: none)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                   help="log level (default: %(default)s)")
+    add_engine_arguments(p.add_argument_group("engine (the same settings as LLM(...))"))

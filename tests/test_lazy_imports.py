@@ -1,0 +1,37 @@
+"""Heavy imports stay where they are used: the CLI's parser without torch (fast --help), a
+worker without the server or the grammar compiler. Each check runs in a fresh interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _loaded(code: str, prefixes: tuple[str, ...]) -> list[str]:
+    probe = (f"{code}\nimport sys\n"
+             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {prefixes!r} "
+             f"or m.startswith({prefixes!r})))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=120, check=True).stdout
+    return eval(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("argv", [[], ["serve"], ["generate", "hi"]])
+def test_cli_parser_does_not_import_torch(argv):
+    code = ("from kdaserve.cli import build_parser\n"
+            f"p = build_parser()\nargv = {argv!r}\n"
+            "if argv: p.parse_args(argv)\n")
+    assert _loaded(code, ("torch", "transformers", "llguidance", "fastapi")) == []
+
+
+def test_worker_does_not_import_server_or_grammar_compiler():
+    code = "import kdaserve.engine.executor.worker, kdaserve.engine.executor.multiproc"
+    assert _loaded(code, ("kdaserve.server", "llguidance", "fastapi", "uvicorn")) == []
