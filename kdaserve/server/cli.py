@@ -18,7 +18,7 @@ from typing import Any
 import uvicorn
 
 from kdaserve.assets import DEMO_MODEL_DIR, default_model_path
-from kdaserve.config import (EXECUTORS, MOE_BACKENDS, CacheConfig, EngineConfig, ModelConfig,
+from kdaserve.config import (EXECUTORS, MOE_BACKENDS, CacheConfig, EngineConfig,
                              ParallelConfig, SchedulerConfig,
                              SpeculativeConfig)
 from kdaserve.engine.async_engine import (
@@ -28,6 +28,7 @@ from kdaserve.engine.async_engine import (
     EngineStartupError,
 )
 from kdaserve.generation_defaults import generation_defaults
+from kdaserve.model.registry import load_config
 from kdaserve.request import SamplingParams
 from kdaserve.server.app import DEFAULT_MAX_BODY_BYTES, build_app
 from kdaserve.image_io import ImageLimits
@@ -387,7 +388,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(level)       # also when the caller configured logging first
     try:
         model_dir = Path(args.model) if args.model else default_model_path()
-        ModelConfig.from_pretrained(model_dir)        # fail fast on a bad path or config
+        load_config(model_dir)        # fail fast on a bad path or config
         tokenizer = Tokenizer.from_pretrained(model_dir)
         defaults = load_generation_defaults(model_dir)
         config = _engine_config(args, model_dir)

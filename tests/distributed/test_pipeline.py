@@ -21,7 +21,7 @@ from test_layouts import HIT, PROMPTS
 from test_worker_death import ROOT, SCRIPT, _wait_gone
 from tiny_models import random_model, tiny_config
 
-from kdaserve.config import ConfigError, ModelConfig
+from kdaserve.config import ConfigError
 from kdaserve.distributed.layout import cache_model_config, stage_layers
 from kdaserve.distributed.parallel_state import ParallelContext
 from kdaserve.distributed.pipeline import micro_batches
@@ -29,6 +29,7 @@ from kdaserve.distributed.pipeline_model import Carry, run_stage, stage_of
 from kdaserve.engine.llm import LLM
 from kdaserve.model.batch import HybridCache, build_forward_batch
 from kdaserve.model.loader import load_model, save_model
+from kdaserve.model.registry import load_config
 from kdaserve.outputs import ScheduledSequence, SchedulerOutput
 from kdaserve.request import SamplingParams
 
@@ -56,7 +57,7 @@ def kimi_linear(tmp_path_factory):
 @pytest.fixture(scope="module")
 def k3(tmp_path_factory):
     out = tmp_path_factory.mktemp("k3")
-    save_model(_cycle_bias(random_k3(ModelConfig.from_dict(k3_raw()))), out)
+    save_model(_cycle_bias(random_k3(load_config(k3_raw()))), out)
     return str(out)
 
 
