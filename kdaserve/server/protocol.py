@@ -92,12 +92,13 @@ class _SamplingRequest(_Request):
         return asked[0] if asked else None
 
     def guided_decoding(self) -> GuidedDecoding | None:
-        """The structured-output spec the request asks for; ValueError naming the field."""
+        """The structured-output spec the request asks for; SamplingParamsError naming the
+        field."""
         asked = self._guided_fields()
         rf = self.response_format
         if len(asked) > 1:
             raise SamplingParamsError(f"{asked[0]} cannot be combined with {asked[1]}: give one "
-                                      "structured-output constraint")
+                                      "structured-output constraint", asked[0])
         if not asked:
             return None
         name = asked[0]
@@ -117,7 +118,7 @@ class _SamplingRequest(_Request):
                 return GuidedDecoding("choice", choices=list(self.guided_choice))
             return GuidedDecoding("lark", self.guided_grammar)
         except GuidedDecodingError as exc:
-            raise SamplingParamsError(f"{name}: {exc}") from None
+            raise SamplingParamsError(f"{name}: {exc}", name) from None
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -126,7 +127,7 @@ class _SamplingRequest(_Request):
             return {int(k): v for k, v in self.logit_bias.items()}
         except ValueError:
             raise SamplingParamsError("logit_bias keys must be token ids (integers as "
-                                      "strings)") from None
+                                      "strings)", "logit_bias") from None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingRequest:
@@ -137,7 +138,7 @@ class _SamplingRequest(_Request):
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         defaults: Mapping[str, Any], guided: GuidedDecoding | None = None,
                         ) -> SamplingParams:
-        """Raises SamplingParamsError (a ValueError) naming the bad field."""
+        """Raises SamplingParamsError (a ValueError) whose `param` is the bad field."""
 
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(self, name)

@@ -26,7 +26,7 @@ from kdaserve.engine.async_engine import AsyncEngine, EngineError
 from kdaserve.image_io import ImageLimits
 from kdaserve.request import SamplingParams
 from kdaserve.server.chat_plan import ChatPlan
-from kdaserve.server.errors import APIError, ServerDrainingError, engine_error
+from kdaserve.server.errors import APIError, ServerDrainingError, bad_request, engine_error
 from kdaserve.server.guards import ServerLimits, check_sequences, check_text, check_token_ids
 from kdaserve.server.metrics import ServerMetrics
 from kdaserve.server.prompt_logprobs import format_prompt_logprobs
@@ -117,7 +117,7 @@ class ServingBase:
             guided = plan.guided if plan is not None else req.guided_decoding()
             params = req.sampling_params(max_tokens, logprobs, self.defaults, guided)
         except ValueError as exc:
-            raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0].rstrip(":")) from None
+            raise bad_request(exc) from None
         if guided is not None:        # grammar errors the engine would find, answered here
             try:
                 validate_grammar(guided)

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from kdaserve.image_io import ImageError, check_count, load_image
 from kdaserve.server.chat_output import ChatDelta, ChatOutput
 from kdaserve.server.chat_plan import ChatPlan, plan_chat
-from kdaserve.server.errors import APIError
+from kdaserve.server.errors import APIError, bad_request
 from kdaserve.server.guards import check_sequences
 from kdaserve.server.protocol import (
     ChatChoice,
@@ -79,7 +79,7 @@ class ChatServing(ServingBase):
         try:
             plan = plan_chat(req, self.tool_call_parser, self.reasoning_parser)
         except ValueError as exc:
-            raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0].rstrip(":")) from None
+            raise bad_request(exc) from None
         messages, images = await self._chat_images(req.messages)
         text = await self.render_chat(messages, req.add_generation_prompt,
                                       **plan.template_kwargs)
