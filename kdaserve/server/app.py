@@ -22,10 +22,9 @@ from kdaserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
 )
+from kdaserve.server.protocol_responses import ModelCard, ModelList
 from kdaserve.server.runs import json_response
 from kdaserve.server.serving_chat import ChatServing
 from kdaserve.server.serving_completions import CompletionServing

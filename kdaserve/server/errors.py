@@ -18,7 +18,7 @@ from kdaserve.engine.async_engine import (
     RequestTimeoutError,
 )
 from kdaserve.request import RequestError
-from kdaserve.server.protocol import ErrorInfo, ErrorResponse
+from kdaserve.server.protocol_responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("kdaserve")
 RETRY_AFTER_S = 1

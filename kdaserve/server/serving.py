@@ -34,10 +34,9 @@ from kdaserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    DetokenizeResponse,
     TokenizeRequest,
-    TokenizeResponse,
 )
+from kdaserve.server.protocol_responses import DetokenizeResponse, TokenizeResponse
 from kdaserve.server.runs import (
     Choice,
     EventStream,

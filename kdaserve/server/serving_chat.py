@@ -16,10 +16,10 @@ from kdaserve.server.chat_output import ChatDelta, ChatOutput
 from kdaserve.server.chat_plan import ChatPlan, plan_chat
 from kdaserve.server.errors import APIError, bad_request
 from kdaserve.server.guards import check_sequences
-from kdaserve.server.protocol import (
+from kdaserve.server.protocol import ChatCompletionRequest
+from kdaserve.server.protocol_responses import (
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatMessage,

@@ -13,11 +13,11 @@ from fastapi.responses import Response
 
 from kdaserve.server.errors import APIError
 from kdaserve.server.guards import check_sequences, check_token_ids
-from kdaserve.server.protocol import (
+from kdaserve.server.protocol import CompletionRequest
+from kdaserve.server.protocol_responses import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     UsageInfo,
 )
