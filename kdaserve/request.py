@@ -9,8 +9,17 @@ from dataclasses import dataclass, field
 from kdaserve.structured.spec import GuidedDecoding, GuidedDecodingError
 
 
-class SamplingParamsError(ValueError):
-    """An invalid sampling parameter; the message names it (the server maps it to HTTP 400)."""
+class RequestError(ValueError):
+    """A request field is invalid. `param` names the field (the server's HTTP 400 reports it),
+    so nothing has to read it back out of the message."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingParamsError(RequestError):
+    """An invalid sampling parameter."""
 
 
 # The documented ranges (docs/reliability.md). Integers are bounded so that nothing downstream
@@ -75,7 +84,7 @@ class SamplingParams:
 
     def _check(self) -> None:
         def bad(name: str, why: str) -> SamplingParamsError:
-            return SamplingParamsError(f"{name} {why}, got {getattr(self, name)!r}")
+            return SamplingParamsError(f"{name} {why}, got {getattr(self, name)!r}", name)
 
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be an integer in [1, {MAX_N}]")
@@ -113,14 +122,16 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise SamplingParamsError(
-                f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+                f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
+                "stop")
         if sum(len(s) for s in self.stop) > MAX_STOP_CHARS:
             raise SamplingParamsError(
                 f"stop strings total {sum(len(s) for s in self.stop)} characters; at most "
-                f"{MAX_STOP_CHARS} are allowed")
+                f"{MAX_STOP_CHARS} are allowed", "stop")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise SamplingParamsError(f"stop_token_ids has {len(self.stop_token_ids)} entries; "
-                                      f"at most {MAX_STOP_TOKEN_IDS} are allowed")
+                                      f"at most {MAX_STOP_TOKEN_IDS} are allowed",
+                                      "stop_token_ids")
         if any(not _is_int(t) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be integers in [0, {MAX_INT32}]")
         self._check_extras()
@@ -128,29 +139,30 @@ class SamplingParams:
     def _check_extras(self) -> None:
         if self.guided is not None:
             if not isinstance(self.guided, GuidedDecoding):
-                raise SamplingParamsError("guided must be a GuidedDecoding")
+                raise SamplingParamsError("guided must be a GuidedDecoding", "guided")
             try:
                 self.guided.check()
             except GuidedDecodingError as exc:
-                raise SamplingParamsError(f"guided: {exc}") from None
+                raise SamplingParamsError(f"guided: {exc}", "guided") from None
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
                 raise SamplingParamsError(
-                    f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
+                    f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases",
+                    "logit_bias")
             for tid, bias in self.logit_bias.items():
                 if not _is_int(tid) or not 0 <= tid <= MAX_INT32:
                     raise SamplingParamsError(f"logit_bias keys must be token ids in "
-                                              f"[0, {MAX_INT32}], got {tid!r}")
+                                              f"[0, {MAX_INT32}], got {tid!r}", "logit_bias")
                 if (isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias != bias
                         or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE):
                     raise SamplingParamsError(f"logit_bias values must be numbers in "
                                               f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
-                                              f"got {bias!r} for token {tid}")
+                                              f"got {bias!r} for token {tid}", "logit_bias")
         if self.prompt_logprobs is not None and (
                 not _is_int(self.prompt_logprobs)
                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise SamplingParamsError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got "
-                                      f"{self.prompt_logprobs!r}")
+                                      f"{self.prompt_logprobs!r}", "prompt_logprobs")
 
     @property
     def greedy(self) -> bool:

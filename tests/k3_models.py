@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from kdaserve.config import ModelConfig
 from kdaserve.model.loader import save_model
 from kdaserve.model.random_init import init_random
-from kdaserve.model.registry import build_model
+from kdaserve.model.registry import build_model, load_config
+from kdaserve.model_config import ModelConfig
 
 K3_TINY = {
     "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
@@ -54,7 +54,7 @@ def random_k3(cfg: ModelConfig, seed: int = 0, chunk: int = 8):
 
 
 def write_k3_checkpoint(out: Path, raw: dict, seed: int = 0):
-    cfg = ModelConfig.from_dict(raw)
+    cfg = load_config(raw)
     model = random_k3(cfg, seed)
     save_model(model, out)
     return model

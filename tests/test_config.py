@@ -5,11 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from kdaserve.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
+from kdaserve.config import CacheConfig, ConfigError, SchedulerConfig
+from kdaserve.model.registry import hf_config, load_config
 
 RELEASED_48B = Path(__file__).parent / "data" / "kimi-linear-48b-config.json"
 
 BASE = dict(
+    model_type="kimi_linear",
     vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
     num_hidden_layers=4, num_attention_heads=2, kv_lora_rank=8, q_lora_rank=None,
     qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
@@ -21,7 +23,7 @@ BASE = dict(
 
 def test_released_48b_config():
     raw = json.loads(RELEASED_48B.read_text())
-    cfg = ModelConfig.from_dict(raw)
+    cfg = load_config(raw)
     assert len(cfg.kda_layers) == 20 and cfg.mla_layers == (3, 7, 11, 15, 19, 23, 26)
     assert cfg.moe_layers == tuple(range(1, 27))
     assert cfg.num_experts == 256 and cfg.num_experts_per_token == 8
@@ -29,8 +31,8 @@ def test_released_48b_config():
 
 
 def test_roundtrip_through_hf_dict():
-    cfg = ModelConfig.from_dict(BASE)
-    assert ModelConfig.from_dict(cfg.to_hf_dict()) == cfg
+    cfg = load_config(BASE)
+    assert load_config(hf_config(cfg)) == cfg
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -48,14 +50,14 @@ def test_bad_fields_are_named(field, value, match):
     raw = dict(BASE)
     raw[field] = value
     with pytest.raises(ConfigError, match=match):
-        ModelConfig.from_dict(raw)
+        load_config(raw)
 
 
 def test_missing_required_field():
     raw = dict(BASE)
     del raw["kv_lora_rank"]
     with pytest.raises(ConfigError, match="kv_lora_rank"):
-        ModelConfig.from_dict(raw)
+        load_config(raw)
 
 
 def test_other_configs_validate():

@@ -7,12 +7,12 @@ import torch
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.assets import kimi_linear_demo_path
-from kdaserve.config import ModelConfig
+from kdaserve.model.registry import load_config
 
 
 def test_bundled_model_is_a_small_hybrid_moe():
     path = kimi_linear_demo_path()
-    cfg = ModelConfig.from_pretrained(path)
+    cfg = load_config(path)
     assert len(cfg.kda_layers) == 3 * len(cfg.mla_layers)
     assert cfg.num_experts == 32 and cfg.num_experts_per_token == 4
     assert cfg.moe_layers[0] == 1 and cfg.num_shared_experts >= 1

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.assets import default_model_path
-from kdaserve.config import ModelConfig
+from kdaserve.model.registry import load_config
 
 PROMPT = "ROMEO:\nBut soft, what light"
 
@@ -25,7 +25,7 @@ def demo():
 
 def test_the_demo_is_a_tiny_k3_that_reads_images():
     path = default_model_path()
-    cfg = ModelConfig.from_pretrained(path)
+    cfg = load_config(path)
     assert cfg.architecture == "kimi_k3"
     assert cfg.attn_res_block_size and cfg.hidden_act == "situ"
     assert cfg.routed_expert_hidden_size and cfg.mla_use_output_gate and cfg.kda_full_rank_gate

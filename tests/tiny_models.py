@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from kdaserve.config import ModelConfig
 from kdaserve.model.kimi_linear import KimiLinearForCausalLM
+from kdaserve.model.registry import load_config
+from kdaserve.model_config import ModelConfig
 
 
 def tiny_config(**over) -> ModelConfig:
     raw = dict(
+        model_type="kimi_linear",
         vocab_size=64, hidden_size=48, intermediate_size=64, moe_intermediate_size=16,
         num_hidden_layers=4, num_attention_heads=3, kv_lora_rank=12, q_lora_rank=None,
         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
@@ -19,7 +21,7 @@ def tiny_config(**over) -> ModelConfig:
         routed_scaling_factor=1.5,
     )
     raw.update(over)
-    return ModelConfig.from_dict(raw)
+    return load_config(raw)
 
 
 def random_model(cfg: ModelConfig, seed: int = 0, chunk: int = 8) -> KimiLinearForCausalLM:

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
-from kdaserve.config import ModelConfig
 from kdaserve.model.kimi_k3 import KimiK3ForConditionalGeneration
 from kdaserve.model.loader import save_model
+from kdaserve.model.registry import load_config
+from kdaserve.model_config import ModelConfig
 from kdaserve.train.bpe import DEFAULT_SPECIALS, save_tokenizer, train_bpe_tokenizer
 
 MEDIA_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
@@ -27,7 +28,7 @@ VISION = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, num_attention_he
 
 
 def vision_config(vocab: int, placeholder: int, eos: int = 0, **text_over) -> ModelConfig:
-    return ModelConfig.from_dict({
+    return load_config({
         "model_type": "kimi_k25", "image_token_id": placeholder, "tie_word_embeddings": False,
         "text_config": {**TEXT, "vocab_size": vocab, "eos_token_id": eos, **text_over},
         "vision_config": VISION, "projection_hidden_size": 32,

@@ -21,10 +21,11 @@ import time
 
 import torch
 
-from kdaserve.config import ModelConfig
 from kdaserve.distributed.parallel_state import ParallelContext
 from kdaserve.model.moe import SparseMoE
 from kdaserve.model.moe_backends import BACKENDS, configure_moe
+from kdaserve.model.registry import hf_config, load_config
+from kdaserve.model_config import ModelConfig
 from kdaserve.ops.mxfp4 import quantize_mxfp4
 
 TOKENS = (1, 32, 256)
@@ -32,7 +33,8 @@ TOKENS = (1, 32, 256)
 
 def moe_config(experts: int = 64, top_k: int = 8, hidden: int = 256, inter: int = 128,
                shared: int = 1) -> ModelConfig:
-    return ModelConfig.from_dict(dict(
+    return load_config(dict(
+        model_type="kimi_linear",
         vocab_size=64, hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=inter,
         num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=16, q_lora_rank=None,
         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
@@ -120,7 +122,7 @@ def compare_on_ranks(ctx, raw: dict, backends: list[str], tokens: list[int], rep
     """On each rank: every backend's output vs `reference` (full module, this process) on
     every routing and token count; times. Rank 0 writes {backend: {T: ...}} to out_path.
     `experts_format` "mxfp4": every module, the reference too, holds MXFP4 experts."""
-    cfg = ModelConfig.from_dict(raw)
+    cfg = load_config(raw)
     full = random_moe(cfg)
     qcfg = None
     if experts_format == "mxfp4":
@@ -232,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("kdaserve bench moe: MXFP4 experts need --hidden and --intermediate/2 "
                          "(the tensor-parallel shard) to be multiples of 32; use "
                          "--experts-format fp32 for smaller shapes")
-    raw = cfg.to_hf_dict()
+    raw = hf_config(cfg)
     tokens = sorted(set(args.tokens))
     with tempfile.TemporaryDirectory() as tmp:
         fmt = args.experts_format

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import torch
 
-from kdaserve.config import ModelConfig
 from kdaserve.model.loader import load_model, save_model
 from kdaserve.model.random_init import init_random
-from kdaserve.model.registry import build_model
+from kdaserve.model.registry import build_model, load_config
 
 
 def bench_config(vocab: int = 4096, hidden: int = 256, layers: int = 8) -> dict:
@@ -63,7 +62,7 @@ def mlx_greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
 
 
 def write_checkpoint(out: Path, seed: int) -> None:
-    cfg = ModelConfig.from_dict(bench_config())
+    cfg = load_config(bench_config())
     torch.manual_seed(seed)
     save_model(init_random(build_model(cfg), seed), out)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from kdaserve.config import ConfigError, EngineConfig, ModelConfig
+from kdaserve.config import ConfigError, EngineConfig
+from kdaserve.model_config import ModelConfig
 
 
 def _divides(what: str, n: int, size: int, flag: str) -> None:

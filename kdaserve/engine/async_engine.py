@@ -1,10 +1,8 @@
-"""The engine core in a child process, driven from the server's event loop over ZeroMQ.
+"""`AsyncEngine`: the server's client of the engine process (engine_process.py), in the
+server's event loop.
 
 Two PUSH/PULL pipes on ipc:// sockets in a private temp dir: commands flow to the child, results
-flow back. Every message is a typed msgspec Struct encoded with msgpack (no pickle on the wire).
-
-The child blocks on its command socket while it has no work and otherwise alternates between
-draining commands and running one engine step, sending each step's deltas as one message.
+flow back, as the msgspec Structs of wire.py.
 """
 
 from __future__ import annotations
@@ -13,21 +11,22 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
-import os
 import shutil
-import signal
 import tempfile
 import time
-import traceback
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from kdaserve.config import EngineConfig
+from kdaserve.engine.engine_process import engine_process_main
+from kdaserve.engine.wire import (AbortCmd, AddCmd, AddFailed, Command, DeltaBatch, EngineInfo,
+                                  EngineStatsSnapshot, Fatal, Heartbeat, Reply, ShutdownCmd,
+                                  StartupFailed, StatsCmd, StatsReply)
 from kdaserve.media import MediaItem, MediaWire
 from kdaserve.outputs import RequestDelta
 from kdaserve.request import SamplingParams
@@ -36,8 +35,6 @@ logger = logging.getLogger("kdaserve")
 
 DEFAULT_MAX_WAITING = 1024     # sequences accepted but without a first token yet
 DEFAULT_MAX_QUEUED_TOKENS = 1 << 20    # their prompt tokens
-_IDLE_POLL_MS = 250           # how often an idle child checks that its parent is still there
-HEARTBEAT_S = 0.5             # the child reports at least this often while it is healthy
 _STATS_TIMEOUT_S = 30.0
 
 
@@ -62,247 +59,6 @@ class RequestTimeoutError(EngineError):
     """The request ran past its server-side deadline and was aborted."""
 
 
-# ---- wire messages: server -> engine ---------------------------------------------------------
-class AddCmd(msgspec.Struct, tag="add"):
-    request_id: str
-    prompt_token_ids: list[int]
-    params: msgspec.Raw            # an encoded SamplingParams, decoded (validated) by the child
-    priority: int = 0
-    group: str | None = None       # fairness unit (one HTTP request's prompts share it)
-    media: list[MediaWire] = []    # images, their placeholder runs expanded in the prompt
-    stream_text: bool = True       # False: the text is read once the request ends
-
-
-class AbortCmd(msgspec.Struct, tag="abort"):
-    request_ids: list[str]
-
-
-class StatsCmd(msgspec.Struct, tag="stats"):
-    token: int
-
-
-class ShutdownCmd(msgspec.Struct, tag="shutdown"):
-    pass
-
-
-Command = Union[AddCmd, AbortCmd, StatsCmd, ShutdownCmd]
-
-
-# ---- wire messages: engine -> server ---------------------------------------------------------
-class EngineInfo(msgspec.Struct, tag="ready"):
-    """What the child reports once the model is loaded."""
-
-    max_model_len: int
-    vocab_size: int
-    plan: str
-    num_blocks: int
-    block_size: int
-    num_state_slots: int
-
-
-class StartupFailed(msgspec.Struct, tag="startup_failed"):
-    message: str
-
-
-class DeltaBatch(msgspec.Struct, tag="deltas"):
-    deltas: list[RequestDelta]
-
-
-class AddFailed(msgspec.Struct, tag="add_failed"):
-    request_id: str
-    message: str
-    invalid_input: bool            # True: the request was bad (HTTP 400); False: an engine bug
-
-
-class EngineStatsSnapshot(msgspec.Struct):
-    num_running: int
-    num_waiting: int
-    cache_usage: float
-    num_free_blocks: int
-    num_free_slots: int
-    num_blocks: int
-    all_free: bool
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prefix_cache_query_tokens: int
-    prefix_cache_hit_tokens: int
-    state_snapshots: int
-    state_snapshot_bytes: int
-    prompt_tokens: int
-    generation_tokens: int
-    preemptions: int
-    steps: int
-    spec_verifications: int = 0    # decode rows that verified drafts
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    # adaptive speculation's decisions (kdaserve.engine.spec.adaptive.decisions); {} when off
-    spec_adaptive: dict[str, float] = {}
-    # offload tiers: tier name -> counters (see kdaserve.engine.tier_transfer.offload_stats)
-    offload: dict[str, dict[str, float]] = {}
-
-
-class StatsReply(msgspec.Struct, tag="stats_reply"):
-    token: int
-    stats: EngineStatsSnapshot
-
-
-class Fatal(msgspec.Struct, tag="fatal"):
-    message: str
-
-
-class Heartbeat(msgspec.Struct, tag="heartbeat"):
-    """The loop is alive and stepping (sent between steps and while idle)."""
-
-
-Reply = Union[EngineInfo, StartupFailed, DeltaBatch, AddFailed, StatsReply, Fatal, Heartbeat]
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-# ---- the child process -----------------------------------------------------------------------
-def _engine_process(config_msg: bytes, cmd_addr: str, out_addr: str, log_level: int) -> None:
-    """Entry point of the engine process (spawned, so it starts from a fresh interpreter)."""
-    # Ctrl-C or a SIGTERM to the process group reaches the server too, which then shuts us down
-    # once its open requests are done; if the server dies instead, the loop notices and exits.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level,
-                        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
-    ctx = zmq.Context()
-    cmds = ctx.socket(zmq.PULL)
-    cmds.setsockopt(zmq.RCVHWM, 0)
-    cmds.connect(cmd_addr)
-    out = ctx.socket(zmq.PUSH)
-    out.setsockopt(zmq.SNDHWM, 0)
-    out.connect(out_addr)
-    encoder = msgspec.msgpack.Encoder()
-    try:
-        try:
-            from kdaserve.engine.core import EngineCore  # torch is imported here, in the child
-
-            core = EngineCore(msgspec.msgpack.decode(config_msg, type=EngineConfig))
-        except Exception as exc:
-            logger.error("engine failed to start: %s", _describe(exc))
-            out.send(encoder.encode(StartupFailed(_describe(exc))))
-            raise SystemExit(1) from None
-        plan = core.plan
-        out.send(encoder.encode(EngineInfo(
-            max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
-            plan=plan.describe(), num_blocks=plan.num_blocks, block_size=plan.block_size,
-            num_state_slots=plan.num_state_slots)))
-        try:
-            _EngineLoop(core, cmds, out, encoder).run()
-        except Exception as exc:
-            logger.error("engine loop failed:\n%s", traceback.format_exc())
-            out.send(encoder.encode(Fatal(_describe(exc))))
-            raise SystemExit(1) from None
-        try:      # a clean shutdown: the device cache goes to the offload tiers (disk persists)
-            core.close()
-        except Exception:
-            logger.exception("flushing the cache to the offload tiers at shutdown failed")
-        finally:
-            core.shutdown()          # worker processes of a parallel layout
-    finally:
-        cmds.close(linger=0)
-        out.close(linger=5000)     # deliver the last message even if we exit right after
-        ctx.term()
-
-
-class _EngineLoop:
-    def __init__(self, core: Any, cmds: zmq.Socket, out: zmq.Socket,
-                 encoder: msgspec.msgpack.Encoder) -> None:
-        self.core = core
-        self.cmds = cmds
-        self.out = out
-        self.encoder = encoder
-        self.decoder = msgspec.msgpack.Decoder(Command)
-        self.parent = os.getppid()
-        self._last_sent = 0.0
-
-    def run(self) -> None:
-        while True:
-            if os.getppid() != self.parent:
-                logger.warning("the server process is gone; the engine exits")
-                return
-            if time.monotonic() - self._last_sent >= HEARTBEAT_S:
-                self._send(Heartbeat())
-            if not self.core.has_unfinished() and not self.cmds.poll(_IDLE_POLL_MS):
-                continue
-            if not self._drain():
-                return
-            if self.core.has_unfinished():
-                deltas = self.core.step()
-                if deltas:
-                    self._send(DeltaBatch(deltas))
-
-    def _send(self, msg: Reply) -> None:
-        self.out.send(self.encoder.encode(msg))
-        self._last_sent = time.monotonic()
-
-    def _drain(self) -> bool:
-        """Handle every queued command; False once told to shut down."""
-        while True:
-            try:
-                frame = self.cmds.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            try:
-                cmd = self.decoder.decode(frame)
-            except msgspec.DecodeError as exc:
-                logger.error("dropping an undecodable command: %s", exc)
-                continue
-            if isinstance(cmd, ShutdownCmd):
-                return False
-            self._handle(cmd)
-
-    def _handle(self, cmd: Command) -> None:
-        if isinstance(cmd, AddCmd):
-            self._add(cmd)
-        elif isinstance(cmd, AbortCmd):
-            for rid in cmd.request_ids:
-                self.core.abort(rid)
-        elif isinstance(cmd, StatsCmd):
-            self._send(StatsReply(cmd.token, self._stats()))
-
-    def _add(self, cmd: AddCmd) -> None:
-        try:
-            params = msgspec.msgpack.decode(cmd.params, type=SamplingParams)
-            self.core.add_request(cmd.request_id, cmd.prompt_token_ids, params,
-                                  priority=cmd.priority, group=cmd.group,
-                                  media=[m.item() for m in cmd.media],
-                                  stream_text=cmd.stream_text)
-        except ValueError as exc:   # SamplingParamsError and msgspec.ValidationError included
-            self._send(AddFailed(cmd.request_id, str(exc), invalid_input=True))
-        except Exception as exc:
-            logger.exception("add_request(%s) failed", cmd.request_id)
-            self._send(AddFailed(cmd.request_id, _describe(exc), invalid_input=False))
-
-    def _stats(self) -> EngineStatsSnapshot:
-        from kdaserve.engine.tier_transfer import offload_stats   # torch: in the engine process
-
-        core, cache = self.core, self.core.cache
-        cs = cache.stats
-        return EngineStatsSnapshot(
-            num_running=core.num_running, num_waiting=core.num_waiting,
-            cache_usage=float(cache.usage), num_free_blocks=cache.num_free_blocks,
-            num_free_slots=cache.num_free_slots, num_blocks=cache.block_pool.num_blocks,
-            all_free=bool(cache.all_free()), prefix_cache_queries=cs.queries,
-            prefix_cache_hits=cs.hits, prefix_cache_query_tokens=cs.query_tokens,
-            prefix_cache_hit_tokens=cs.hit_tokens, state_snapshots=cache.snapshots.num_used,
-            state_snapshot_bytes=cache.snapshots.bytes_held, prompt_tokens=core.stats.prompt_tokens,
-            generation_tokens=core.stats.generation_tokens,
-            preemptions=core.stats.preemptions, steps=core.stats.steps,
-            spec_verifications=core.scheduler.num_verify_rows,
-            spec_draft_tokens=core.scheduler.num_draft_tokens,
-            spec_accepted_tokens=core.scheduler.num_accepted_tokens,
-            spec_adaptive=(core.scheduler.spec_policy.decisions()
-                           if core.scheduler.spec_policy is not None else {}),
-            offload=(offload_stats(cache.offload, core.executor.transfer_stats())
-                     if cache.offload is not None else {}))
-
-
 # ---- the client, in the server's event loop ---------------------------------------------------
 @dataclass
 class _Stream:
@@ -317,7 +73,7 @@ class AsyncEngine:
     token yet, `max_queued_tokens` their prompt tokens; a request beyond either is refused with
     `QueueFullError` instead of queueing without limit. `on_dead` is called (in the event loop)
     if the engine process dies while serving. `last_heartbeat` is when the engine last said
-    anything (it reports at least every HEARTBEAT_S while its loop runs).
+    anything (it reports at least every engine_process.HEARTBEAT_S while its loop runs).
     """
 
     def __init__(self, config: EngineConfig, *, max_waiting: int = DEFAULT_MAX_WAITING,
@@ -374,7 +130,7 @@ class AsyncEngine:
         self._proc = mp.Process(
             # a daemonic process may not start the workers of a parallel layout; those die
             # with the engine process (PDEATHSIG), which exits when the server goes
-            target=_engine_process, name="kdaserve-engine",
+            target=engine_process_main, name="kdaserve-engine",
             daemon=self.config.parallel.executor == "uni",
             args=(self._encoder.encode(self.config), cmd_addr, out_addr, self.log_level))
         self._proc.start()
@@ -427,7 +183,7 @@ class AsyncEngine:
             except EngineError:
                 pass
             await self._wait_exit(timeout_s)
-            if proc.is_alive():         # it ignores SIGTERM (see _engine_process)
+            if proc.is_alive():         # it ignores SIGTERM (see engine_process_main)
                 logger.warning("the engine did not stop within %.0f s; killing it", timeout_s)
                 proc.kill()
                 await self._wait_exit(timeout_s)

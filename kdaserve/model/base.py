@@ -11,13 +11,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kdaserve.config import ModelConfig
 from kdaserve.model.attn_res import ResidualBank
 from kdaserve.model.batch import ForwardBatch, build_forward_batch
 from kdaserve.model.kda import KimiDeltaAttention
 from kdaserve.model.layers import MLP, RMSNorm
 from kdaserve.model.mla import MultiHeadLatentAttention
 from kdaserve.model.moe import SparseMoE
+from kdaserve.model_config import ModelConfig
 from kdaserve.ops.cpu_kernels import decode_block_kernels, moe_experts_kernel
 from kdaserve.ops.cpu_linear import available as k_major_available
 from kdaserve.ops.cpu_linear import store_k_major

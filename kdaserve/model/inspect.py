@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kdaserve.cache.spec import DTYPE_BYTES, specs_for
-from kdaserve.config import ModelConfig
 from kdaserve.model.base import FP32_PARAM_SUFFIXES
+from kdaserve.model_config import ModelConfig
 
 _PARTS = (
     ("routed experts", re.compile(r"\.experts_w(13|2)(_packed)?$")),

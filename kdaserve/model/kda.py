@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdaserve.config import ModelConfig
 from kdaserve.model.batch import ForwardBatch
 from kdaserve.model.layers import GatedRMSNorm
+from kdaserve.model_config import ModelConfig
 from kdaserve.ops.conv import causal_conv1d_packed, conv_input_rows
 from kdaserve.ops.cpu_linear import k_major_weight, linear
 from kdaserve.ops.registry import kda_ops

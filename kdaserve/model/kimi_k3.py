@@ -18,12 +18,12 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kdaserve.config import ModelConfig
 from kdaserve.model.attn_res import ResidualBank, attn_res_mix
 from kdaserve.model.base import DecoderLayer, HybridForCausalLM, build_layers
 from kdaserve.model.batch import ForwardBatch
 from kdaserve.model.layers import RMSNorm
 from kdaserve.model.vision.tower import build_vision, encode
+from kdaserve.model_config import ModelConfig
 
 
 class KimiK3DecoderLayer(DecoderLayer):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from kdaserve.config import ModelConfig
 from kdaserve.model.base import FP32_PARAM_SUFFIXES, DecoderLayer, HybridForCausalLM, build_layers
 from kdaserve.model.layers import RMSNorm
+from kdaserve.model_config import ModelConfig
 
 __all__ = ["FP32_PARAM_SUFFIXES", "DecoderLayer", "KimiLinearForCausalLM", "KimiLinearModel"]
 

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from kdaserve.model.base import FP32_PARAM_SUFFIXES, HybridForCausalLM
-from kdaserve.model.registry import build_model, load_config
+from kdaserve.model.registry import build_model, hf_config, load_config
 from kdaserve.model.vision.hf_layout import HFLayoutConverter, is_hf_layout
 from kdaserve.model.vision.tower import has_vision, vision_config_of
 
@@ -318,7 +318,7 @@ def save_model(model: HybridForCausalLM, out: str | os.PathLike,
                 piece = piece.clone()
             state[out_name] = piece
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    hf = model.config.to_hf_dict()
+    hf = hf_config(model.config)
     if dtype is not None:
         hf["dtype"] = str(dtype).removeprefix("torch.")
     with open(out / "config.json", "w", encoding="utf-8") as f:

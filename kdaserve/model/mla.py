@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kdaserve.config import ModelConfig
 from kdaserve.model.batch import ForwardBatch
 from kdaserve.model.layers import RMSNorm
+from kdaserve.model_config import ModelConfig
 from kdaserve.ops.mla import (
     mla_decode_absorbed,
     mla_decode_split_k,

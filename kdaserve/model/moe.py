@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdaserve.config import ModelConfig
 from kdaserve.model.layers import MLP, RMSNorm
+from kdaserve.model_config import ModelConfig
 from kdaserve.ops import cpu_kernels
 from kdaserve.ops.mxfp4 import GROUP, dequantize_mxfp4
 

@@ -1,39 +1,52 @@
-"""config.json -> model class. The one place that names concrete model classes: the engine,
-loader, CLI, trainers and benches ask here (by `model_type`, or by `architectures` when a
-config lacks it), and an unsupported type is an error that lists the supported ones."""
+"""config.json -> model class and config parser. The one place that names concrete model
+classes: the engine, loader, CLI, trainers and benches ask here (by `model_type`, or by
+`architectures` when a config lacks it), and an unsupported type is an error that lists the
+supported ones. The classes are imported on first use, so reading a config needs no torch."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-from kdaserve.config import ConfigError, ModelConfig
-from kdaserve.model.base import HybridForCausalLM
-from kdaserve.model.dspark import DSparkDraft
-from kdaserve.model.kimi_k3 import KimiK3ForConditionalGeneration
-from kdaserve.model.kimi_linear import KimiLinearForCausalLM
+from kdaserve.config import ConfigError
+from kdaserve.model.configs import kimi_k3, kimi_k25, kimi_linear
+from kdaserve.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from kdaserve.model.base import HybridForCausalLM
 
 
 @dataclass(frozen=True)
 class ModelEntry:
     model_type: str
     architectures: tuple[str, ...]
-    cls: type
+    class_path: str                            # "module:Class"
     kind: str                                  # "target" | "draft"
+    # a target family's config.json <-> ModelConfig (parse, to_hf); drafts read their own
+    config: ModuleType | None = None
+
+    @property
+    def cls(self) -> type:
+        module, name = self.class_path.split(":")
+        return getattr(importlib.import_module(module), name)
 
 
+_K3 = "kdaserve.model.kimi_k3:KimiK3ForConditionalGeneration"
+_DSPARK = "kdaserve.model.dspark:DSparkDraft"
 _ENTRIES = (
-    ModelEntry("kimi_linear", ("KimiLinearForCausalLM",), KimiLinearForCausalLM, "target"),
-    ModelEntry("kimi_k3", ("KimiK3ForConditionalGeneration", "KimiK3ForCausalLM"),
-               KimiK3ForConditionalGeneration, "target"),
+    ModelEntry("kimi_linear", ("KimiLinearForCausalLM",),
+               "kdaserve.model.kimi_linear:KimiLinearForCausalLM", "target", kimi_linear),
+    ModelEntry("kimi_k3", ("KimiK3ForConditionalGeneration", "KimiK3ForCausalLM"), _K3,
+               "target", kimi_k3),
     # transformers' Kimi K2.5 layout with a kimi_linear text model: same wrapper, same vision
-    ModelEntry("kimi_k25", ("Kimi_K25ForConditionalGeneration",),
-               KimiK3ForConditionalGeneration, "target"),
-    ModelEntry("dspark_draft", ("DSparkDraft",), DSparkDraft, "draft"),
-    ModelEntry("k3_dspark", ("K3DSparkModel", "KimiK3DSparkForCausalLM"), DSparkDraft, "draft"),
+    ModelEntry("kimi_k25", ("Kimi_K25ForConditionalGeneration",), _K3, "target", kimi_k25),
+    ModelEntry("dspark_draft", ("DSparkDraft",), _DSPARK, "draft"),
+    ModelEntry("k3_dspark", ("K3DSparkModel", "KimiK3DSparkForCausalLM"), _DSPARK, "draft"),
 )
 
 
@@ -72,8 +85,12 @@ def entry_for(raw: dict[str, Any], kind: str | None = None) -> ModelEntry:
 def load_config(source: str | os.PathLike | dict[str, Any]) -> ModelConfig:
     """The target model's ModelConfig from a directory, a config.json path or a parsed dict."""
     raw = source if isinstance(source, dict) else read_config_json(source)
-    entry = entry_for(raw, "target")
-    return ModelConfig.from_dict({**raw, "model_type": entry.model_type})
+    return entry_for(raw, "target").config.parse(raw)
+
+
+def hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """cfg as the config.json of its family (what `load_config` reads back to an equal cfg)."""
+    return entry_for({"model_type": cfg.architecture}, "target").config.to_hf(cfg)
 
 
 def build_model(cfg: ModelConfig, chunk_size: int = 16) -> HybridForCausalLM:

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdaserve.request import SamplingParamsError
+from kdaserve.request import RequestError
 from kdaserve.server.chat_output import ChatOutput
 from kdaserve.server.protocol import ChatCompletionRequest, NamedToolChoice
 from kdaserve.server.reasoning import (
@@ -63,13 +63,13 @@ class ChatPlan:
         return reason
 
 
-def _bad(param: str, why: str) -> SamplingParamsError:
-    return SamplingParamsError(f"{param} {why}")
+def _bad(param: str, why: str) -> RequestError:
+    return RequestError(f"{param} {why}", param)
 
 
 def plan_chat(req: ChatCompletionRequest, tool_parser: str | None,
               reasoning_parser: str | None) -> ChatPlan:
-    """Raises SamplingParamsError (a 400) whose message starts with the field it names."""
+    """Raises RequestError (a 400) whose `param` is the field it names."""
     plan = ChatPlan(template_kwargs=dict(req.chat_template_kwargs or {}),
                     include_reasoning=req.include_reasoning)
     if reasoning_parser:

@@ -18,10 +18,11 @@ import uvicorn
 
 from kdaserve.arg_types import parse_size
 from kdaserve.assets import DEMO_MODEL_DIR, default_model_path
-from kdaserve.config import EngineConfig, ModelConfig
+from kdaserve.config import EngineConfig
 from kdaserve.engine.args import EngineArgs
 from kdaserve.engine.async_engine import AsyncEngine, EngineStartupError
 from kdaserve.generation_defaults import generation_defaults
+from kdaserve.model.registry import load_config
 from kdaserve.image_io import ImageLimits
 from kdaserve.request import SamplingParams
 from kdaserve.server.app import build_app
@@ -152,7 +153,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(level)       # also when the caller configured logging first
     try:
         model_dir = Path(args.model) if args.model else default_model_path()
-        ModelConfig.from_pretrained(model_dir)        # fail fast on a bad path or config
+        load_config(model_dir)        # fail fast on a bad path or config
         tokenizer = Tokenizer.from_pretrained(model_dir)
         defaults = load_generation_defaults(model_dir)
         config = replace(EngineArgs.from_cli(args), model=str(model_dir)).to_engine_config()

@@ -17,7 +17,8 @@ from kdaserve.engine.async_engine import (
     QueueFullError,
     RequestTimeoutError,
 )
-from kdaserve.server.protocol import ErrorInfo, ErrorResponse
+from kdaserve.request import RequestError
+from kdaserve.server.protocol_responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("kdaserve")
 RETRY_AFTER_S = 1
@@ -55,6 +56,11 @@ class APIError(Exception):
         if self.retry_after is not None:
             headers = {**(headers or {}), "Retry-After": str(self.retry_after)}
         return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
+
+
+def bad_request(exc: ValueError) -> APIError:
+    """A 400 for a request the server refused; `param` is the field a RequestError names."""
+    return APIError(400, str(exc), param=exc.param if isinstance(exc, RequestError) else None)
 
 
 def engine_error(exc: Exception) -> APIError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kdaserve.server.protocol import PromptLogprob
+from kdaserve.server.protocol_responses import PromptLogprob
 
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 

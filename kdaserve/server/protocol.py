@@ -1,4 +1,4 @@
-"""OpenAI-shaped request and response bodies (pydantic v2).
+"""OpenAI-shaped request bodies (pydantic v2); the response bodies are protocol_responses.py.
 
 Requests are validated strictly (no "5" for 5, no true for 1): a wrong type is a 400, not a
 guess. Unknown fields are ignored, as OpenAI clients send extras. Fields beyond OpenAI's
@@ -8,7 +8,6 @@ guess. Unknown fields are ignored, as OpenAI clients send extras. Fields beyond 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Mapping
 from typing import Any, Literal, Union
 
@@ -17,15 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kdaserve.request import SamplingParams, SamplingParamsError
 from kdaserve.structured.spec import GuidedDecoding, GuidedDecodingError
 
-FinishReason = Literal["stop", "length", "abort", "tool_calls"]
-
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -92,12 +85,13 @@ class _SamplingRequest(_Request):
         return asked[0] if asked else None
 
     def guided_decoding(self) -> GuidedDecoding | None:
-        """The structured-output spec the request asks for; ValueError naming the field."""
+        """The structured-output spec the request asks for; SamplingParamsError naming the
+        field."""
         asked = self._guided_fields()
         rf = self.response_format
         if len(asked) > 1:
             raise SamplingParamsError(f"{asked[0]} cannot be combined with {asked[1]}: give one "
-                                      "structured-output constraint")
+                                      "structured-output constraint", asked[0])
         if not asked:
             return None
         name = asked[0]
@@ -117,7 +111,7 @@ class _SamplingRequest(_Request):
                 return GuidedDecoding("choice", choices=list(self.guided_choice))
             return GuidedDecoding("lark", self.guided_grammar)
         except GuidedDecodingError as exc:
-            raise SamplingParamsError(f"{name}: {exc}") from None
+            raise SamplingParamsError(f"{name}: {exc}", name) from None
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -126,7 +120,7 @@ class _SamplingRequest(_Request):
             return {int(k): v for k, v in self.logit_bias.items()}
         except ValueError:
             raise SamplingParamsError("logit_bias keys must be token ids (integers as "
-                                      "strings)") from None
+                                      "strings)", "logit_bias") from None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingRequest:
@@ -137,7 +131,7 @@ class _SamplingRequest(_Request):
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         defaults: Mapping[str, Any], guided: GuidedDecoding | None = None,
                         ) -> SamplingParams:
-        """Raises SamplingParamsError (a ValueError) naming the bad field."""
+        """Raises SamplingParamsError (a ValueError) whose `param` is the bad field."""
 
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(self, name)
@@ -229,178 +223,3 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
-
-
-# ---- responses ---------------------------------------------------------------------------------
-class UsageInfo(_Response):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
-
-
-class CompletionLogprobs(_Response):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class PromptLogprob(_Response):
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-class CompletionChoice(_Response):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class CompletionResponse(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(_Response):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class FunctionCall(_Response):
-    name: str
-    arguments: str
-
-
-class ToolCallOut(_Response):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Response):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCallOut] = Field(default_factory=list)
-
-
-class ChatChoice(_Response):
-    index: int
-    message: ChatMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionResponse(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
-
-
-class DeltaFunctionCall(_Response):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(_Response):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
-
-
-class DeltaMessage(_Response):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatStreamChoice(_Response):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionChunk(_Response):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class CompletionChunk(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(_Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "kdaserve"
-    max_model_len: int
-
-
-class ModelList(_Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeResponse(_Response):
-    tokens: list[int]
-    count: int
-    max_model_len: int
-
-
-class DetokenizeResponse(_Response):
-    prompt: str
-
-
-class ErrorInfo(_Response):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(_Response):
-    error: ErrorInfo

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
+from kdaserve.model.registry import hf_config, load_config
 from kdaserve.train.bpe import DEFAULT_SPECIALS, save_tokenizer, train_bpe_tokenizer
 from kdaserve.train.corpus import Document, fetch_shakespeare, load_corpus, split_documents
 from kdaserve.train.trainer import TrainConfig, demo_model_config, train
@@ -110,7 +111,7 @@ def build(out: Path, *, vocab_size: int, minutes: float, seed: int, chat_share: 
     save_tokenizer(tok, out)
     eos, im_end, pad = (tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>", "<|pad|>"))
     model_cfg = demo_model_config(tok.get_vocab_size(), eos, pad)
-    model_cfg = type(model_cfg).from_dict({**model_cfg.to_hf_dict(), "eos_token_id": [eos, im_end]})
+    model_cfg = load_config({**hf_config(model_cfg), "eos_token_id": [eos, im_end]})
     cfg = TrainConfig(**{**train_cfg.__dict__, "time_budget_s": minutes * 60, "seed": seed})
     result = train(model_cfg, data.train_ids, data.eval_ids, cfg, out_dir=out, init_from=resume)
     write_generation_config(out, tok)

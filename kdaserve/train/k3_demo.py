@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from kdaserve.config import ModelConfig
 from kdaserve.model.base import HybridForCausalLM
+from kdaserve.model.registry import hf_config, load_config
+from kdaserve.model_config import ModelConfig
 from kdaserve.tokenizer import Tokenizer
 from kdaserve.train.bpe import DEFAULT_SPECIALS, save_tokenizer
 from kdaserve.train.demo import text_data, write_generation_config, write_summary
@@ -55,7 +56,7 @@ def k3_demo_config(vocab: int, eos: list[int], pad: int, placeholder: int) -> Mo
               "init_pos_emb_width": 20, "merge_kernel_size": [2, 2], "mm_hidden_size": 64,
               "text_hidden_size": 256, "mm_projector_type": "patchmerger",
               "projector_ln_eps": 1e-5}
-    return ModelConfig.from_dict({"model_type": "kimi_k3", "text_config": text,
+    return load_config({"model_type": "kimi_k3", "text_config": text,
                                   "vision_config": vision,
                                   "media_placeholder_token_id": placeholder})
 
@@ -117,7 +118,7 @@ def build(out: Path, *, minutes: float, seed: int, train_cfg: TrainConfig,
     model_cfg = k3_demo_config(tok.vocab_size, [ids["<|endoftext|>"], ids["<|im_end|>"]],
                                ids["<|pad|>"], ids["<|media_pad|>"])
     # VisionInput reads the checkpoint's config.json: written before the model exists
-    (out / "config.json").write_text(json.dumps(model_cfg.to_hf_dict(), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config(model_cfg), indent=2) + "\n")
     vision = VisionInput.for_model(out, tok)
     task = ShapesTask(Examples(tok, vision, ids["<|im_end|>"]), model_cfg.hidden_size,
                       image_batch, seed)

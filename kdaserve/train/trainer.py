@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from kdaserve.config import ModelConfig
 from kdaserve.model.base import HybridForCausalLM
-from kdaserve.model.registry import build_model
 from kdaserve.model.loader import save_model
 from kdaserve.model.moe import SparseMoE
+from kdaserve.model.registry import build_model, load_config
+from kdaserve.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ class TrainConfig:
 
 def demo_model_config(vocab_size: int, eos_id: int, pad_id: int) -> ModelConfig:
     """~13M parameters: 8 layers (6 KDA + 2 MLA, 3:1), 32 experts top-4 + a shared expert."""
-    return ModelConfig.from_dict({
+    return load_config({
+        "model_type": "kimi_linear",
         "vocab_size": vocab_size, "hidden_size": 256, "intermediate_size": 512,
         "num_hidden_layers": 8, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
         "linear_attn_config": {"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8],

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kdaserve.config import ModelConfig
 from kdaserve.model.batch import build_forward_batch
 from kdaserve.model.loader import save_model
-from kdaserve.model.registry import build_model
+from kdaserve.model.registry import build_model, load_config
+from kdaserve.model_config import ModelConfig
 from kdaserve.tokenizer import Tokenizer
 from kdaserve.train.bpe import DEFAULT_SPECIALS, save_tokenizer, train_bpe_tokenizer
 from kdaserve.train.shapes import COLORS, HELD_OUT_SEED, QUESTIONS, SHAPES, draw, parse_answer
@@ -51,7 +51,7 @@ def model_config(vocab: int, placeholder: int, eos: list[int], pad: int) -> Mode
               "init_pos_emb_width": 20, "merge_kernel_size": [2, 2], "mm_hidden_size": 64,
               "text_hidden_size": 96, "mm_projector_type": "patchmerger",
               "projector_ln_eps": 1e-5}
-    return ModelConfig.from_dict({"model_type": "kimi_k3", "text_config": text,
+    return load_config({"model_type": "kimi_k3", "text_config": text,
                                   "vision_config": vision,
                                   "media_placeholder_token_id": placeholder})
 

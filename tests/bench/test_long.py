@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from kdaserve.bench.long import bench_config, summarize
-from kdaserve.config import ModelConfig
+from kdaserve.model.registry import load_config
 
 KEYS = ("tpot_ratio_128k_1k", "cache_bytes_ratio_vs_mla", "completed_1m", "peak_rss_1m_mb")
 
@@ -46,7 +46,7 @@ def test_summary_keys():
 
 
 def test_bench_model_is_configured_for_1m_positions():
-    cfg = ModelConfig.from_dict(bench_config())
+    cfg = load_config(bench_config())
     assert cfg.max_position_embeddings >= 1 << 20
     assert len(cfg.mla_layers) * 4 == cfg.num_hidden_layers
 
@@ -59,11 +59,11 @@ def test_proportional_shape_has_the_released_latent_to_weight_bytes():
     from kdaserve.model.registry import build_model
 
     def ratio(shape):
-        cfg = ModelConfig.from_dict(bench_config(shape=shape))
+        cfg = load_config(bench_config(shape=shape))
         latent, _ = specs_for(cfg, 16, "float32")
         weights = sum(p.numel() * 4 for p in build_model(cfg).parameters())
         return 131072 * latent.bytes_per_token / weights
 
     assert 0.15 < ratio("proportional") < 0.22
     assert ratio("toy") > 3
-    assert len(ModelConfig.from_dict(bench_config(shape="proportional")).mla_layers) == 1
+    assert len(load_config(bench_config(shape="proportional")).mla_layers) == 1

@@ -24,6 +24,7 @@ from kdaserve.distributed.data_parallel import Placement, merge, rank_share as d
 from kdaserve.distributed.launch import run_ranks
 from kdaserve.engine.llm import LLM
 from kdaserve.model.moe_backends import BACKENDS
+from kdaserve.model.registry import hf_config
 from kdaserve.request import SamplingParams
 from kdaserve.outputs import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
 
@@ -32,9 +33,9 @@ from test_layouts import GREEDY, LOOP, _assert_same, k3, kimi_linear  # noqa: F4
 
 def _own_tokens(ctx, raw: dict, counts: list[int], out_path: str) -> None:
     """Rank r routes counts[r] tokens of its own through ep_all2all (tokens_local)."""
-    from kdaserve.config import ModelConfig
+    from kdaserve.model.registry import load_config
 
-    cfg = ModelConfig.from_dict(raw)
+    cfg = load_config(raw)
     full = random_moe(cfg)
     moe = rank_share(full, "ep_all2all", ctx)
     assert moe.tokens_local
@@ -56,7 +57,7 @@ def test_ep_all2all_with_each_ranks_own_tokens(tmp_path, counts):
     cfg = moe_config(experts=8, top_k=3, hidden=32, inter=16)
     out = str(tmp_path / "res")
     # routings() has 3 cases per rank; a rank with no tokens joins every exchange empty
-    run_ranks(_own_tokens, 2, (cfg.to_hf_dict(), counts, out), ep=2, dp=2, timeout_s=240)
+    run_ranks(_own_tokens, 2, (hf_config(cfg), counts, out), ep=2, dp=2, timeout_s=240)
     for r in range(2):
         with open(f"{out}.{r}") as f:
             assert json.load(f)["err"] < 1e-5, r

@@ -13,6 +13,7 @@ from kdaserve.bench.moe import compare_on_ranks, moe_config, random_moe, routing
 from kdaserve.distributed.launch import run_ranks
 from kdaserve.distributed.parallel_state import ParallelContext
 from kdaserve.model.moe_backends import BACKENDS, choose
+from kdaserve.model.registry import hf_config
 
 TOKENS = [1, 5, 40]
 
@@ -41,7 +42,7 @@ def test_routings_cover_the_edge_cases():
 def test_parallel_backends_equal_reference(tmp_path):
     cfg = moe_config(experts=8, top_k=3, hidden=32, inter=16)
     out = tmp_path / "res.json"
-    run_ranks(compare_on_ranks, 2, (cfg.to_hf_dict(), ["tp_sharded", "ep_all2all"], TOKENS, 1,
+    run_ranks(compare_on_ranks, 2, (hf_config(cfg), ["tp_sharded", "ep_all2all"], TOKENS, 1,
                                     str(out)), tp=2, ep=2, timeout_s=240)
     res = json.loads(out.read_text())
     for backend in ("tp_sharded", "ep_all2all"):

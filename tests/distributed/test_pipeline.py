@@ -22,9 +22,9 @@ from test_worker_death import ROOT, SCRIPT, _wait_gone
 from tiny_models import random_model, tiny_config
 
 from kdaserve.cache.ops import FreeRequest, TakeSnapshot
+from kdaserve.config import ConfigError
 from kdaserve.engine.cache_ops import StepOps
 from kdaserve.model.layout.snapshots import SnapshotAt
-from kdaserve.config import ConfigError, ModelConfig
 from kdaserve.distributed.layout import cache_model_config, stage_layers
 from kdaserve.distributed.parallel_state import ParallelContext
 from kdaserve.distributed.pipeline import micro_batches
@@ -33,6 +33,7 @@ from kdaserve.engine.llm import LLM
 from kdaserve.model.batch import build_forward_batch
 from kdaserve.model.hybrid_cache import HybridCache
 from kdaserve.model.loader import load_model, save_model
+from kdaserve.model.registry import load_config
 from kdaserve.outputs import ScheduledSequence, SchedulerOutput
 from kdaserve.request import SamplingParams
 
@@ -60,7 +61,7 @@ def kimi_linear(tmp_path_factory):
 @pytest.fixture(scope="module")
 def k3(tmp_path_factory):
     out = tmp_path_factory.mktemp("k3")
-    save_model(_cycle_bias(random_k3(ModelConfig.from_dict(k3_raw()))), out)
+    save_model(_cycle_bias(random_k3(load_config(k3_raw()))), out)
     return str(out)
 
 

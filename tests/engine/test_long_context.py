@@ -15,7 +15,7 @@ from tiny_models import random_model, tiny_config
 from kdaserve import LLM, SamplingParams
 from kdaserve.cache.planner import cache_budget, fraction_budget, plan_cache
 from kdaserve.cache.spec import specs_for
-from kdaserve.config import CacheConfig, ConfigError, ModelConfig
+from kdaserve.config import CacheConfig, ConfigError
 from kdaserve.model.loader import save_model
 
 LONG, SHORT, CHUNK, NEW = 65536, 16384, 4096, 6
@@ -26,6 +26,7 @@ _CHILD = """
 import json, resource, sys, torch
 torch.set_num_threads(2)
 from kdaserve import LLM, SamplingParams
+from kdaserve.model_config import ModelConfig
 path, n, chunk, new, max_len = sys.argv[1], *map(int, sys.argv[2:])
 def rss():
     with open("/proc/self/statm") as f:

@@ -50,10 +50,11 @@ def check_metrics(llm: LLM) -> None:
     """The tier counters travel in the engine's stats snapshot (msgpack) into /metrics."""
     import msgspec
 
-    from kdaserve.engine.async_engine import EngineStatsSnapshot, _EngineLoop
+    from kdaserve.engine.engine_process import EngineLoop
+    from kdaserve.engine.wire import EngineStatsSnapshot
     from kdaserve.server.metrics import ServerMetrics
 
-    snap = _EngineLoop(llm.engine, None, None, None)._stats()
+    snap = EngineLoop(llm.engine, None, None, None)._stats()
     snap = msgspec.msgpack.decode(msgspec.msgpack.encode(snap), type=EngineStatsSnapshot)
     text = ServerMetrics().render(msgspec.structs.asdict(snap)).decode()
     for line in ('kdaserve:offload_hits_total{tier="host"}', 'kdaserve:offload_hit_rate{tier=',

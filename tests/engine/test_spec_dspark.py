@@ -10,12 +10,12 @@ import torch
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.assets import kimi_linear_demo_path
-from kdaserve.config import ModelConfig
 from kdaserve.model.dspark import DraftConfig, DSparkDraft
+from kdaserve.model.registry import load_config
 
 
 def _random_draft(model_dir, out, block: int, seed: int = 0):
-    cfg = ModelConfig.from_pretrained(model_dir)
+    cfg = load_config(model_dir)
     torch.manual_seed(seed)
     dc = DraftConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                      target_layer_ids=(0, cfg.num_hidden_layers - 1), block_size=block,

@@ -15,13 +15,13 @@ from fused_cases import round_to_bf16 as _round_to_bf16
 from k3_models import k3_raw, random_k3
 
 from kdaserve.assets import default_model_path
-from kdaserve.config import ModelConfig
 from kdaserve.engine.llm import LLM
 from kdaserve.model.batch import build_forward_batch
 from kdaserve.model.layout.snapshots import SnapshotAt
 from kdaserve.model.hybrid_cache import HybridCache
 from kdaserve.model.fused_decode import FusedDecoder, Kept, fused_decoder, supports
 from kdaserve.model.moe import SparseMoE
+from kdaserve.model.registry import load_config
 from kdaserve.request import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _model(seed: int, **over):
-    cfg = ModelConfig.from_dict(k3_raw(**over))
+    cfg = load_config(k3_raw(**over))
     model = random_k3(cfg, seed).fuse_for_inference()
     with torch.no_grad():       # attention-residual pseudo-queries away from their zero init
         for name, p in model.named_parameters():
@@ -159,7 +159,7 @@ def test_k3_bf16_step_matches_fp32_forward_of_the_rounded_weights():
 
 
 def test_not_for_mxfp4_experts():
-    cfg = ModelConfig.from_dict(k3_raw(mxfp4=True))
+    cfg = load_config(k3_raw(mxfp4=True))
     assert not supports(random_k3(cfg), HybridCache.allocate(cfg, 8, 4, 2))
 
 

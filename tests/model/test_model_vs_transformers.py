@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdaserve.config import ModelConfig
 from kdaserve.model.loader import load_model
+from kdaserve.model.registry import load_config
 
 pytest.importorskip("transformers")
 
 
 def test_config_reads_transformers_checkpoint(hf_checkpoint):
     path, hf = hf_checkpoint
-    cfg = ModelConfig.from_pretrained(path)
+    cfg = load_config(path)
     assert cfg.kda_layers == (0, 1, 2, 4) and cfg.mla_layers == (3,)
     assert cfg.moe_layers == (1, 2, 3, 4)
     assert cfg.num_experts == hf.config.num_local_experts

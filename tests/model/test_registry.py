@@ -9,9 +9,9 @@ import pytest
 
 from k3_models import k3_raw
 from kdaserve.cli import main
-from kdaserve.config import ConfigError, ModelConfig
+from kdaserve.config import ConfigError
 from kdaserve.model.inspect import measure
-from kdaserve.model.registry import build_model, entry_for, load_config, supported
+from kdaserve.model.registry import build_model, entry_for, hf_config, load_config, supported
 
 K3_CONFIG = Path(__file__).parents[1] / "data" / "kimi-k3-config.json"
 
@@ -21,15 +21,15 @@ def test_supported_types_and_clear_error():
     with pytest.raises(ConfigError, match="kimi_linear, kimi_k3"):
         load_config({"model_type": "llama"})
     with pytest.raises(ConfigError, match="supported"):
-        ModelConfig.from_dict({"model_type": "qwen3"})
+        load_config({"model_type": "qwen3"})
     assert entry_for({"architectures": ["KimiK3ForConditionalGeneration"]}).model_type == \
         "kimi_k3"
 
 
 def test_k3_config_roundtrip_and_classes():
-    cfg = ModelConfig.from_dict(k3_raw(mxfp4=True))
+    cfg = load_config(k3_raw(mxfp4=True))
     assert cfg.architecture == "kimi_k3" and cfg.experts_quantization == "mxfp4"
-    assert ModelConfig.from_dict(cfg.to_hf_dict()) == cfg
+    assert load_config(hf_config(cfg)) == cfg
     model = build_model(cfg)
     names = set(model.state_dict())
     assert "language_model.model.layers.1.block_sparse_moe.experts_w13_packed" in names
@@ -40,16 +40,16 @@ def test_k3_config_roundtrip_and_classes():
 
 def test_bad_k3_fields_are_named():
     with pytest.raises(ConfigError, match="quantization_config"):
-        ModelConfig.from_dict({**k3_raw(), "quantization_config": {
+        load_config({**k3_raw(), "quantization_config": {
             "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}})
     with pytest.raises(ConfigError, match="hidden_act"):
-        ModelConfig.from_dict(k3_raw(hidden_act="gelu"))
+        load_config(k3_raw(hidden_act="gelu"))
     with pytest.raises(ConfigError, match="multiple of 32"):
-        ModelConfig.from_dict(k3_raw(mxfp4=True, moe_intermediate_size=40))
+        load_config(k3_raw(mxfp4=True, moe_intermediate_size=40))
 
 
 def test_published_k3_config_sizes():
-    cfg = ModelConfig.from_pretrained(K3_CONFIG)
+    cfg = load_config(K3_CONFIG)
     assert (len(cfg.kda_layers), len(cfg.mla_layers)) == (69, 24)
     size = measure(cfg)
     assert 2.7e12 < size.total < 2.9e12            # "about 2.8T"

@@ -12,8 +12,9 @@ import torch
 from k3_models import k3_raw, random_k3
 from safetensors import safe_open
 
-from kdaserve.config import ConfigError, ModelConfig
+from kdaserve.config import ConfigError
 from kdaserve.model.loader import load_model, save_model
+from kdaserve.model.registry import load_config
 from kdaserve.model.vision.config import VisionConfig
 from kdaserve.model.vision.processor import preprocess
 from kdaserve.model.vision.tower import vision_config_of
@@ -37,7 +38,7 @@ def pixels(sizes, seed=0):
 
 def test_k3_layout_with_moonvit_v2(tmp_path):
     raw = {**k3_raw(), "vision_config": V2}
-    cfg = ModelConfig.from_dict(raw)
+    cfg = load_config(raw)
     vc = vision_config_of(cfg)
     assert (vc.attn_width, vc.head_dim, vc.norm_type, vc.projector_type) == \
         (48, 24, "rmsnorm", "patchmergerv2")
@@ -70,14 +71,14 @@ def test_position_table_is_used_as_is_at_its_own_size():
 
 
 def test_vision_config_without_sizes_builds_text_only(tmp_path):
-    cfg = ModelConfig.from_dict(k3_raw())       # vision_config {"model_type": ...} only
+    cfg = load_config(k3_raw())       # vision_config {"model_type": ...} only
     assert vision_config_of(cfg) is None
     model = random_k3(cfg)
     assert not hasattr(model, "vision_tower")
 
 
 def test_checkpoint_without_vision_weights_loads_text_only(tmp_path):
-    cfg = ModelConfig.from_dict({**k3_raw(), "vision_config": V2})
+    cfg = load_config({**k3_raw(), "vision_config": V2})
     model = random_k3(cfg)
     model.drop_vision()
     save_model(model, tmp_path)
@@ -91,5 +92,5 @@ def test_bad_vision_config_names_the_field():
     with pytest.raises(ConfigError, match="norm_type"):
         VisionConfig.from_dict({**V2, "norm_type": "batchnorm"}, 64)
     with pytest.raises(ConfigError, match="text_config"):
-        ModelConfig.from_dict({"model_type": "kimi_k25",
+        load_config({"model_type": "kimi_k25",
                                "text_config": {"model_type": "deepseek_v3"}})

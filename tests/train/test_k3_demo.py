@@ -10,9 +10,8 @@ import json
 
 import torch
 
-from kdaserve.config import ModelConfig
 from kdaserve.engine.llm import LLM
-from kdaserve.model.registry import build_model
+from kdaserve.model.registry import build_model, hf_config, load_config
 from kdaserve.request import SamplingParams
 from kdaserve.train.k3_demo import ShapesTask, init_k3, k3_demo_config
 from kdaserve.train.shapes import draw
@@ -50,8 +49,8 @@ def test_text_and_images_train_together_into_a_servable_checkpoint(tmp_path):
     raw["text_config"].update(vocab_size=tok.vocab_size, pad_token_id=ids["<|pad|>"],
                               eos_token_id=[ids["<|endoftext|>"], ids["<|im_end|>"]])
     raw.update(vision_config=VISION, media_placeholder_token_id=ids["<|media_pad|>"])
-    cfg = ModelConfig.from_dict(raw)
-    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    cfg = load_config(raw)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(cfg)))
     task = ShapesTask(Examples(tok, VisionInput.for_model(tmp_path, tok), ids["<|im_end|>"]),
                       cfg.hidden_size, batch_size=2, seed=0, eval_images=2)
     probe_before = task.probe.weight.detach().clone()

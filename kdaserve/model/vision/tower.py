@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kdaserve.config import ModelConfig
 from kdaserve.model.vision.config import VisionConfig
 from kdaserve.model.vision.moonvit import MoonViT
 from kdaserve.model.vision.projector import MMProjector
+from kdaserve.model_config import ModelConfig
 
 _SIZES = (("vt_hidden_size", "hidden_size"), ("vt_num_hidden_layers", "num_hidden_layers"))
 
