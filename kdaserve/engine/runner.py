@@ -18,7 +18,7 @@ from kdaserve.cache.ops import OpFailure
 from kdaserve.cache.planner import CachePlan
 from kdaserve.engine.cache_ops import CacheOpRunner, Store
 from kdaserve.engine.encoder_cache import EncoderCache, embed_with_media
-from kdaserve.engine.prompt_logprobs import plan_rows, score
+from kdaserve.engine.prompt_logprob_scoring import plan_rows, score
 from kdaserve.engine.sampler import SamplingRow, sample
 from kdaserve.engine.spec.proposer import Proposal, ProposalInput, Proposer
 from kdaserve.engine.spec.rejection import VerifyRow, verify
