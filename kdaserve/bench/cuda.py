@@ -3,7 +3,8 @@
 Sections (each its own key; one that fails records its error and the run goes on):
 
 - `correctness`: for both bundled models (the K3 demo, the Kimi Linear demo) a few text prompts
-  generated greedily together, fp32, on the device and on the CPU: `greedy_identical_cuda_vs_cpu`
+  generated greedily together, fp32, on the device and on the CPU (`cpu_reference`; with
+  `--device cpu` the CPU run takes the torch forward): `greedy_identical_cuda_vs_cpu`
   and, where they differ, the first differing position per prompt (fp32 reductions differ
   between devices, so this is reported, not asserted); which KDA backend the registry picked on
   the device and how many times fla's Triton chunk kernel ran in the device generation.
@@ -37,6 +38,7 @@ import gc
 import importlib
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -201,6 +203,25 @@ def _greedy(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+@contextmanager
+def _cpu_reference(device: torch.device) -> Iterator[str]:
+    """The CPU run the device's tokens are compared with. When the device is the CPU itself
+    (`--tiny` runs, tests), the reference takes the torch forward instead of the fused decode
+    blocks, so the comparison is between two code paths, not one run twice."""
+    if device.type != "cpu":
+        yield "cpu"
+        return
+    saved = os.environ.get("KDASERVE_FUSED_DECODE")
+    os.environ["KDASERVE_FUSED_DECODE"] = "0"
+    try:
+        yield "cpu, torch forward (KDASERVE_FUSED_DECODE=0)"
+    finally:
+        if saved is None:
+            del os.environ["KDASERVE_FUSED_DECODE"]
+        else:
+            os.environ["KDASERVE_FUSED_DECODE"] = saved
+
+
 def correctness(device: torch.device, sizes: Sizes) -> dict:
     prompts = list(PROMPTS[:sizes.correctness_prompts])
     out: dict = {"prompts": len(prompts), "max_tokens": sizes.correctness_tokens,
@@ -212,9 +233,11 @@ def correctness(device: torch.device, sizes: Sizes) -> dict:
             backend = _kda_backend(device)
         del llm
         _free(device)
-        cpu_llm = _llm(path, torch.device("cpu"))
-        cpu_ids = _greedy(cpu_llm, prompts, sizes.correctness_tokens)
-        del cpu_llm
+        with _cpu_reference(device) as reference:
+            cpu_llm = _llm(path, torch.device("cpu"))
+            cpu_ids = _greedy(cpu_llm, prompts, sizes.correctness_tokens)
+            del cpu_llm
+        out["cpu_reference"] = reference
         diffs = [(i, _first_diff(a, b)) for i, (a, b) in enumerate(zip(dev_ids, cpu_ids))]
         diffs = [{"prompt": i, "first_diff_position": p} for i, p in diffs if p is not None]
         out[name] = {"greedy_identical_cuda_vs_cpu": not diffs, "first_diffs": diffs,

@@ -75,6 +75,7 @@ def measure(base: LLM, spec: LLM, prompts: list[str], params: list[SamplingParam
         "mean_accepted_tokens": round((accepted + rows) / rows, 3) if rows else 1.0,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
         "drafted": drafted, "accepted": accepted, "verifications": rows,
+        "baseline_tokens": n_base, "spec_tokens": n_spec,      # of the counted (fastest) runs
         # what one engine step costs: sampled vs greedy, speculating vs not
         "baseline_step_ms": round(1000 * t_base / max(steps_base, 1), 3),
         "spec_step_ms": round(1000 * t_spec / max(steps_spec, 1), 3),

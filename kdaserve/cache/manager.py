@@ -2,8 +2,8 @@
 
 Plain Python over ids and counts; the runner owns the tensors these ids index. With offload
 tiers, evictions from the device pools become store operations and prefix hits that reach into
-a tier become load operations (see offload.py, and tiered.py for this facade's offload half);
-`take_ops` hands them to the step.
+a tier become load operations (see offload.py for the tiers, device_offload.py for the
+component that links them to the device pools); `take_ops` hands them to the step.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kdaserve.cache.block_pool import Block, BlockPool
+from kdaserve.cache.device_offload import DeviceOffload
 from kdaserve.cache.offload import Offload
-from kdaserve.cache.ops import BLOCK, SNAPSHOT
+from kdaserve.cache.ops import BLOCK, SNAPSHOT, CacheOp, OpFailure
 from kdaserve.cache.prefix_cache import PrefixHit, Snapshot, SnapshotPool, block_hashes, placement
 from kdaserve.cache.state_pool import StatePool
-from kdaserve.cache.tiered import TieredCache
 
 
 @dataclass
@@ -38,7 +38,7 @@ class _Holding:
     decode_snapshot: Snapshot | None = None             # its policy-4 snapshot
 
 
-class CacheManager(TieredCache):
+class CacheManager:
     def __init__(self, num_blocks: int, block_size: int, num_slots: int, *,
                  enable_prefix_caching: bool = False, num_snapshots: int = 0,
                  snapshot_bytes: int = 0, mla_bytes_per_token: int = 0,
@@ -54,17 +54,30 @@ class CacheManager(TieredCache):
         self.stats = CacheStats()
         self.step = 0
         self._protect: set[int] = set()
-        self._promoted: dict[str, Snapshot] = {}     # this step: tier snapshots brought back
         self.offload = offload if enable_prefix_caching else None
-        if self.offload is not None:
-            self._wire(self.offload)
+        self.tiers = DeviceOffload(self.block_pool, self.snapshots, self.offload, self._demote,
+                                   self._demote_device)
 
     def begin_step(self) -> None:
         self.step += 1
         self._protect = set()
-        self._promoted = {}
-        if self.offload is not None:
-            self.offload.begin_step(self.step)
+        self.tiers.begin_step(self.step)
+
+    # ---- cache operations -----------------------------------------------------------------
+    def take_ops(self) -> list[CacheOp]:
+        """The operations decided since the last call, in the order they must run."""
+        return self.tiers.take_ops()
+
+    def settle(self, failures: list[OpFailure]) -> set[str]:
+        """The runner could not carry out these operations: the entries leave their tiers.
+        Returns the requests whose loads failed (the scheduler recomputes them)."""
+        return self.tiers.settle(failures)
+
+    def flush(self, drop_device: bool = False) -> list[CacheOp]:
+        """Store every device entry worth keeping in the tiers (at shutdown, so the disk tier
+        holds what the device held). `drop_device` also forgets the device copies of entries no
+        request holds, so the next hit is served from a tier (benchmarks, tests)."""
+        return self.tiers.flush(drop_device, self._protect)
 
     # ---- queries --------------------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
@@ -101,7 +114,7 @@ class CacheManager(TieredCache):
         held = self._held.get(request_id)
         need_slot = held is None or held.slot is None
         hit = hit if held is None else None
-        hit_blocks = self._hit_blocks(hit)
+        hit_blocks = self.tiers.hit_blocks(hit)
         if hit_blocks is None:
             return False
         device_hit = [b for b in hit_blocks if b is not None]
@@ -118,7 +131,14 @@ class CacheManager(TieredCache):
             held.slot = self.state_pool.allocate()
         fresh = self.block_pool.allocate(need_blocks) if need_blocks else []
         if hit is not None and hit.block_hashes:
-            fresh = self._place_hit(request_id, held, hit, hit_blocks, fresh)
+            placed, fresh = self.tiers.place_hit(request_id, held.slot, hit, hit_blocks, fresh,
+                                                 self.step, self._protect)
+            held.blocks.extend(placed)
+            held.block_ids.extend(b.block_id for b in placed)
+            held.hashes = list(hit.block_hashes)
+            # loaded blocks become findable on the device only once their step ran (commit): a
+            # load that fails verification must never be found there
+            held.num_cached_blocks = min(hit.tier_blocks, default=len(hit_blocks))
         held.blocks.extend(fresh)
         held.block_ids.extend(b.block_id for b in fresh)
         return True

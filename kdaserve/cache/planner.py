@@ -10,10 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import Callable
-
-import torch
-
 from kdaserve.cache.spec import KDAStateSpec, LatentKVSpec
 from kdaserve.config import CacheConfig
 
@@ -79,14 +75,14 @@ def fraction_budget(total_bytes: int, fraction: float, reserved_bytes: int) -> i
     return budget
 
 
-def cache_budget(cache: CacheConfig, device: torch.device,
-                 mem_info: Callable[[torch.device], tuple[int, int]] | None = None) -> int:
-    """The cache's byte budget: `gpu_memory_utilization` of a CUDA device's memory less what is
-    in use once the weights are loaded (vLLM's flag), else `cache_memory_bytes`. mem_info
-    returns (free, total) bytes (torch.cuda.mem_get_info by default)."""
-    if cache.gpu_memory_utilization is None or device.type != "cuda":
+def cache_budget(cache: CacheConfig, device_memory: tuple[int, int] | None) -> int:
+    """The cache's byte budget: `gpu_memory_utilization` of an accelerator's memory less what is
+    in use once the weights are loaded (vLLM's flag), else `cache_memory_bytes`.
+    `device_memory` is the accelerator's (free, total) bytes, None on CPU; the engine asks the
+    device for it (engine/device_memory.py), as cache/ imports no torch."""
+    if cache.gpu_memory_utilization is None or device_memory is None:
         return cache.cache_memory_bytes
-    free, total = (mem_info or torch.cuda.mem_get_info)(device)
+    free, total = device_memory
     # what the weights, the runtime and other processes hold, and room for activations
     in_use = total - free + _ACTIVATION_RESERVE
     return fraction_budget(total, cache.gpu_memory_utilization, in_use)

@@ -12,10 +12,11 @@ import torch
 
 from kdaserve.cache.manager import CacheManager
 from kdaserve.cache.ops import TakeSnapshot
-from kdaserve.cache.planner import CachePlan, cache_budget, plan_cache
+from kdaserve.cache.planner import CachePlan, plan_cache
 from kdaserve.cache.spec import specs_for
 from kdaserve.config import EngineConfig, SchedulerConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
+from kdaserve.engine.device_memory import cache_budget
 from kdaserve.engine.offload_setup import open_tiers
 from kdaserve.engine.executor import Executor, ExecutorError
 from kdaserve.engine.executor.uniproc import UniProcExecutor

@@ -6,74 +6,19 @@ at most a chunk × vocab of them per step); every other request still gets logit
 samples. Entries are indexed by prompt position: entry 0 is None (nothing predicts the first
 token), entry i holds token i's logprob and the top-k of that position. A request that asks
 for them skips prefix-cache hits (the cached positions would have no logits), as in vLLM.
+
+This half is the request's side (the scheduler's): whether a request wants them and storing a
+chunk's entries; plain Python, as the scheduler imports no torch. The runner's half, which
+rows to score and scoring them, is prompt_logprob_scoring.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-
-import torch
-
-from kdaserve.outputs import ScheduledSequence
 from kdaserve.request import Request
-
-
-@dataclass(frozen=True)
-class PromptRows:
-    """A chunk's prompt positions whose logits score prompt tokens: forward offsets `at` of
-    `request_id`, scoring prompt tokens start+1 .. start+len(at)."""
-
-    request_id: str
-    start: int
-    at: range
-    next_tokens: list[int]
-    k: int
 
 
 def wants_prompt_logprobs(req: Request) -> bool:
     return req.sampling_params.prompt_logprobs is not None
-
-
-def plan_rows(seqs: list[ScheduledSequence], starts: list[int],
-              requests: Mapping[str, Request]) -> list[PromptRows]:
-    """For each sequence of the step (forward offsets `starts`) that wants prompt logprobs and
-    computes prompt positions before the last one: the rows to score."""
-    rows = []
-    for s, pos in zip(seqs, starts):
-        req = requests.get(s.request_id)
-        if req is None or not wants_prompt_logprobs(req) or s.num_draft_tokens:
-            continue
-        last = req.num_prompt_tokens - 1           # position P-1 predicts the first output
-        n = min(len(s.token_ids), last - s.context_len)
-        if n <= 0:
-            continue
-        c = s.context_len
-        rows.append(PromptRows(s.request_id, c, range(pos, pos + n),
-                               req.prompt_token_ids[c + 1: c + 1 + n],
-                               req.sampling_params.prompt_logprobs or 0))
-    return rows
-
-
-def score(logits: torch.Tensor, rows: list[PromptRows]) -> dict[str, tuple[int, list[dict]]]:
-    """logits [sum of len(r.at), V]: the rows' logits in order. Returns per request the
-    position of its first scored prompt token and one {token: logprob} entry per token, the
-    token's own logprob first, then the top-k of its position."""
-    out: dict[str, tuple[int, list[dict]]] = {}
-    at = 0
-    for r in rows:
-        n = len(r.at)
-        lp = logits[at: at + n].float().log_softmax(-1)
-        at += n
-        own = lp.gather(1, torch.tensor(r.next_tokens)[:, None])[:, 0].tolist()
-        entries = [{t: v} for t, v in zip(r.next_tokens, own)]
-        if r.k:
-            top = lp.topk(r.k, -1)
-            for e, ids, vals in zip(entries, top.indices.tolist(), top.values.tolist()):
-                for t, v in zip(ids, vals):
-                    e.setdefault(t, v)
-        out[r.request_id] = (r.start + 1, entries)
-    return out
 
 
 def record(req: Request, first: int, entries: list[dict]) -> None:

@@ -21,7 +21,7 @@ import torch
 from kdaserve.cache.planner import CachePlan
 from kdaserve.engine.cache_ops import CacheOpExecutor, StepOps
 from kdaserve.engine.encoder_cache import EncoderCache, embed_with_media
-from kdaserve.engine.prompt_logprobs import score
+from kdaserve.engine.prompt_logprob_scoring import score
 from kdaserve.engine.row_sampling import RowSampler
 from kdaserve.engine.spec.proposer import Proposal, ProposalInput, Proposer
 from kdaserve.engine.step_message import RunnerRequests

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kdaserve.engine.cache_ops import StepOps
-from kdaserve.engine.prompt_logprobs import PromptRows, plan_rows
+from kdaserve.engine.prompt_logprob_scoring import PromptRows, plan_rows
 from kdaserve.engine.step_message import RunnerRequest
 from kdaserve.model import fused_decode
 from kdaserve.model.batch import ForwardBatch, build_forward_batch

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from kdaserve.model.checkpoint_files import checkpoint_files
 from kdaserve.model.layers import MLP, RMSNorm
 from kdaserve.model.mla import MultiHeadLatentAttention
 from kdaserve.ops.mla import mla_absorbed
@@ -223,8 +224,6 @@ class DSparkDraft(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> DSparkDraft:
-        from kdaserve.model.loader import checkpoint_files
-
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"no draft model at {path} (config.json missing)")

@@ -16,15 +16,12 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from kdaserve.model.base import FP32_PARAM_SUFFIXES, HybridForCausalLM
+from kdaserve.model.checkpoint_files import CheckpointError, checkpoint_files
 from kdaserve.model.registry import build_model, hf_config, load_config
 from kdaserve.model.vision.hf_layout import HFLayoutConverter, is_hf_layout
 from kdaserve.model.vision.tower import has_vision, vision_config_of
 
 log = logging.getLogger("kdaserve")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint tensor is missing, unexpected, or of the wrong shape."""
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -112,27 +109,6 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
-
-
-def checkpoint_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        with open(index, encoding="utf-8") as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        missing = [s for s in shards if not (path / s).is_file()]
-        if missing:
-            raise CheckpointError(f"{index} lists shard(s) that do not exist: {missing}")
-        return [path / s for s in shards]
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"no safetensors weights in {path} (looked for model.safetensors, "
-            "model.safetensors.index.json, *.safetensors); pickled checkpoints are not loaded"
-        )
-    return files
 
 
 def checkpoint_has_vision(path: str | os.PathLike) -> bool:

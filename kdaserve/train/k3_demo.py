@@ -3,7 +3,7 @@
 The text model has K3's block (attention residuals, SiTU, latent MoE, full-rank KDA gate with a
 lower bound, gated MLA with a q LoRA) at the demo's scale; a MoonViT tower and its projector sit
 beside it in the kimi_k3 layout. One optimiser trains both, in the same steps: the
-Shakespeare text batch of the Kimi Linear demo (kdaserve/train/demo.py) plus a batch of the
+Shakespeare text batch of the Kimi Linear demo (kdaserve/train/text_demo.py) plus a batch of the
 synthetic shapes task (kdaserve/train/shapes.py, the loss on the answers), with the vision demo's
 mean-pool probe as an auxiliary loss on the tower (kdaserve/train/vision_demo.py says why).
 """
@@ -22,8 +22,8 @@ from kdaserve.model.registry import hf_config, load_config
 from kdaserve.model_config import ModelConfig
 from kdaserve.tokenizer import Tokenizer
 from kdaserve.train.bpe import DEFAULT_SPECIALS, save_tokenizer
-from kdaserve.train.demo import text_data, write_generation_config, write_summary
 from kdaserve.train.shapes import COLORS, HELD_OUT_SEED, QUESTIONS, SHAPES
+from kdaserve.train.text_demo import text_data, write_generation_config, write_summary
 from kdaserve.train.trainer import TrainConfig, init_weights, train
 from kdaserve.train.vision_demo import MEDIA_TOKENS, Examples, accuracy, step_loss
 from kdaserve.vision_input import VisionInput

@@ -19,8 +19,11 @@ def test_bench_cuda_tiny_runs_every_section_on_cpu(capsys, tmp_path):
     for section in ("correctness", "kda_op", "throughput", "long", "spec"):
         assert "error" not in out[section], out[section]
     corr = out["correctness"]
+    # the "device" is the CPU here: the reference is the torch forward, the device run takes
+    # the fused decode blocks (test_correctness_reports_where_the_runs_differ: a difference
+    # is reported)
+    assert corr["cpu_reference"] == "cpu, torch forward (KDASERVE_FUSED_DECODE=0)"
     for name in ("kimi_k3", "kimi_linear"):
-        # the "device" is the CPU here: the same engine on the same machine twice
         assert corr[name]["greedy_identical_cuda_vs_cpu"] is True
         assert corr[name]["first_diffs"] == [] and corr[name]["tokens_per_prompt"] == [4, 4]
     assert out["kda_op"]["torch_ref_vs_fla_naive_max_abs_err"] < 1e-4
@@ -36,10 +39,37 @@ def test_bench_cuda_tiny_runs_every_section_on_cpu(capsys, tmp_path):
     for name in ("kimi_k3", "kimi_linear"):
         row = out["spec"][name]
         assert "error" not in row, row
-        assert row["speedup"] > 0 and row["identical"] is True
+        assert row["identical"] is True and row["requests"] == row["batch"] == 1
+        assert row["baseline_tokens"] == row["spec_tokens"] == row["max_tokens"]
+        assert 0 <= row["accepted"] <= row["drafted"] <= row["k"] * row["verifications"]
     summary = out["summary"]
     assert summary["kimi_k3_greedy_identical_cuda_vs_cpu"] is True
-    assert summary["kimi_k3_spec_speedup_batch1"] > 0
+    assert summary["kimi_k3_spec_speedup_batch1"] == out["spec"]["kimi_k3"]["speedup"]
+
+
+def test_correctness_reports_where_the_runs_differ(monkeypatch):
+    """The device's tokens against the CPU reference's, with the engine runs replaced: the
+    reference runs with the fused decode off, and a differing token is reported where it is."""
+    import os
+
+    import torch
+
+    from kdaserve.bench import cuda
+
+    def greedy(llm, prompts, max_tokens):
+        ids = [[1, 2, 3, 4], [5, 6, 7, 8]]
+        if os.environ.get("KDASERVE_FUSED_DECODE") == "0":     # the reference run
+            ids[1][2] = 9
+        return ids
+
+    monkeypatch.delenv("KDASERVE_FUSED_DECODE", raising=False)
+    monkeypatch.setattr(cuda, "_llm", lambda *a, **kw: object())
+    monkeypatch.setattr(cuda, "_greedy", greedy)
+    out = cuda.correctness(torch.device("cpu"), cuda.TINY)
+    for name in ("kimi_k3", "kimi_linear"):
+        assert out[name]["greedy_identical_cuda_vs_cpu"] is False
+        assert out[name]["first_diffs"] == [{"prompt": 1, "first_diff_position": 2}]
+    assert "KDASERVE_FUSED_DECODE" not in os.environ
 
 
 def test_first_diff_and_summary():

@@ -13,20 +13,36 @@ from kdaserve.bench.spec_prompts import HELDOUT_PLAY, MODERN_PROSE, RESERVED_DOC
 def test_bench_spec_prints_greedy_and_sampled_rows(capsys):
     from kdaserve.cli import main
 
+    # a fixed k (adaptive speculation decides from wall-clock costs): every row drafts
     assert main(["bench", "spec", "--json", "--max-tokens", "6", "--num-prompts", "2",
-                 "--batches", "32", "--k", "3", "--threads", "1", "--repeats", "1"]) == 0
+                 "--batches", "32", "--k", "3", "--threads", "1", "--repeats", "1",
+                 "--no-adaptive"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for key in ("speedup", "sampled_speedup", "batch32_speedup", "sampled_batch32_speedup"):
-        assert out[key] > 0, key
     for mode in ("greedy", "sampled"):
-        for batch in ("batch1", "batch32"):
+        for batch, requests in (("batch1", 2), ("batch32", 32)):
             row = out[mode][batch]
-            assert {"speedup", "acceptance_rate", "mean_accepted_tokens", "baseline_step_ms",
-                    "spec_step_ms"} <= set(row)
-            assert 0.0 <= row["acceptance_rate"] <= 1.0 and row["mean_accepted_tokens"] >= 1.0
-    assert out["greedy"]["batch1"]["identical"] and out["greedy"]["batch32"]["identical"]
+            # what was asked for ran, to the last token (ignore_eos), on both sides
+            assert row["batch"] == int(batch[5:]) and row["requests"] == requests
+            assert row["baseline_tokens"] == row["spec_tokens"] == requests * 6, row
+            # the counters agree with each other and with the rates derived from them
+            assert 0 < row["accepted"] + row["verifications"] and row["verifications"] > 0
+            assert 0 <= row["accepted"] <= row["drafted"] <= 3 * row["verifications"], row
+            assert row["acceptance_rate"] == pytest.approx(row["accepted"] / row["drafted"],
+                                                           abs=1e-4)
+            assert row["mean_accepted_tokens"] == pytest.approx(
+                (row["accepted"] + row["verifications"]) / row["verifications"], abs=1e-3)
+            assert row["speedup"] == pytest.approx(row["spec_tok_s"] / row["baseline_tok_s"],
+                                                   rel=1e-2)
+    for key, mode, batch in (("speedup", "greedy", "batch1"),
+                             ("sampled_speedup", "sampled", "batch1"),
+                             ("batch32_speedup", "greedy", "batch32"),
+                             ("sampled_batch32_speedup", "sampled", "batch32")):
+        assert out[key] == out[mode][batch]["speedup"], key
+    assert out["greedy"]["batch1"]["identical"] is True
+    assert out["greedy"]["batch32"]["identical"] is True
     assert "identical" not in out["sampled"]["batch1"]
     assert out["sampling"]["temperature"] == 0.8 and out["sampling"]["top_p"] == 0.95
+    assert out["k"] == 3 and out["adaptive"] is False and out["max_tokens"] == 6
 
 
 def test_unseen_prompts_are_not_in_the_training_split():

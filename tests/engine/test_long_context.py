@@ -13,9 +13,11 @@ import torch
 from tiny_models import random_model, tiny_config
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.cache.planner import cache_budget, fraction_budget, plan_cache
+from kdaserve.cache import planner
+from kdaserve.cache.planner import fraction_budget, plan_cache
 from kdaserve.cache.spec import specs_for
 from kdaserve.config import CacheConfig, ConfigError
+from kdaserve.engine.device_memory import cache_budget
 from kdaserve.model.loader import save_model
 
 LONG, SHORT, CHUNK, NEW = 65536, 16384, 4096, 6
@@ -195,6 +197,9 @@ def test_gpu_memory_utilization_sizes_the_cache_on_cuda_only():
         == 1 << 30
     with pytest.raises(ValueError, match="raise the fraction"):
         cache_budget(CacheConfig(gpu_memory_utilization=0.2), torch.device("cuda"), info)
+    # the planner's own form takes the numbers (cache/ asks no device)
+    assert planner.cache_budget(cc, (60 << 30, 80 << 30)) == want
+    assert planner.cache_budget(cc, None) == 1 << 30
     with pytest.raises(ConfigError):
         CacheConfig(gpu_memory_utilization=1.5)
 

@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from compiled_kernels import needs_kernels, require
 from fused_cases import clone_cache as _clone
 from fused_cases import prefill as _prefill
 from fused_cases import round_to_bf16 as _round_to_bf16
@@ -25,9 +26,14 @@ from kdaserve.model.fused_decode import FusedDecoder, fused_decoder, supports
 from kdaserve.model.moe import SparseMoE
 from kdaserve.request import SamplingParams
 
-pytestmark = pytest.mark.skipif(
-    __import__("kdaserve.ops.cpu_kernels", fromlist=["x"]).decode_block_kernels() is None,
-    reason="no C compiler: the fused decode path is off")
+pytestmark = needs_kernels
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    from kdaserve.ops.cpu_kernels import decode_block_kernels
+
+    require(decode_block_kernels(), "csrc/decode_cpu.c")
 
 
 def _full_rank_config():

@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from compiled_kernels import needs_kernels, require
 from fused_cases import clone_cache as _clone
 from fused_cases import prefill as _prefill
 from fused_cases import round_to_bf16 as _round_to_bf16
@@ -24,9 +25,14 @@ from kdaserve.model.moe import SparseMoE
 from kdaserve.model.registry import load_config
 from kdaserve.request import SamplingParams
 
-pytestmark = pytest.mark.skipif(
-    __import__("kdaserve.ops.cpu_kernels", fromlist=["x"]).decode_block_kernels() is None,
-    reason="no C compiler: the fused decode path is off")
+pytestmark = needs_kernels
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    from kdaserve.ops.cpu_kernels import decode_block_kernels
+
+    require(decode_block_kernels(), "csrc/decode_cpu.c")
 
 
 def _model(seed: int, **over):

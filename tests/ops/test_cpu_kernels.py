@@ -3,18 +3,16 @@ same per-position states, other slots untouched; and the registry falls back to 
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
+from compiled_kernels import needs_kernels, require
 
 from kdaserve.ops import kda as ref
 from kdaserve.ops.cpu_kernels import kda_recurrent_slots_kernel
 from kdaserve.ops.registry import TORCH_KDA, _compiled_recurrent_slots
 
-needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                              reason="no C compiler")
+needs_cc = needs_kernels
 
 
 def _inputs(B: int, L: int, H: int, D: int, seed: int):
@@ -31,8 +29,7 @@ def _inputs(B: int, L: int, H: int, D: int, seed: int):
 @pytest.mark.parametrize("B,L,H,D", [(1, 1, 1, 4), (5, 1, 2, 8), (3, 6, 2, 16), (64, 1, 4, 64),
                                      (2, 8, 4, 64)])
 def test_compiled_matches_reference(B, L, H, D):
-    kernel = kda_recurrent_slots_kernel()
-    assert kernel is not None, "a C compiler is present: the kernel must build"
+    kernel = require(kda_recurrent_slots_kernel(), "csrc/kda_cpu.c")
     compiled = _compiled_recurrent_slots(kernel)
     S = B + 3
     store = torch.randn(S, H, D, D, generator=torch.Generator().manual_seed(1)) * 0.1
@@ -54,7 +51,7 @@ def test_compiled_matches_reference(B, L, H, D):
 @needs_cc
 def test_compiled_rows_are_independent_of_batch():
     """A row's result is bitwise the same alone or in a batch (greedy identity relies on it)."""
-    compiled = _compiled_recurrent_slots(kda_recurrent_slots_kernel())
+    compiled = _compiled_recurrent_slots(require(kda_recurrent_slots_kernel(), "csrc/kda_cpu.c"))
     B, L, H, D = 6, 3, 2, 16
     inputs = _inputs(B, L, H, D, seed=7)
     store = torch.randn(B, H, D, D) * 0.1

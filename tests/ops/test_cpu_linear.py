@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from compiled_kernels import needs_kernels, require
 from tiny_models import random_model, tiny_config
 from torch import nn
 
@@ -16,7 +17,12 @@ from kdaserve.model.fused_args import BlockArgs
 from kdaserve.model.kda import KimiDeltaAttention
 from kdaserve.ops.cpu_linear import KMajorLinear, _kernel, k_major, k_major_weight, linear
 
-pytestmark = pytest.mark.skipif(_kernel() is None, reason="no C compiler: F.linear serves")
+pytestmark = needs_kernels
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    require(_kernel(), "the K-major linear kernel (csrc/row_products.h)")
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:

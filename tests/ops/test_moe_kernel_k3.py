@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compiled_kernels import require
 
 from kdaserve.ops import cpu_kernels
 from kdaserve.ops.activation import GLUActivation
@@ -21,17 +22,11 @@ ACTS = {
 
 
 def _fp32_kernel():
-    kernel = cpu_kernels.moe_experts_kernel()
-    if kernel is None:
-        pytest.skip("compiled CPU kernels unavailable (no compiler or KDASERVE_CPU_KERNELS=0)")
-    return kernel
+    return require(cpu_kernels.moe_experts_kernel(), "csrc/moe_cpu.c (fp32)")
 
 
 def _mxfp4_kernel():
-    kernel = cpu_kernels.moe_experts_mxfp4_kernel()
-    if kernel is None:
-        pytest.skip("compiled CPU kernels unavailable (no compiler or KDASERVE_CPU_KERNELS=0)")
-    return kernel
+    return require(cpu_kernels.moe_experts_mxfp4_kernel(), "csrc/moe_cpu.c (MXFP4)")
 
 
 def _routing(T: int, seed: int, num_experts: int = E, k: int = TOP_K):

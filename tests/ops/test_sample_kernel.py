@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compiled_kernels import needs_kernels, require
 
 from kdaserve.engine.sampler import SamplingRow, sample
 from kdaserve.ops.sample_kernel import sample_rows_kernel
 from kdaserve.request import SamplingParams
 
-pytestmark = pytest.mark.skipif(sample_rows_kernel() is None, reason="no C compiler")
+pytestmark = needs_kernels
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    require(sample_rows_kernel(), "csrc/sample_cpu.c")
 
 CASES = [
     dict(temperature=0.0),

@@ -25,6 +25,7 @@ class LoadReport:
     aborted: int = 0                      # disconnected on purpose mid-stream
     statuses: Counter = field(default_factory=Counter)
     hostile: Counter = field(default_factory=Counter)
+    hostile_by_kind: dict[str, Counter] = field(default_factory=dict)   # kind -> statuses
     ttft: list[float] = field(default_factory=list)
     stream_errors: Counter = field(default_factory=Counter)
     transport_errors: Counter = field(default_factory=Counter)
@@ -38,6 +39,7 @@ class LoadReport:
         xs = sorted(self.ttft)
         return {"completed": self.completed, "aborted": self.aborted,
                 "status_counts": dict(self.statuses), "hostile_status_counts": dict(self.hostile),
+                "hostile_by_kind": {k: dict(v) for k, v in self.hostile_by_kind.items()},
                 "stream_error_codes": dict(self.stream_errors), "normal_requests": len(xs),
                 "transport_errors": dict(self.transport_errors),
                 "ttft_p50_s": round(xs[len(xs) // 2], 3) if xs else None,
@@ -83,23 +85,38 @@ async def _normal(c: httpx.AsyncClient, rng: random.Random, rep: LoadReport, mod
             rep.transport_errors[type(exc).__name__] += 1
 
 
-async def _hostile(c: httpx.AsyncClient, rng: random.Random, rep: LoadReport, model: str,
-                   stop_at: float) -> None:
+# What each hostile request must get: n=128 is the most allowed, so it runs; the others break
+# a limit (64 stop strings, the context's bytes, top_k in int32) and are refused.
+HOSTILE_STATUS = {"n=128": 200, "10,000 stops": 400, "10 MB prompt": 400, "top_k 2**63": 400}
+
+
+def _hostile_bodies(model: str) -> dict[str, dict]:
     big = "word " * (2 << 20)                 # 10 MB
-    bodies = [
-        {"model": model, "prompt": "ROMEO:", "n": 128, "max_tokens": 200, "ignore_eos": True},
-        {"model": model, "prompt": "x", "max_tokens": 4, "stop": [f"s{i}" for i in range(10_000)]},
-        {"model": model, "prompt": big, "max_tokens": 4},
-        {"model": model, "prompt": "hi", "max_tokens": 1, "top_k": 9223372036854775808},
-    ]
+    return {
+        "n=128": {"model": model, "prompt": "ROMEO:", "n": 128, "max_tokens": 200,
+                  "ignore_eos": True},
+        "10,000 stops": {"model": model, "prompt": "x", "max_tokens": 4,
+                         "stop": [f"s{i}" for i in range(10_000)]},
+        "10 MB prompt": {"model": model, "prompt": big, "max_tokens": 4},
+        "top_k 2**63": {"model": model, "prompt": "hi", "max_tokens": 1,
+                        "top_k": 9223372036854775808},
+    }
+
+
+async def _hostile(c: httpx.AsyncClient, rng: random.Random, rep: LoadReport, model: str,
+                   stop_at: float, first: int) -> None:
+    bodies = list(_hostile_bodies(model).items())
+    # each client starts at another kind, then picks at random: every kind is sent at once
+    kind, body = bodies[first % len(bodies)]
     while time.monotonic() < stop_at:
-        body = rng.choice(bodies)
         try:
             r = await c.post("/completions", json=body)
             rep.hostile[r.status_code] += 1
+            rep.hostile_by_kind.setdefault(kind, Counter())[r.status_code] += 1
         except httpx.HTTPError as exc:
             rep.transport_errors[type(exc).__name__] += 1
         await asyncio.sleep(rng.uniform(0.5, 3.0))
+        kind, body = rng.choice(bodies)
 
 
 async def run_load(base_url: str, clients: int = 200, seconds: float = 60.0,
@@ -112,8 +129,8 @@ async def run_load(base_url: str, clients: int = 200, seconds: float = 60.0,
         stop_at = time.monotonic() + seconds
         tasks = [_normal(c, random.Random(rng.random()), rep, model, stop_at)
                  for _ in range(clients)]
-        tasks += [_hostile(c, random.Random(rng.random()), rep, model, stop_at)
-                  for _ in range(hostile)]
+        tasks += [_hostile(c, random.Random(rng.random()), rep, model, stop_at, i)
+                  for i in range(hostile)]
         await asyncio.gather(*tasks)
     return rep
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch.multiprocessing as tmp
 
 from kdaserve.config import EngineConfig
+from kdaserve.engine.executor import spawn_errors
 from kdaserve.engine.executor.base import ExecutorError, RankExecutor
 from kdaserve.engine.executor.worker import worker_main
 
@@ -63,24 +64,35 @@ class MultiprocExecutor(RankExecutor):
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.procs, self.conns = [], []
         level = logging.getLogger("kdaserve").getEffectiveLevel()
-        for rank in range(self.world_size):
-            ours, theirs = ctx.Pipe()
-            p = ctx.Process(target=worker_main, name=f"kdaserve-worker-{rank}", daemon=True,
-                            args=(rank, self.world_size, init_method, config, plan, theirs,
-                                  os.getpid(), level))
-            p.start()
-            theirs.close()
-            self.procs.append(p)
-            self.conns.append(ours)
+        with spawn_errors.error_file() as errors:
+            for rank in range(self.world_size):
+                ours, theirs = ctx.Pipe()
+                p = ctx.Process(target=worker_main, name=f"kdaserve-worker-{rank}", daemon=True,
+                                args=(rank, self.world_size, init_method, config, plan, theirs,
+                                      os.getpid(), level))
+                try:
+                    p.start()
+                except RuntimeError as exc:
+                    if spawn_errors.bootstrapping():     # we are a worker: see spawn_errors
+                        raise spawn_errors.report_from_worker(exc) from exc
+                    raise
+                theirs.close()
+                self.procs.append(p)
+                self.conns.append(ours)
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
         try:
             for rank in range(self.world_size):
-                kind, detail = self._recv(rank, startup_timeout_s, "starting")
+                try:
+                    kind, detail = self._recv(rank, startup_timeout_s, "starting")
+                except ExecutorError as exc:
+                    raise ExecutorError(f"{exc}{spawn_errors.explain(errors)}") from None
                 if kind != "ready":
                     raise ExecutorError(f"a worker failed to start: {detail}")
         except BaseException:
             self.shutdown()
             raise
+        finally:
+            errors.unlink(missing_ok=True)
         logger.info("kdaserve: %d worker processes ready (pids %s)", self.world_size,
                     [p.pid for p in self.procs])
 

@@ -1,44 +1,49 @@
-"""The offload half of the cache manager's facade: the hooks that turn device evictions into
-stores, the operations handed to the step, failures coming back, flushing the device cache to
-the tiers, and placing a prefix hit whose blocks or snapshot sit in a tier.
+"""The device pools' side of the offload tiers: device evictions become stores, the operations
+are handed to the step, failures coming back drop entries, the device cache is flushed to the
+tiers, and a prefix hit whose blocks or snapshot sit in a tier gets loads into device blocks
+and its slot.
 
-A mixin of `CacheManager` (manager.py), split out to keep each file to one concern; it uses the
-manager's pools and per-request holdings. Plain Python: see offload.py for the tiers' side.
+A component the cache manager (manager.py) holds: it sees the device pools and the tiers
+(offload.py), never a request's holding; the manager applies what it returns. Plain Python.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from kdaserve.cache.block_pool import Block, BlockPool
 from kdaserve.cache.offload import Offload
 from kdaserve.cache.ops import BLOCK, SNAPSHOT, CacheOp, OpFailure
 from kdaserve.cache.prefix_cache import PrefixHit, Snapshot, SnapshotPool
 
-if TYPE_CHECKING:
-    from kdaserve.cache.manager import _Holding
+# Device snapshots were dropped: the manager demotes the blocks of these hashes that lead to
+# no snapshot any more (on the device only, or on the device and in the tiers).
+Demote = Callable[[list[bytes]], None]
 
 
-class TieredCache:
-    block_pool: BlockPool
-    snapshots: SnapshotPool
-    offload: Offload | None
-    step: int
-    _protect: set[int]
-    _promoted: dict[str, Snapshot]       # this step: tier snapshots brought back
+class DeviceOffload:
+    def __init__(self, block_pool: BlockPool, snapshots: SnapshotPool, offload: Offload | None,
+                 demote: Demote, demote_device: Demote) -> None:
+        self.block_pool = block_pool
+        self.snapshots = snapshots
+        self.offload = offload
+        self._demote = demote
+        self._promoted: dict[str, Snapshot] = {}     # this step: tier snapshots brought back
+        if offload is not None:
+            self._wire(offload, demote_device)
 
-    # provided by CacheManager
-    def _demote(self, orphan_hashes: list[bytes]) -> None: ...
-
-    def _demote_device(self, orphan_hashes: list[bytes]) -> None: ...
-
-    def _wire(self, off: Offload) -> None:
+    def _wire(self, off: Offload, demote_device: Demote) -> None:
         cached = lambda h: self.block_pool.lookup(h) is not None  # noqa: E731
         self.block_pool.on_evict = lambda b: off.store_block(b.block_id, b.block_hash)
         self.snapshots.on_evict = lambda s: off.store_snapshot(
             s.snapshot_id, s.prefix_hash, s.position, s.chain, s.hits, cached)
         off.device_leads = self.snapshots.leads_to_snapshot
-        off.on_orphans = self._demote_device
+        off.on_orphans = demote_device
+
+    def begin_step(self, step: int) -> None:
+        self._promoted = {}
+        if self.offload is not None:
+            self.offload.begin_step(step)
 
     # ---- cache operations -----------------------------------------------------------------
     def take_ops(self) -> list[CacheOp]:
@@ -57,10 +62,9 @@ class TieredCache:
                 self._demote(self.snapshots.drop(snap))
         return failed
 
-    def flush(self, drop_device: bool = False) -> list[CacheOp]:
-        """Store every device entry worth keeping in the tiers (at shutdown, so the disk tier
-        holds what the device held). `drop_device` also forgets the device copies of entries no
-        request holds, so the next hit is served from a tier (benchmarks, tests)."""
+    def flush(self, drop_device: bool, protect: set[int]) -> list[CacheOp]:
+        """Store every device entry worth keeping in the tiers; `drop_device` also forgets the
+        device copies of entries no request holds (`protect`: snapshots this step uses)."""
         off = self.offload
         if off is None:
             return []
@@ -72,14 +76,15 @@ class TieredCache:
             off.store_block(block.block_id, h)
         if drop_device:
             for snap in list(self.snapshots.by_hash.values()):
-                if snap.snapshot_id not in self._protect:
+                if snap.snapshot_id not in protect:
                     self._demote(self.snapshots.drop(snap))
             for block in list(self.block_pool.cached.values()):
                 if block.ref_cnt == 0:
                     self.block_pool.forget(block)
         return off.take_ops()
 
-    def _hit_blocks(self, hit: PrefixHit | None) -> list[Block | None] | None:
+    # ---- prefix hits reaching into a tier -------------------------------------------------
+    def hit_blocks(self, hit: PrefixHit | None) -> list[Block | None] | None:
         """The hit's device blocks in order (None where only a tier holds it), or None when
         some entry is gone."""
         if hit is None:
@@ -100,40 +105,38 @@ class TieredCache:
             return None
         return out
 
-    def _place_hit(self, request_id: str, held: _Holding, hit: PrefixHit,
-                   hit_blocks: list[Block | None], fresh: list[Block]) -> list[Block]:
+    def place_hit(self, request_id: str, slot: int | None, hit: PrefixHit,
+                  hit_blocks: list[Block | None], fresh: list[Block], step: int,
+                  protect: set[int]) -> tuple[list[Block], list[Block]]:
         """The hit's blocks in order (tier ones in fresh blocks, with their loads), and a tier
-        snapshot loaded into the slot. Returns the fresh blocks left over."""
+        snapshot loaded into `slot`. Returns those blocks and the fresh blocks left over."""
         rest = iter(fresh)
+        placed = []
         used = set()
         for h, block in zip(hit.block_hashes, hit_blocks):
             if block is None:
                 assert self.offload is not None
                 block = next(rest)
                 used.add(self.offload.load_block(h, block.block_id, request_id))
-            held.blocks.append(block)
-            held.block_ids.append(block.block_id)
+            placed.append(block)
         if hit.tier_snapshot:
-            assert self.offload is not None and held.slot is not None
-            used.add(self.offload.load_state(hit.block_hashes[-1], held.slot, request_id))
-            self._promote(request_id, held.slot, hit)
+            assert self.offload is not None and slot is not None
+            used.add(self.offload.load_state(hit.block_hashes[-1], slot, request_id))
+            self._promote(request_id, slot, hit, step, protect)
         for name in used:
             self.offload.counters[name].hits += 1
             self.offload.counters[name].hit_tokens += hit.num_tokens
-        held.hashes = list(hit.block_hashes)
-        # loaded blocks become findable on the device only once their step ran (commit): a
-        # load that fails verification must never be found there
-        held.num_cached_blocks = min(hit.tier_blocks, default=len(hit_blocks))
-        return list(rest)
+        return placed, list(rest)
 
-    def _promote(self, request_id: str, slot: int, hit: PrefixHit) -> None:
+    def _promote(self, request_id: str, slot: int, hit: PrefixHit, step: int,
+                 protect: set[int]) -> None:
         """Bring a tier snapshot back into the device pool (copied from the slot it was just
         loaded into), so the next hit on this prefix restores it from the device."""
         snap, orphans = self.snapshots.reserve(hit.block_hashes[-1], hit.num_tokens,
-                                               hit.block_hashes, self.step, self._protect)
+                                               hit.block_hashes, step, protect)
         self._demote(orphans)
         if snap is not None:
             assert self.offload is not None
-            self._protect.add(snap.snapshot_id)
+            protect.add(snap.snapshot_id)
             self._promoted[request_id] = snap
             self.offload.keep_state(slot, snap.snapshot_id, request_id)
