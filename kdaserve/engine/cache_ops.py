@@ -29,11 +29,11 @@ from kdaserve.cache.ops import (
     SettleDrafts,
     TakeSnapshot,
 )
+from kdaserve.engine.tier_transfer import Store, TierTransfer, TransferStats
 from kdaserve.model.hybrid_cache import HybridCache
 from kdaserve.model.kept_states import KeptStates
 from kdaserve.model.layout.snapshots import SnapshotAt
 from kdaserve.outputs import ScheduledSequence
-from kdaserve.engine.tier_transfer import Store, TierTransfer, TransferStats
 
 
 @dataclass

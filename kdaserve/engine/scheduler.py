@@ -9,11 +9,7 @@ When the cache cannot hold a running request's next tokens, the most recently ad
 is preempted (and leaves this step if already scheduled): its cache is freed and it is
 recomputed later from its prompt and the tokens it already produced.
 
-Fairness: requests belong to groups (an HTTP request's prompts and n completions share one).
-Waiting requests are admitted from the group with the fewest running sequences first, and when
-every sequence slot is taken while a group waits with none running, the newest sequence of the
-group holding the most slots is preempted (one per step), so one request with n=128 cannot
-hold every slot while a short request waits.
+Fairness between request groups: kdaserve/engine/fairness.py.
 
 Failure isolation: requests reset after a failed step are "suspects"; while any is left, a step
 runs one suspect alone, so the next failure names its request (see EngineCore.step).
@@ -26,8 +22,10 @@ from collections import Counter, deque
 from kdaserve.cache.manager import CacheManager
 from kdaserve.cache.ops import CacheOp, FreeRequest, RestoreSnapshot, SettleDrafts, TakeSnapshot
 from kdaserve.config import SchedulerConfig
+from kdaserve.engine.fairness import fair_share_victim, next_waiting
 from kdaserve.engine.prompt_logprobs import record, wants_prompt_logprobs
 from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
+from kdaserve.engine.stop_conditions import append_tokens
 from kdaserve.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from kdaserve.request import Request, RequestStatus
 
@@ -190,18 +188,11 @@ class Scheduler:
         return need
 
     def _fair_share(self) -> list[str]:
-        """Preempt the newest sequence of the group holding the most slots when every slot is
-        taken and some waiting group has none (see the module doc)."""
+        """Preempt for a waiting group that has no running sequence (fairness.py)."""
         self._fair_preempted = 0
-        if len(self.running) < self.config.max_num_seqs or not self.waiting:
+        victim = fair_share_victim(self.running, self.waiting, self.config.max_num_seqs)
+        if victim is None:
             return []
-        counts = Counter(r.group for r in self.running)
-        if all(counts[r.group] for r in self.waiting):
-            return []
-        group, held = counts.most_common(1)[0]
-        if held < 2:
-            return []
-        victim = next(r for r in reversed(self.running) if r.group == group)
         self.running.remove(victim)
         self._preempt(victim)
         self.num_fair_preemptions += 1
@@ -211,7 +202,7 @@ class Scheduler:
     def _admit(self, scheduled: list[tuple[Request, int]], budget: int, chunk_cap: int) -> None:
         counts = Counter(r.group for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self._next_waiting(counts)
+            req = next_waiting(self.waiting, counts, self.config.policy)
             hit = None
             if req.num_computed_tokens == 0 and not wants_prompt_logprobs(req):
                 hit = self.cache.find_hit(req.all_token_ids, req.extra_keys, req.cache_salt)
@@ -259,16 +250,6 @@ class Scheduler:
         """Requests the scheduler ended on its own since the last call (too large to fit)."""
         ended, self._ended = self._ended, []
         return ended
-
-    def _next_waiting(self, counts: Counter) -> Request:
-        """FCFS (or priority) order, but a group with fewer running sequences goes first."""
-        if self.config.policy == "priority":
-            return min(self.waiting, key=lambda r: (counts[r.group], r.priority,
-                                                    r.arrival_time))
-        head = self.waiting[0]
-        if not counts[head.group]:
-            return head
-        return min(self.waiting, key=lambda r: counts[r.group])   # stable: FCFS among equals
 
     # ---- failure isolation ---------------------------------------------------------------------
     def reset_for_retry(self, request_id: str) -> None:
@@ -380,14 +361,7 @@ class Scheduler:
             if not seq.sample:
                 self._commit(req)
                 continue
-            status = None
-            for token in tokens:  # a stop inside an accepted run drops the tokens after it
-                req.output_token_ids.append(token.token_id)
-                if token.top_logprobs is not None:
-                    req.output_logprobs.append(token.top_logprobs)
-                status = self._stop_status(req)
-                if status is not None:
-                    break
+            status = append_tokens(req, tokens, self.config.max_model_len)
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
             self._commit(req)
             touched.append(req)
@@ -420,18 +394,3 @@ class Scheduler:
             return
         self.cache.commit(req.request_id, req.all_token_ids, req.num_computed_tokens,
                           req.extra_keys, req.cache_salt)
-
-    def _stop_status(self, req: Request) -> RequestStatus | None:
-        sp = req.sampling_params
-        last = req.output_token_ids[-1]
-        n_out = len(req.output_token_ids)
-        if n_out >= sp.min_tokens:
-            if not sp.ignore_eos and last in req.eos_token_ids:
-                req.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
-            if last in sp.stop_token_ids:
-                req.stop_reason = last
-                return RequestStatus.FINISHED_STOPPED
-        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
