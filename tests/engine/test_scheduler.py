@@ -116,3 +116,34 @@ def test_abort_frees_everything():
     step(s)
     s.abort("a")
     assert cache.all_free() and not s.has_unfinished()
+
+
+def test_cache_operations_are_typed_and_in_order():
+    """Frees first, then each sequence's restore, snapshots and (verifying) settle."""
+    from kdaserve.cache.ops import FreeRequest, RestoreSnapshot, SettleDrafts, TakeSnapshot
+
+    cache = CacheManager(64, 4, 4, enable_prefix_caching=True, num_snapshots=8,
+                         snapshot_bytes=1, mla_bytes_per_token=1, snapshot_interval=8)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                  max_model_len=1000), cache)
+    s.add_request(req("a", 13, max_tokens=5))
+    _, out = step(s)
+    takes = out.ops_of(TakeSnapshot)
+    assert out.ops == takes and [t.position for t in takes] == [8, 12]
+    assert {t.request_id for t in takes} == {"a"}
+    # a speculating decode step: the row carries its drafts and a settle of its slot
+    s.requests["a"].spec_token_ids = [5, 6]
+    _, out = step(s)
+    assert out.sequences[0].num_draft_tokens == 2
+    assert out.ops[-1] == SettleDrafts("a", out.sequences[0].state_slot)
+    while s.has_unfinished():
+        _, out = step(s)
+    # a later request with the same prompt hits a's snapshot: restored into its own slot
+    s.add_request(req("b", 13, max_tokens=1))
+    _, out = step(s)
+    assert out.ops[0] == FreeRequest("a")
+    restore = out.ops_of(RestoreSnapshot)
+    assert len(restore) == 1 and restore[0].request_id == "b"
+    assert restore[0].slot == out.sequences[0].state_slot
+    assert restore[0].snapshot_id == takes[-1].snapshot_id
+    assert out.sequences[0].context_len == 12
