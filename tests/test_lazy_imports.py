@@ -35,3 +35,10 @@ def test_cli_parser_does_not_import_torch(argv):
 def test_worker_does_not_import_server_or_grammar_compiler():
     code = "import kdaserve.engine.executor.worker, kdaserve.engine.executor.multiproc"
     assert _loaded(code, ("kdaserve.server", "llguidance", "fastapi", "uvicorn")) == []
+
+
+def test_cuda_bench_does_not_import_the_server():
+    # the GPU machines have no FastAPI/uvicorn; the sections' lazy imports are included
+    code = ("import kdaserve.bench.cuda.cli, kdaserve.engine.llm, kdaserve.bench.spec, "
+            "kdaserve.bench.long, kdaserve.bench.spec_prompts")
+    assert _loaded(code, ("kdaserve.server", "fastapi", "uvicorn")) == []
