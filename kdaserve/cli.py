@@ -112,7 +112,7 @@ def _bench_args(bench: argparse.ArgumentParser) -> None:
         ("moe", "MoE backends (reference, grouped, tp_sharded, ep_all2all) side by side",
          _from("kdaserve.bench.moe")),
         ("compare", "kdaserve vs llama.cpp, same model", _from("kdaserve.bench.compare")),
-        ("cuda", "the CUDA path: checks and timings", _from("kdaserve.bench.cuda")),
+        ("cuda", "the CUDA path: checks and timings", _from("kdaserve.bench.cuda.cli")),
         ("serve", "load generator for a server",
          _from("kdaserve.bench.serve", "add_bench_serve_arguments")),
     ]:
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_moe(args)
         if args.bench == "cuda":
-            from kdaserve.bench.cuda import run as run_cuda
+            from kdaserve.bench.cuda.cli import run as run_cuda
 
             return run_cuda(args)
         if args.bench == "spec":

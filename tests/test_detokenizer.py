@@ -10,7 +10,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from kdaserve.detokenizer import DetokenizerDelta, IncrementalDetokenizer
-from kdaserve.tokenizer import _BYTE_TO_CHAR, Tokenizer
+from kdaserve.tiktoken_backend import _BYTE_TO_CHAR
+from kdaserve.tokenizer import Tokenizer
 
 CORPUS = [
     "你好世界 🙂🙂 héllo wörld",

@@ -8,12 +8,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from kdaserve.tokenizer import (
-    KIMI_PAT_STR,
-    KIMI_PAT_STR_FALLBACK,
-    Tokenizer,
-    _build_encoding,
-)
+from kdaserve.tiktoken_backend import KIMI_PAT_STR, KIMI_PAT_STR_FALLBACK, _build_encoding
+from kdaserve.tokenizer import Tokenizer
 
 TEXTS = [
     "héllo wörld 你好 🙂",

@@ -139,6 +139,7 @@ def measure(model_dir: str, context: int, decode_tokens: int, chunk: int, cache_
     beside = beside[0] if beside else None
     plan = eng.plan
     held = plan.request_bytes(total)
+    n_prompt = len(prompt)     # what was sent, so a short prompt shows in the row
     return {
         "context": context, "layers_mla": len(eng.model.config.mla_layers),
         "layers": eng.model.config.num_hidden_layers, "completed": tokens == decode_tokens,

@@ -191,6 +191,7 @@ def _layout_runs(repeats: int, max_tokens: int = 32) -> dict:
         "dp2_ep2_identical": out["dp2_ep2"]["tokens"] == out["one"]["tokens"],
         "pp2_identical": out["pp2"]["tokens"] == out["one"]["tokens"],
         "decode_step_s": {k: round(v["decode_step_s"], 5) for k, v in out.items()},
+        "output_tokens_per_prompt": {k: [len(t) for t in v["tokens"]] for k, v in out.items()},
         "tp2_step_vs_one": out["tp2"]["decode_step_s"] / out["one"]["decode_step_s"],
         "ep2_step_vs_one": out["ep2"]["decode_step_s"] / out["one"]["decode_step_s"],
         "dp2_ep2_step_vs_one": (out["dp2_ep2"]["decode_step_s"]
@@ -265,7 +266,9 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "experts": args.experts, "top_k": args.top_k, "hidden": args.hidden,
         "intermediate": args.intermediate, "threads": 1,
+        # step_s: what tokens_per_s (rounded) and the ratios (unrounded) come from
         "backends": {b: {t: {"tokens_per_s": round(v["tokens_per_s"], 1),
+                             "step_s": v["step_s"],
                              "max_abs_err_vs_reference": v["max_abs_err"]}
                          for t, v in per.items()} for b, per in backends.items()},
         "experts_format": args.experts_format,

@@ -134,7 +134,8 @@ class EngineCore:
                 stores=tiers.stores if tiers else None))
         else:
             from kdaserve.engine.executor import start_ranks
-            
+            from kdaserve.structured.manager import StructuredOutputs
+
             # grammars are validated here, compiled again on each rank
             self.executor = start_ranks(config, self.plan,
                                         StructuredOutputs(tokenizer, cfg.vocab_size))

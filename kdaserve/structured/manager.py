@@ -10,6 +10,10 @@ next drafts against the grammar. A verify row gets one mask per position, comput
 drafts and rolled back (llguidance's draft-aware batch call), so a draft the grammar refuses
 is never accepted and positions after it stay unconstrained (they are never used).
 
+llguidance (and everything that compiles grammars) is imported on the first request with a
+grammar, not here: every runner and engine core builds a StructuredOutputs, and a process that
+never sees a grammar never loads the compiler. The vocabulary walk waits for that request too.
+
 Legend: W = ceil(V / 32) mask words, P positions of a row (drafts + 1).
 """
 
@@ -19,19 +23,21 @@ import logging
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
-import llguidance as llg
-import llguidance.torch as llt
 import torch
 
 from kdaserve.outputs import SampledToken, ScheduledSequence
 from kdaserve.request import Request
 from kdaserve.structured import bitmask
-from kdaserve.structured.compiler import GrammarCache
-from kdaserve.structured.matcher import RequestGrammar
 from kdaserve.structured.spec import GuidedDecoding, GuidedDecodingError
-from kdaserve.structured.tokenizer import build_lltokenizer
 from kdaserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import llguidance as llg
+
+    from kdaserve.structured.compiler import GrammarCache
+    from kdaserve.structured.matcher import RequestGrammar
 
 logger = logging.getLogger("kdaserve")
 
@@ -46,9 +52,8 @@ class StructuredOutputs:
         self._grammars: dict[str, RequestGrammar] = {}
         self._pending: Future | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdaserve-grammar")
-        self._executor = llg.LLExecutor(num_threads=threads)
-        # the vocabulary walk takes seconds at 163,840 tokens: start it now, off the loop
-        self._warm = self._pool.submit(self._grammar_cache) if tokenizer is not None else None
+        self._threads = threads
+        self._executor: llg.LLExecutor | None = None    # built with the first masks
 
     def _grammar_cache(self) -> GrammarCache:
         with self._cache_lock:
@@ -56,6 +61,9 @@ class StructuredOutputs:
                 if self._tokenizer is None:
                     raise GuidedDecodingError("structured outputs need a tokenizer; this model "
                                               "directory has none")
+                from kdaserve.structured.compiler import GrammarCache
+                from kdaserve.structured.tokenizer import build_lltokenizer
+
                 try:
                     lltok = build_lltokenizer(self._tokenizer, self.vocab_size)
                 except Exception as exc:     # an unusual vocabulary: a 400, not an engine fault
@@ -75,6 +83,8 @@ class StructuredOutputs:
             return None
         st = self._grammars.get(req.request_id)
         if st is None:
+            from kdaserve.structured.matcher import RequestGrammar
+
             st = self._grammars[req.request_id] = RequestGrammar(
                 self._grammar_cache().matcher(g), self._eos)
         return st
@@ -108,6 +118,11 @@ class StructuredOutputs:
 
     def _masks(self, rows: list[tuple[str, RequestGrammar, list[int]]],
                syncs: list[tuple[RequestGrammar, int, list[int]]] = ()) -> dict[str, torch.Tensor]:
+        import llguidance as llg
+        import llguidance.torch as llt
+
+        if self._executor is None:     # only this pool's one thread gets here: no lock
+            self._executor = llg.LLExecutor(num_threads=self._threads)
         for st, n, unseen in syncs:
             st.sync_to(n, unseen)
         total = sum(len(d) + 1 for _, _, d in rows)

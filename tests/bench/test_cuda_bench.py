@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from kdaserve.bench.cuda import _first_diff, summarize
+from kdaserve.bench.cuda.cli import summarize
+from kdaserve.bench.cuda.correctness import first_diff
 
 
 def test_bench_cuda_tiny_runs_every_section_on_cpu(capsys, tmp_path):
@@ -54,7 +55,8 @@ def test_correctness_reports_where_the_runs_differ(monkeypatch):
 
     import torch
 
-    from kdaserve.bench import cuda
+    from kdaserve.bench.cuda import correctness
+    from kdaserve.bench.cuda.workload import TINY
 
     def greedy(llm, prompts, max_tokens):
         ids = [[1, 2, 3, 4], [5, 6, 7, 8]]
@@ -63,9 +65,9 @@ def test_correctness_reports_where_the_runs_differ(monkeypatch):
         return ids
 
     monkeypatch.delenv("KDASERVE_FUSED_DECODE", raising=False)
-    monkeypatch.setattr(cuda, "_llm", lambda *a, **kw: object())
-    monkeypatch.setattr(cuda, "_greedy", greedy)
-    out = cuda.correctness(torch.device("cpu"), cuda.TINY)
+    monkeypatch.setattr(correctness, "build_llm", lambda *a, **kw: object())
+    monkeypatch.setattr(correctness, "_greedy", greedy)
+    out = correctness.correctness(torch.device("cpu"), TINY)
     for name in ("kimi_k3", "kimi_linear"):
         assert out[name]["greedy_identical_cuda_vs_cpu"] is False
         assert out[name]["first_diffs"] == [{"prompt": 1, "first_diff_position": 2}]
@@ -73,9 +75,9 @@ def test_correctness_reports_where_the_runs_differ(monkeypatch):
 
 
 def test_first_diff_and_summary():
-    assert _first_diff([1, 2, 3], [1, 2, 3]) is None
-    assert _first_diff([1, 2, 3], [1, 5, 3]) == 1
-    assert _first_diff([1, 2], [1, 2, 3]) == 2
+    assert first_diff([1, 2, 3], [1, 2, 3]) is None
+    assert first_diff([1, 2, 3], [1, 5, 3]) == 1
+    assert first_diff([1, 2], [1, 2, 3]) == 2
     s = summarize({"correctness": {"kda_backend": "fla-triton",
                                    "kimi_k3": {"greedy_identical_cuda_vs_cpu": False}},
                    "kda_op": {"fla_chunk_vs_torch_ref_max_abs_err_o": 1e-6,

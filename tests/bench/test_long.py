@@ -1,5 +1,6 @@
-"""`kdaserve bench long` prints one JSON object with the issue's keys, from runs that complete;
-its summary arithmetic holds on made-up runs (the real contexts are for docs, not CI)."""
+"""`kdaserve bench long` prints one JSON object with the issue's keys, from runs that complete
+with the token counts asked for and rates and ratios that are the reported figures divided; its
+summary arithmetic holds on made-up runs (the real contexts are for docs, not CI)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ from kdaserve.model.registry import load_config
 KEYS = ("tpot_ratio_128k_1k", "cache_bytes_ratio_vs_mla", "completed_1m", "peak_rss_1m_mb")
 
 
+def _within_rounding(reported: float, num: float, den: float, den_digits: int,
+                     digits: int) -> bool:
+    """`reported` is round(num / d, digits) for some d that rounds to `den` at den_digits."""
+    half = 0.5 * 10 ** -den_digits
+    slack = 0.5 * 10 ** -digits
+    return num / (den + half) - slack <= reported <= num / (den - half) + slack
+
+
 def test_bench_long_runs_hybrid_and_all_mla(capsys):
     from kdaserve.cli import main
 
@@ -18,15 +27,30 @@ def test_bench_long_runs_hybrid_and_all_mla(capsys):
                  "--decode-tokens", "3", "--max-num-batched-tokens", "512"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(KEYS) <= set(out)
+    assert out["decode_tokens"] == 3 and out["max_num_batched_tokens"] == 512
     assert [r["context"] for r in out["hybrid"]] == [1200]
+    assert [r["context"] for r in out["all_mla"]] == [1200]
     for run in out["hybrid"] + out["all_mla"]:
         assert run["completed"], run
-        assert run["prefill_tok_s"] > 0 and run["tpot_ms"] > 0 and run["peak_rss_mb"] > 0
+        # the prompt fills the context but for the decoded tokens
+        assert run["prompt_tokens"] == 1200 - 3
+        assert 0 < run["prefill_s"] and run["tpot_ms"] > 0
+        assert _within_rounding(run["prefill_tok_s"], run["prompt_tokens"], run["prefill_s"],
+                                3, 1), run
+        assert run["cache_bytes_per_token"] == round(run["cache_bytes"] / 1200, 1)
+        assert run["peak_rss_mb"] >= run["rss_before_mb"] > 0
+        # past BASE_CONTEXT a 1k request decodes beside it (the side-by-side TPOT ratio)
+        assert run["tpot_base_beside_ms"] > 0
     hybrid, mla = out["hybrid"][0], out["all_mla"][0]
     assert (hybrid["layers_mla"], mla["layers_mla"]) == (1, 4)
+    assert hybrid["layers"] == mla["layers"] == 4
     # a quarter of the layers hold latents; the KDA slot is a constant on top
     assert 0.25 < out["cache_bytes_ratio_vs_mla"] < 0.35
+    assert out["cache_bytes_ratio_vs_mla"] == round(hybrid["cache_bytes"] / mla["cache_bytes"], 3)
+    assert out["tpot_ratio_vs_mla"] == round(hybrid["tpot_ms"] / mla["tpot_ms"], 3)
     assert out["cache_bytes_ratio_context"] == 1200
+    # no 128k or 1k row: those ratios have nothing to compare
+    assert out["tpot_ratio_128k_1k"] is None and out["tpot_ratio_128k_1k_across_runs"] is None
     assert out["completed_1m"] is False and out["peak_rss_1m_mb"] is None
 
 
