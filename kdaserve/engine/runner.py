@@ -12,6 +12,7 @@ rejected positions stay in the pages, past the request's computed length, and ar
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ import torch
 
 from kdaserve.cache.planner import CachePlan
 from kdaserve.engine.cache_ops import CacheOpExecutor, StepOps
+from kdaserve.engine.decode_inputs import DecodeInputs
 from kdaserve.engine.encoder_cache import EncoderCache, embed_with_media
 from kdaserve.engine.prompt_logprob_scoring import score
 from kdaserve.engine.row_sampling import RowSampler
@@ -53,7 +55,11 @@ class ModelRunner:
                  device: torch.device | str = "cpu", seed: int = 0,
                  proposer: Proposer | None = None,
                  stores: Mapping[str, Store] | None = None,
-                 structured: StructuredOutputs | None = None) -> None:
+                 structured: StructuredOutputs | None = None,
+                 device_resident: bool | None = None) -> None:
+        """device_resident: decode steps that the torch forward runs read persistent input
+        buffers and never wait on the device (engine/decode_inputs.py); by default on CUDA.
+        KDASERVE_DEVICE_RESIDENT=1 turns it on anywhere (the CPU tests), =0 off."""
         self.model = model
         self.structured = structured      # grammar masks (structured outputs)
         self.device = torch.device(device)
@@ -71,6 +77,10 @@ class ModelRunner:
         # compiled single-token decode for few rows (built on first use; False: not available)
         self._fused: fused_decode.FusedDecoder | None | bool = None
         self._threads = torch.get_num_threads()     # torch's, as the engine configured it
+        if device_resident is None:
+            env = os.environ.get("KDASERVE_DEVICE_RESIDENT", "")
+            device_resident = env == "1" or (self.device.type == "cuda" and env != "0")
+        self.decode_inputs = DecodeInputs(self.device) if device_resident else None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -101,7 +111,8 @@ class ModelRunner:
 
     def plan(self, sequences: list[ScheduledSequence], ops: StepOps) -> StepPlan | None:
         plan = plan_step(sequences, ops, self.requests, self.cache, self.cfg.conv_kernel_size,
-                         self.model.chunk_size, self.device, self._fused_decoder)
+                         self.model.chunk_size, self.device, self._fused_decoder,
+                         self.decode_inputs)
         if plan is not None:
             self.num_forward_tokens += len(plan.ids)
         return plan

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kdaserve.engine.cache_ops import StepOps
+from kdaserve.engine.decode_inputs import DecodeInputs
 from kdaserve.engine.prompt_logprob_scoring import PromptRows, plan_rows
 from kdaserve.engine.step_message import RunnerRequest
 from kdaserve.model import fused_decode
@@ -50,8 +51,11 @@ def plan_step(sequences: Sequence[ScheduledSequence], ops: StepOps,
               requests: Mapping[str, RunnerRequest], cache: HybridCache, conv_kernel: int,
               chunk_size: int, device: torch.device,
               fused_for: Callable[[list[ScheduledSequence], int],
-                                  fused_decode.FusedDecoder | None]) -> StepPlan | None:
-    """The plan for the sequences that run (None: every one sits the step out)."""
+                                  fused_decode.FusedDecoder | None],
+              decode_inputs: DecodeInputs | None = None) -> StepPlan | None:
+    """The plan for the sequences that run (None: every one sits the step out).
+    `decode_inputs`: a step of one-token decode rows that the torch forward runs is laid out
+    from these persistent buffers, without waiting on the device (decode_inputs.py)."""
     seqs, num_decode = forward_order([s for s in sequences if s.request_id not in ops.lost])
     if not seqs:
         return None
@@ -70,12 +74,25 @@ def plan_step(sequences: Sequence[ScheduledSequence], ops: StepOps,
     for r in prompt_rows:
         wanted.extend(r.at)
     fused = fused_for(seqs, num_decode) if not prompt_rows else None
-    fb = None if fused is not None else build_forward_batch(
-        lens, [s.context_len for s in seqs], num_decode=num_decode, conv_kernel=conv_kernel,
-        chunk_size=chunk_size, cache=cache, block_tables=[s.block_ids for s in seqs],
-        state_slots=[s.state_slot for s in seqs], logits_indices=wanted,
-        snapshots=snapshots or None, device=device,
-    )
-    ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=device)
+    ctx = [s.context_len for s in seqs]
+    fb = ids = None
+    if fused is None and decode_inputs is not None and num_decode == len(seqs) \
+            and all(n == 1 for n in lens) and not any(s.media for s in seqs):
+        inp = decode_inputs.fill(seqs)
+        ids = inp.ids
+        fb = build_forward_batch(
+            lens, ctx, num_decode=num_decode, conv_kernel=conv_kernel, chunk_size=chunk_size,
+            cache=cache, block_tables=inp.block_table, state_slots=inp.slots,
+            logits_indices=wanted, snapshots=snapshots or None, device=device,
+            positions=inp.positions, sync_free=True)
+    elif fused is None:
+        fb = build_forward_batch(
+            lens, ctx, num_decode=num_decode, conv_kernel=conv_kernel, chunk_size=chunk_size,
+            cache=cache, block_tables=[s.block_ids for s in seqs],
+            state_slots=[s.state_slot for s in seqs], logits_indices=wanted,
+            snapshots=snapshots or None, device=device)
+    if ids is None:
+        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long,
+                           device=device)
     return StepPlan(seqs, num_decode, lens, starts, n_sample, prompt_rows, snapshots, ids,
                     wanted, fb, fused)

@@ -47,9 +47,14 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
+    def feed_forward(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        if hasattr(self, "block_sparse_moe"):
+            return self.block_sparse_moe(h, sync_free=fb.sync_free)
+        return self.mlp(h)
+
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), fb)
-        return x + self.ffn(self.post_attention_layernorm(x))
+        return x + self.feed_forward(self.post_attention_layernorm(x), fb)
 
 
 def build_layers(cfg: ModelConfig, chunk_size: int,

@@ -57,6 +57,9 @@ class ForwardBatch:
     keep_chunk_states: bool = False          # return KDA states at chunk ends (snapshots)
     snapshots: SnapshotPlan | None = None
     cu_seqlens: torch.Tensor | None = None   # [B+1] token offsets of the sequences
+    # a device-resident decode step: layers take no path that reads a tensor back to the
+    # host (the MoE routes without its expert counts; kdaserve/engine/decode_inputs.py)
+    sync_free: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -75,14 +78,19 @@ def build_forward_batch(
     conv_kernel: int = 4,
     chunk_size: int = 16,
     cache: HybridCache | None = None,
-    block_tables: list[list[int]] | None = None,
-    state_slots: list[int] | None = None,
+    block_tables: list[list[int]] | torch.Tensor | None = None,
+    state_slots: list[int] | torch.Tensor | None = None,
     logits_indices: list[int] | torch.Tensor | None = None,
     keep_chunk_states: bool = False,
     snapshots: list[SnapshotAt] | None = None,
     device: torch.device | str = "cpu",
+    positions: torch.Tensor | None = None,
+    sync_free: bool = False,
 ) -> ForwardBatch:
-    """Build every index of a step. Without a cache all context lengths must be 0."""
+    """Build every index of a step. Without a cache all context lengths must be 0. Every
+    size is taken from the Python lists, so building never waits on the device. A decode
+    step's persistent inputs come as tensors: `positions` [T], `state_slots` [B] and
+    `block_tables` [B, width] (kdaserve/engine/decode_inputs.py)."""
     device = torch.device(device)
     B = len(seq_lens)
     ctx_list = list(context_lens) if context_lens is not None else [0] * B
@@ -92,9 +100,9 @@ def build_forward_batch(
         raise ValueError("every sequence in a batch needs at least one token")
     if any(ctx_list[i] <= 0 for i in range(num_decode)):
         raise ValueError("decode rows continue a sequence: they need context")
-    rows = PackedRows.build(seq_lens, ctx_list, num_decode, device)
+    rows = PackedRows.build(seq_lens, ctx_list, num_decode, device, positions)
     conv = ConvRows(B, conv_kernel - 1, rows.num_tokens)
-    kda, decode, pre = kda_layout(rows, conv, seq_lens, chunk_size)
+    kda, decode = kda_layout(rows, conv, seq_lens, ctx_list, chunk_size)
     mla = mla_layout(rows, seq_lens, ctx_list, cache.block_size if cache is not None else None,
                      block_tables)
     li = None
@@ -102,11 +110,14 @@ def build_forward_batch(
         li = torch.as_tensor(logits_indices, dtype=torch.long, device=device)
     plan = None
     if snapshots:
-        plan = snapshot_plan(snapshots, rows, conv, pre, chunk_size)
-        keep_chunk_states = keep_chunk_states or not bool(plan.final.all())
+        plan = snapshot_plan(snapshots, rows, conv, seq_lens, ctx_list, chunk_size)
+        # an interior snapshot reads a chunk-end state the chunked kernel must keep
+        keep_chunk_states = keep_chunk_states or any(
+            s.position - ctx_list[s.row] != seq_lens[s.row] for s in snapshots)
     slots = has_init = None
     if state_slots is not None:
-        slots = torch.tensor(state_slots, dtype=torch.long, device=device)
+        slots = (state_slots if isinstance(state_slots, torch.Tensor)
+                 else torch.tensor(state_slots, dtype=torch.long, device=device))
         has_init = (rows.ctx > 0).to(torch.float32)
     return ForwardBatch(
         seq_lens=list(seq_lens), context_lens=ctx_list, num_decode=num_decode,
@@ -114,4 +125,5 @@ def build_forward_batch(
         decode=decode, cache=cache, state_slots=slots, has_initial_state=has_init,
         num_fresh=sum(1 for c in ctx_list if c == 0), logits_indices=li,
         keep_chunk_states=keep_chunk_states, snapshots=plan, cu_seqlens=rows.cu,
+        sync_free=sync_free,
     )

@@ -52,7 +52,7 @@ class KimiK3DecoderLayer(DecoderLayer):
         else:
             partial = partial + y
         h = attn_res_mix(bank, partial, self.mlp_res_norm.weight, self.mlp_res_proj.weight)
-        return partial + self.ffn(self.post_attention_layernorm(h))
+        return partial + self.feed_forward(self.post_attention_layernorm(h), fb)
 
 
 class KimiK3TextModel(nn.Module):

@@ -164,13 +164,40 @@ class SparseMoE(nn.Module):
         h = self.act(h[..., : self.intermediate], h[..., self.intermediate:])
         return torch.bmm(h, w2.transpose(1, 2)) if batched else F.linear(h, w2)
 
+    def _routed_all_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                            ) -> torch.Tensor:
+        """The routed sum with shapes fixed by T alone, never reading counts back, for decode
+        steps of few tokens on the device (a grouped GPU kernel is the fast form). Fewer
+        slots than experts: each slot gathers its expert's weights (reads T*k experts, as
+        many as the grouped forms at batch 1). Otherwise every expert runs over a [T, W] group
+        in which each token sits at its own row (a token picks an expert once), zero where it
+        did not pick it: each expert's weights read once, E/k times the arithmetic."""
+        T, k = ids.shape
+        E = self.num_experts
+        flat = ids.reshape(-1)
+        tok = torch.arange(T, device=x.device).repeat_interleave(k, output_size=T * k)
+        if T * k < E:
+            y = self._expert_mlp(x[tok][:, None], self.experts_w13[flat],
+                                 self.experts_w2[flat])[:, 0]           # [T*k, W]
+        else:
+            rows = flat * T + tok                                        # into [E*T]
+            buf = x.new_zeros(E * T, x.shape[1])
+            buf[rows] = x[tok]
+            y = self._expert_mlp(buf.view(E, T, -1), self.experts_w13,
+                                 self.experts_w2).reshape(E * T, -1)[rows]
+        out = torch.zeros_like(x)
+        out.index_add_(0, tok, y * weights.reshape(-1, 1).to(x.dtype))
+        return out
+
     # how the routed experts run (kdaserve/model/moe_backends.py); None: grouped (_routed)
     routed_backend = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
+        """sync_free: route without reading the expert counts back to the host (a
+        device-resident decode step; kdaserve/engine/decode_inputs.py)."""
         weights, ids = self.gate(x)                                    # [T,k]
         z = self.routed_expert_down_proj(x) if self.is_latent else x   # [T,W]
-        out = (self._routed(z, weights, ids) if self.routed_backend is None
+        out = (self._routed(z, weights, ids, sync_free) if self.routed_backend is None
                else self.routed_backend(self, z, weights, ids))
         if self.is_latent:
             if self.routed_expert_norm is not None:
@@ -180,20 +207,26 @@ class SparseMoE(nn.Module):
             out = out + self.shared_experts(x)
         return out
 
-    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                sync_free: bool = False) -> torch.Tensor:
         """sum_k weights[t,k] · expert_{ids[t,k]}(x[t]) for every token: [T,W]."""
         k = ids.shape[1]
         flat = ids.reshape(-1)
+        kernel = self._ragged_kernel(x)
+        if kernel is None and sync_free and not self.quantized:
+            if self.load_counts is not None:     # (bincount on CUDA reads its max back)
+                self.load_counts.index_add_(0, flat, torch.ones_like(flat).to(
+                    self.load_counts))
+            return self._routed_all_experts(x, weights, ids)
         order = flat.argsort(stable=True)                              # slots grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)      # [E]
         if self.load_counts is not None:
             self.load_counts += counts.to(self.load_counts)
         token = order // k
         slot_w = weights.reshape(-1)[order, None].to(x.dtype)
-        count_list = counts.tolist()
-        active = [e for e, n in enumerate(count_list) if n]
         out = torch.zeros_like(x)
-        kernel = self._ragged_kernel(x)
+        count_list = counts.tolist() if kernel is None else []
+        active = [e for e, n in enumerate(count_list) if n]
         if kernel is not None:
             # each expert's group at its own size (no padding to the busiest expert); faster
             # than per-expert matmuls at every batch size measured (docs/benchmarks.md)

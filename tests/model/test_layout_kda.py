@@ -69,7 +69,7 @@ def test_decode_layout_only_for_drafts_and_pads_to_zero_row():
 def test_prefill_rows_align_chunks_to_absolute_positions():
     lens, ctx = [1, 5, 13, 8], [9, 3, 16, 0]
     rows, conv = _setup(lens, ctx, 1)
-    pre, pad_src, unpad, L, is_reshape = prefill_padding(rows, lens, C)
+    pre, pad_src, unpad, L, is_reshape = prefill_padding(rows, lens, ctx, C)
     assert L % C == 0 and not is_reshape
     td, tp = lens[0], sum(lens[1:])
     for i, b in enumerate(range(1, len(lens))):
@@ -86,6 +86,5 @@ def test_prefill_rows_align_chunks_to_absolute_positions():
 def test_equal_fresh_prefills_are_a_reshape():
     lens = [16, 16]
     rows, conv = _setup(lens, [0, 0], 0)
-    kda, dec, pre = kda_layout(rows, conv, lens, C)
+    kda, dec = kda_layout(rows, conv, lens, [0, 0], C)
     assert kda.pad_is_reshape and dec is None and kda.padded_len == 16
-    assert pre.tolist() == [0, 0]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdaserve.model.layout.kda import prefill_padding
 from kdaserve.model.layout.rows import ConvRows, PackedRows
 from kdaserve.model.layout.snapshots import SnapshotAt, snapshot_plan
 
@@ -17,8 +16,7 @@ KM1, C = 3, 4
 def _plan(lens, ctx, nd, snaps):
     rows = PackedRows.build(lens, ctx, nd, CPU)
     conv = ConvRows(len(lens), KM1, rows.num_tokens)
-    pre = prefill_padding(rows, lens, C)[0]
-    return snapshot_plan(snaps, rows, conv, pre, C), rows, conv
+    return snapshot_plan(snaps, rows, conv, lens, ctx, C), rows, conv
 
 
 def test_final_and_interior_snapshots():

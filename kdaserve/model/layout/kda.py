@@ -82,7 +82,8 @@ def decode_layout(rows: PackedRows, conv: ConvRows, seq_lens: list[int]) -> Deco
     return DecodeLayout(pad_src, unpad, window)
 
 
-def prefill_padding(rows: PackedRows, seq_lens: list[int], chunk_size: int
+def prefill_padding(rows: PackedRows, seq_lens: list[int], context_lens: list[int],
+                    chunk_size: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
     """Prefill rows padded to [Bp, L], each left-padded to align its chunks to absolute
     positions: (pre [Bp] left pads, pad_src, unpad_idx, L, whether the padding is a reshape)."""
@@ -93,21 +94,24 @@ def prefill_padding(rows: PackedRows, seq_lens: list[int], chunk_size: int
     p_seq = rows.seq_of[Td:] - nd                                          # [Tp]
     pre = rows.ctx[nd:] % chunk_size                                       # align chunks to C
     padded_len = 0
-    if Bp:
-        padded_len = int(((pre + p_lens).max() + chunk_size - 1) // chunk_size * chunk_size)
+    if Bp:       # from the Python lists, as every size here (no wait on the device)
+        longest = max(c % chunk_size + n for c, n in zip(context_lens[nd:], seq_lens[nd:]))
+        padded_len = -(-longest // chunk_size) * chunk_size
     loc = arange(padded_len, device)[None] - pre[:, None]                  # [Bp, L]
     valid = (loc >= 0) & (loc < p_lens[:, None])
     pad_src = torch.where(valid, p_cu[:-1, None] + loc, torch.full_like(loc, Tp))
     unpad_idx = p_seq * padded_len + pre[p_seq] + rows.local[Td:]
-    is_reshape = bool(Bp and (pre == 0).all() and all(n == padded_len for n in seq_lens[nd:]))
+    is_reshape = bool(Bp and all(c % chunk_size == 0 and n == padded_len
+                                 for c, n in zip(context_lens[nd:], seq_lens[nd:])))
     return pre, pad_src, unpad_idx, padded_len, is_reshape
 
 
-def kda_layout(rows: PackedRows, conv: ConvRows, seq_lens: list[int], chunk_size: int
-               ) -> tuple[KDALayout, DecodeLayout | None, torch.Tensor]:
-    """Every KDA index of the step; also returns the prefill rows' left pads (the snapshot
-    plan needs them)."""
+def kda_layout(rows: PackedRows, conv: ConvRows, seq_lens: list[int],
+               context_lens: list[int], chunk_size: int
+               ) -> tuple[KDALayout, DecodeLayout | None]:
+    """Every KDA index of the step."""
     groups, state_idx = conv_layout(rows, conv, seq_lens)
-    pre, pad_src, unpad_idx, padded_len, is_reshape = prefill_padding(rows, seq_lens, chunk_size)
+    pre, pad_src, unpad_idx, padded_len, is_reshape = prefill_padding(rows, seq_lens,
+                                                                      context_lens, chunk_size)
     return (KDALayout(groups, state_idx, pad_src, unpad_idx, padded_len, is_reshape),
-            decode_layout(rows, conv, seq_lens), pre)
+            decode_layout(rows, conv, seq_lens))

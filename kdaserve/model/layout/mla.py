@@ -59,8 +59,11 @@ def _pad_fill(q_valid: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor) -> 
 
 
 def mla_layout(rows: PackedRows, seq_lens: list[int], context_lens: list[int],
-               block_size: int | None, block_tables: list[list[int]] | None) -> MLALayout:
-    """The step's MLA indices; `block_size` None: no cache (training, reference forwards)."""
+               block_size: int | None, block_tables: list[list[int]] | torch.Tensor | None
+               ) -> MLALayout:
+    """The step's MLA indices; `block_size` None: no cache (training, reference forwards).
+    `block_tables`: per sequence, or already a [B, width] tensor (a decode step's persistent
+    inputs). Every size comes from the Python lists, so nothing waits on the device."""
     nd, Td, device = rows.num_decode, rows.num_decode_tokens, rows.device
     Bp = rows.num_seqs - nd
     Tp = rows.num_tokens - Td
@@ -82,14 +85,15 @@ def mla_layout(rows: PackedRows, seq_lens: list[int], context_lens: list[int],
     if block_tables is None:
         raise ValueError("block_tables are required with a cache")
     bs = block_size
-    bt = block_table(block_tables, device)                                # [B, width]
+    bt = (block_tables if isinstance(block_tables, torch.Tensor)
+          else block_table(block_tables, device))                         # [B, width]
     pos = rows.positions
     blk = (pos // bs).clamp(max=bt.shape[1] - 1)
     lay.slot_mapping = bt[rows.seq_of, blk] * bs + pos % bs
     # context is read whole blocks at a time: a gather of block_size rows per index
     if nd:
         lay.decode_kv_lens = pos[:Td] + 1
-        wd = int((lay.decode_kv_lens.max() + bs - 1) // bs)
+        wd = -(-max(c + n for c, n in zip(context_lens[:nd], seq_lens[:nd])) // bs)
         # index_select: advanced indexing with a trailing slice takes a slow path that
         # costs milliseconds at 1M-token page tables
         lay.decode_ctx_blocks = bt[:, :wd].index_select(0, rows.seq_of[:Td])
@@ -98,7 +102,7 @@ def mla_layout(rows: PackedRows, seq_lens: list[int], context_lens: list[int],
             lay.decode_ctx_mask = arange(wd * bs, device)[None] < lay.decode_kv_lens[:, None]
     if Bp:
         p_ctx = rows.ctx[nd:]
-        wp = int(((p_ctx + p_lens).max() + bs - 1) // bs)
+        wp = -(-max(c + n for c, n in zip(context_lens[nd:], seq_lens[nd:])) // bs)
         lay.prefill_ctx_blocks = bt[nd:, :wp]
         lay.prefill_ctx_lens = p_ctx
         lay.prefill_blockwise = Bp * q_len * wp * bs > mla_ops.DENSE_MAX_SCORES

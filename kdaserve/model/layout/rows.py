@@ -31,18 +31,22 @@ class PackedRows:
 
     @classmethod
     def build(cls, seq_lens: list[int], context_lens: list[int], num_decode: int,
-              device: torch.device) -> PackedRows:
+              device: torch.device, positions: torch.Tensor | None = None) -> PackedRows:
+        """`positions`: the step's [T] positions when the caller holds them already (a decode
+        step's persistent inputs); the same values as computed here."""
         lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
         ctx = torch.tensor(context_lens, dtype=torch.long, device=device)
         B = len(seq_lens)
         cu = torch.zeros(B + 1, dtype=torch.long, device=device)
         cu[1:] = lens.cumsum(0)
-        # from the Python lists: reading the tensors back would cost a device sync
+        # sizes from the Python lists: reading the tensors back would wait for the device
         T = sum(seq_lens)
         Td = sum(seq_lens[:num_decode])
-        seq_of = torch.repeat_interleave(arange(B, device), lens)         # [T]
+        seq_of = torch.repeat_interleave(arange(B, device), lens, output_size=T)   # [T]
         local = arange(T, device) - cu[seq_of]                            # [T]
-        return cls(lens, ctx, cu, seq_of, local, ctx[seq_of] + local, num_decode, T, Td)
+        if positions is None:
+            positions = ctx[seq_of] + local
+        return cls(lens, ctx, cu, seq_of, local, positions, num_decode, T, Td)
 
     @property
     def num_seqs(self) -> int:

@@ -38,23 +38,31 @@ class SnapshotAt:
 
 
 def snapshot_plan(snapshots: list[SnapshotAt], rows: PackedRows, conv: ConvRows,
-                  pre: torch.Tensor, chunk_size: int) -> SnapshotPlan:
-    """`pre`: the prefill rows' left pads (kdaserve/model/layout/kda.py prefill_padding)."""
-    device, nd = rows.device, rows.num_decode
-    seq = torch.tensor([s.row for s in snapshots], dtype=torch.long, device=device)
-    pos = torch.tensor([s.position for s in snapshots], dtype=torch.long, device=device)
-    dest = torch.tensor([s.snapshot_id for s in snapshots], dtype=torch.long, device=device)
-    upto = pos - rows.ctx[seq]                             # tokens of this step before p
-    if bool(((upto <= 0) | (upto > rows.lens[seq])).any()):
-        raise ValueError("snapshot positions must fall inside the sequence's tokens of the step")
-    final = upto == rows.lens[seq]
-    interior = ~final
-    if bool((interior & (seq < nd)).any()):
-        raise ValueError("decode rows can only snapshot their final state")
-    chunk = torch.zeros_like(seq)
-    if bool(interior.any()):
-        into = upto + pre[(seq - nd).clamp(min=0)]         # padded rows up to p
-        if bool((interior & (into % chunk_size != 0)).any()):
+                  seq_lens: list[int], context_lens: list[int], chunk_size: int
+                  ) -> SnapshotPlan:
+    """Checked and laid out from the Python lists (nothing waits on the device)."""
+    nd = rows.num_decode
+    final, chunk, upto = [], [], []
+    for s in snapshots:
+        u = s.position - context_lens[s.row]             # tokens of this step before it
+        if not 0 < u <= seq_lens[s.row]:
+            raise ValueError("snapshot positions must fall inside the sequence's tokens of "
+                             "the step")
+        final.append(u == seq_lens[s.row])
+        upto.append(u)
+        if final[-1]:
+            chunk.append(0)
+            continue
+        if s.row < nd:
+            raise ValueError("decode rows can only snapshot their final state")
+        into = u + context_lens[s.row] % chunk_size      # padded rows up to it (left pad)
+        if into % chunk_size:
             raise ValueError("interior snapshots must sit on KDA chunk boundaries")
-        chunk = torch.where(interior, into // chunk_size - 1, chunk)
-    return SnapshotPlan(dest, seq, final, chunk, conv.before(seq, rows.cu[seq], upto))
+        chunk.append(into // chunk_size - 1)
+
+    def tensor(values: list) -> torch.Tensor:
+        return torch.tensor(values, device=rows.device)
+
+    seq = tensor([s.row for s in snapshots])
+    return SnapshotPlan(tensor([s.snapshot_id for s in snapshots]), seq, tensor(final),
+                        tensor(chunk), conv.before(seq, rows.cu[seq], tensor(upto)))
