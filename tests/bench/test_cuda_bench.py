@@ -17,7 +17,7 @@ def test_bench_cuda_tiny_runs_every_section_on_cpu(capsys, tmp_path):
                  "--budget-s", "600", "--out", str(saved)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert json.loads(saved.read_text()) == out
-    for section in ("correctness", "kda_op", "throughput", "long", "spec"):
+    for section in ("correctness", "kda_op", "throughput", "long", "spec", "shapes48b"):
         assert "error" not in out[section], out[section]
     corr = out["correctness"]
     # the "device" is the CPU here: the reference is the torch forward, the device run takes
@@ -43,7 +43,18 @@ def test_bench_cuda_tiny_runs_every_section_on_cpu(capsys, tmp_path):
         assert row["identical"] is True and row["requests"] == row["batch"] == 1
         assert row["baseline_tokens"] == row["spec_tokens"] == row["max_tokens"]
         assert 0 <= row["accepted"] <= row["drafted"] <= row["k"] * row["verifications"]
+    shapes = out["shapes48b"]
+    assert "error" not in shapes, shapes
+    assert shapes["layers"] == shapes["of_layers"] == 8       # the demo's shapes on the CPU
+    for b, row in ((1, shapes["decode"]["batch1"]), (2, shapes["decode"]["batch2"])):
+        assert row["output_tok_s"] == round(b / (row["tpot_ms"] / 1e3), 1) or \
+            abs(row["output_tok_s"] - b / (row["tpot_ms"] / 1e3)) < 0.5
+        assert row["roofline_tpot_ms"] is None                 # no bandwidth figure for a CPU
+    assert shapes["decode"]["batch2"]["bytes_per_step"] > shapes["decode"]["batch1"][
+        "bytes_per_step"]
     summary = out["summary"]
+    assert summary["shapes48b_tpot_batch1_ms"] == shapes["decode"]["batch1"]["tpot_ms"]
+    assert summary["graphs_vs_eager"] is None      # graphs are not built yet
     assert summary["kimi_k3_greedy_identical_cuda_vs_cpu"] is True
     assert summary["kimi_k3_spec_speedup_batch1"] == out["spec"]["kimi_k3"]["speedup"]
 
@@ -87,3 +98,30 @@ def test_first_diff_and_summary():
     assert s == {"kimi_k3_greedy_identical_cuda_vs_cpu": False, "kda_backend": "fla-triton",
                  "fla_chunk_vs_torch_ref_max_abs_err": 2e-6, "tpot_ratio_128k_1k": 1.5,
                  "kimi_linear_spec_speedup_batch1": 1.7}
+
+
+def test_48b_step_bytes_and_layer_cut():
+    """What a decode step of the 48B shapes reads, from its config: at batch 1 the 8 routed
+    experts of 256 per MoE layer, all of them at a large batch; and the layer cut keeps an
+    MLA layer."""
+    import torch
+
+    from kdaserve.bench.cuda.shapes_48b import CONFIG_48B, first_layers, step_bytes
+
+    raw = json.loads(CONFIG_48B.read_text())
+    routed_per_layer = 256 * 3 * 2304 * 1024 * 2
+    routed = 26 * routed_per_layer                      # 26 MoE layers (the first is dense)
+    dense = 10 ** 9
+    b1 = step_bytes(raw, torch.bfloat16, 1, 0, dense, routed)
+    embed = 163840 * 2304 * 2
+    kda = 20 * 32 * 128 * 128 * 4 * 2
+    assert b1 == int(dense - embed + 2304 * 2 + routed * 8 / 256 + kda)
+    big = step_bytes(raw, torch.bfloat16, 4096, 0, dense, routed)
+    assert abs(big - (dense - embed + 4096 * 2304 * 2 + routed + 4096 * kda)) < 1e-6 * big
+    # MLA latents: 7 layers x context x (512 + 64) x 2 bytes per row
+    assert step_bytes(raw, torch.bfloat16, 1, 100, dense, routed) - b1 == 7 * 100 * 576 * 2
+    cut = first_layers(raw, 6)
+    lac = cut["linear_attn_config"]
+    assert cut["num_hidden_layers"] == 6 and lac["full_attn_layers"] == [4]
+    assert lac["kda_layers"] == [1, 2, 3, 5, 6]
+    assert first_layers(raw, 3)["linear_attn_config"]["full_attn_layers"] == [3]

@@ -19,11 +19,12 @@ from kdaserve.bench.cuda.correctness import correctness
 from kdaserve.bench.cuda.driver import error_row
 from kdaserve.bench.cuda.kda_op import kda_op
 from kdaserve.bench.cuda.long_context import long_context
+from kdaserve.bench.cuda.shapes_48b import shapes_48b
 from kdaserve.bench.cuda.spec_decode import spec_decode
 from kdaserve.bench.cuda.throughput import throughput
 from kdaserve.bench.cuda.workload import MODELS, TINY, Sizes
 
-SECTIONS = ("correctness", "kda_op", "throughput", "long", "spec")
+SECTIONS = ("correctness", "kda_op", "throughput", "long", "spec", "shapes48b")
 
 
 def _environment(device: torch.device) -> dict:
@@ -62,6 +63,21 @@ def summarize(result: dict) -> dict:
         row = result.get("spec", {}).get(name, {})
         if "speedup" in row:
             s[f"{name}_spec_speedup_batch1"] = row["speedup"]
+    tp = result.get("throughput", {})
+    for key in ("kimi_linear_bf16", "kimi_linear_fp32"):      # bf16: CUDA's default
+        if "single_decode_tok_s" in tp.get(key, {}):
+            s["kimi_linear_single_decode_tok_s"] = tp[key]["single_decode_tok_s"]
+            break
+    shapes = result.get("shapes48b", {})
+    if "decode" in shapes:
+        s["hbm_utilization_batch1"] = shapes["hbm_utilization_batch1"]
+        s["shapes48b_tpot_batch1_ms"] = shapes["decode"]["batch1"]["tpot_ms"]
+        s["shapes48b_roofline_tpot_batch1_ms"] = shapes["decode"]["batch1"]["roofline_tpot_ms"]
+        # CUDA graphs are not built yet: no graphs-versus-eager figure to report
+        s["graphs_vs_eager"] = shapes["graphs_vs_eager"]
+        s["greedy_identical_graphs_vs_eager"] = None
+    if "gpu" in result.get("environment", {}):
+        s["device_name"] = result["environment"]["gpu"]
     return s
 
 
@@ -82,6 +98,7 @@ def run_sections(device: torch.device, sizes: Sizes, sections: tuple[str, ...],
         "throughput": lambda: throughput(device, sizes, deadline, threads),
         "long": lambda: long_context(device, sizes, deadline),
         "spec": lambda: spec_decode(device, sizes, deadline),
+        "shapes48b": lambda: shapes_48b(device, sizes, tiny=sizes == TINY),
     }
     for name in SECTIONS:
         if name not in sections:

@@ -111,7 +111,7 @@ def kda_layout(rows: PackedRows, conv: ConvRows, seq_lens: list[int],
                ) -> tuple[KDALayout, DecodeLayout | None]:
     """Every KDA index of the step."""
     groups, state_idx = conv_layout(rows, conv, seq_lens)
-    pre, pad_src, unpad_idx, padded_len, is_reshape = prefill_padding(rows, seq_lens,
+    _, pad_src, unpad_idx, padded_len, is_reshape = prefill_padding(rows, seq_lens,
                                                                       context_lens, chunk_size)
     return (KDALayout(groups, state_idx, pad_src, unpad_idx, padded_len, is_reshape),
             decode_layout(rows, conv, seq_lens))
