@@ -30,7 +30,7 @@ def poisoned_sampler(monkeypatch):
             raise RuntimeError("injected fault")
         return real(logits, rows)
 
-    monkeypatch.setattr("kdaserve.engine.runner.sample", sample)
+    monkeypatch.setattr("kdaserve.engine.row_sampling.sample", sample)
 
 
 def test_failure_is_isolated_to_its_request(hf_checkpoint, poisoned_sampler):
