@@ -26,6 +26,7 @@ import torch
 
 from kdaserve.assets import kimi_linear_demo_path
 from kdaserve.engine.llm import LLM
+from kdaserve.ops.cpu_isa import cpu_isa
 from kdaserve.request import SamplingParams
 
 PEER_DIR = Path(__file__).parent / "peers"
@@ -212,7 +213,8 @@ def summarize(runs: dict, args: argparse.Namespace, found, lc) -> dict:
         "batch": lambda r: r["output_tokens"] / r["seconds"],
         "prefill": lambda r: args.prefill / r["seconds"],
     }
-    report: dict = {"dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
+    report: dict = {"dtype": args.dtype, "cpu_isa": cpu_isa(), "threads": args.threads,
+                    "repeats": args.repeats,
                     "llamacpp": lc.info if lc is not None else None,
                     "peer_missing": found if isinstance(found, str) else None,
                     "load_average": os.getloadavg()}

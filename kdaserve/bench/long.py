@@ -28,6 +28,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from kdaserve.ops.cpu_isa import cpu_isa
+
 CONTEXTS = (1024, 16384, 131072, 1048576)
 MLA_CONTEXTS = (1024, 16384, 131072)
 
@@ -314,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
             all_mla = [_run_child(mla_dir, c, args) for c in _lengths(args.mla_contexts)]
     result = {"model": args.model or f"bench {args.shape} hybrid (kdaserve.bench.long."
                                       f"bench_config)",
-              "threads": args.threads or None,
+              "cpu_isa": cpu_isa(), "threads": args.threads or None,
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "decode_tokens": args.decode_tokens, **summarize(hybrid, all_mla),
               "hybrid": hybrid, "all_mla": all_mla}

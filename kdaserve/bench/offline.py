@@ -11,6 +11,7 @@ import torch
 
 from kdaserve.assets import kimi_linear_demo_path
 from kdaserve.engine.llm import LLM
+from kdaserve.ops.cpu_isa import cpu_isa
 from kdaserve.request import SamplingParams
 
 
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     batch, single = _best(runs["batch"]), _best(runs["single"])
     result = {
         "model": model, "num_prompts": args.num_prompts, "input_len": args.input_len,
-        "output_len": args.output_len, "threads": torch.get_num_threads(),
+        "output_len": args.output_len, "cpu_isa": cpu_isa(), "threads": torch.get_num_threads(),
         "repeats": args.repeats,
         "batch_tok_s": round(batch["output_tok_s"], 1),
         "single_tok_s": round(single["output_tok_s"], 1),

@@ -22,6 +22,7 @@ from kdaserve.assets import default_model_path
 from kdaserve.bench.spec_prompts import unseen_prompts
 from kdaserve.engine.llm import LLM
 from kdaserve.generation_defaults import generation_defaults
+from kdaserve.ops.cpu_isa import cpu_isa
 from kdaserve.request import SamplingParams
 
 
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict = {"model": model, "method": args.method, "k": args.k,
                     "adaptive": not args.no_adaptive, "max_tokens": args.max_tokens,
                     "repeats": args.repeats,
-                    "threads": args.threads, "device": args.device, "dtype": args.dtype,
+                    "cpu_isa": cpu_isa(), "threads": args.threads, "device": args.device, "dtype": args.dtype,
                     "prompts": "unseen (bench/spec_prompts.py)"}
     warm = [SamplingParams(temperature=0.0, max_tokens=8)]
     for llm in (base, spec):

@@ -17,9 +17,9 @@ from kdaserve.cache.spec import specs_for
 from kdaserve.config import EngineConfig, SchedulerConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.device_memory import cache_budget
-from kdaserve.engine.offload_setup import open_tiers
 from kdaserve.engine.executor import Executor, ExecutorError
 from kdaserve.engine.executor.uniproc import UniProcExecutor
+from kdaserve.engine.offload_setup import open_tiers
 from kdaserve.engine.runner import ModelRunner
 from kdaserve.engine.runner_builder import (
     build_runner,
@@ -35,6 +35,8 @@ from kdaserve.model.base import HybridForCausalLM
 from kdaserve.model.loader import checkpoint_has_vision
 from kdaserve.model.registry import load_config
 from kdaserve.model.vision.tower import vision_config_of
+from kdaserve.ops.cpu_isa import cpu_isa
+from kdaserve.ops.cpu_isa import requested as requested_isa
 from kdaserve.ops.host_memory import tune_host_allocator
 from kdaserve.outputs import RequestDelta
 from kdaserve.request import Request, RequestStatus, SamplingParams, child_seed
@@ -71,6 +73,8 @@ class EngineCore:
         device = torch.device(config.device)
         if device.type == "cpu":
             tune_host_allocator()
+            logger.info("kdaserve CPU kernels: built for %s (KDASERVE_CPU_ISA=%s)", cpu_isa(),
+                        requested_isa())
         chunk = engine_chunk_size(config)
         par = config.parallel
         self.model: HybridForCausalLM | None = None     # None: the workers hold the model

@@ -29,14 +29,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kdaserve.ops import cpu_isa
+
 if TYPE_CHECKING:
     from kdaserve.ops.activation import GLUActivation
 
 log = logging.getLogger("kdaserve")
 
 _CSRC = Path(__file__).parent / "csrc"
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
-          "-std=c11"]
+# -march comes from the variant (kdaserve/ops/cpu_isa.py)
+_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=c11"]
 
 
 def _cache_dir() -> Path:
@@ -60,7 +62,12 @@ def _build_with(src: Path, extra: list[str], quiet: bool = True) -> Path | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    flags = [*_FLAGS, *extra]
+    variant = cpu_isa.requested()
+    if not cpu_isa.runnable(variant):
+        log.warning("kdaserve: KDASERVE_CPU_ISA=%s, which this CPU (%s) cannot execute; "
+                    "using the torch reference", variant, cpu_isa.native_isa())
+        return None
+    flags = [*_FLAGS, cpu_isa.march_flag(variant), *extra]
     headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))
     key = hashlib.sha256(src.read_bytes() + headers + " ".join(
         [cc, *flags, platform.machine(), platform.node()]).encode()).hexdigest()[:16]
