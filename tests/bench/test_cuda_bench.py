@@ -55,6 +55,8 @@ def test_bench_cuda_tiny_runs_every_section_on_cpu(capsys, tmp_path):
     summary = out["summary"]
     assert summary["shapes48b_tpot_batch1_ms"] == shapes["decode"]["batch1"]["tpot_ms"]
     assert summary["graphs_vs_eager"] is None      # graphs are not built yet
+    assert summary["kimi_linear_batch64_output_tok_s"] == \
+        out["throughput"]["kimi_linear_bf16"]["batch64_output_tok_s"]
     assert summary["kimi_k3_greedy_identical_cuda_vs_cpu"] is True
     assert summary["kimi_k3_spec_speedup_batch1"] == out["spec"]["kimi_k3"]["speedup"]
 

@@ -67,6 +67,7 @@ def summarize(result: dict) -> dict:
     for key in ("kimi_linear_bf16", "kimi_linear_fp32"):      # bf16: CUDA's default
         if "single_decode_tok_s" in tp.get(key, {}):
             s["kimi_linear_single_decode_tok_s"] = tp[key]["single_decode_tok_s"]
+            s["kimi_linear_batch64_output_tok_s"] = tp[key].get("batch64_output_tok_s")
             break
     shapes = result.get("shapes48b", {})
     if "decode" in shapes:

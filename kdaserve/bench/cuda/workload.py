@@ -21,6 +21,7 @@ class Sizes:
     batch: int = 32
     batch_in: int = 128
     batch_out: int = 128
+    batch64: int = 64               # issue 30's batch-64 figure (Kimi Linear demo)
     prefill: int = 2048
     spec_prompts: int = 2
     spec_tokens: int = 128
@@ -33,5 +34,6 @@ class Sizes:
 
 TINY = Sizes(correctness_prompts=2, correctness_tokens=4, kda_check=(1, 40, 2, 16),
              kda_time_len=64, single_in=8, single_out=4, batch=3, batch_in=8, batch_out=3,
+             batch64=4,
              prefill=32, spec_prompts=1, spec_tokens=4, spec_k=3, long_contexts=(64, 128),
              long_decode=3, long_chunk=64, repeats=1)
