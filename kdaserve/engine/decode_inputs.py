@@ -62,6 +62,8 @@ class DecodeInputs:
             if s.block_ids:
                 self._host_table[b, :len(s.block_ids)] = torch.frombuffer(
                     array("q", s.block_ids), dtype=torch.long)
+        # the staging buffers are rewritten next step: safe while each step ends by reading
+        # its tokens back (the copy has run by then); overlapping steps need two of them
         self.vectors[:, :n].copy_(host[:, :n], non_blocking=True)
         self.table[:n, :width].copy_(self._host_table[:n, :width], non_blocking=True)
         return DecodeStepInputs(self.vectors[0, :n], self.vectors[1, :n], self.vectors[2, :n],
