@@ -149,9 +149,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run kdaserve's single stream with speculation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object only")
+    p.add_argument("--isa", default="native", choices=("native", "avx2", "avx512", "all"),
+                   help="the CPU kernels' variant (KDASERVE_CPU_ISA); all: every variant this "
+                        "machine executes, one process each, side by side")
+
+
+def _each_variant(args: argparse.Namespace) -> int:
+    """`--isa all`: the same bench once per variant this CPU runs, each in its own process
+    (a process builds its kernels once), reported side by side."""
+    from kdaserve.ops.cpu_isa import native_isa, runnable_variants
+
+    flags = ["--dtype", args.dtype, "--peers-dir", args.peers_dir, "--threads",
+             str(args.threads), "--repeats", str(args.repeats), "--single-input",
+             str(args.single_input), "--single-output", str(args.single_output), "--batch",
+             str(args.batch), "--batch-input", str(args.batch_input), "--batch-output",
+             str(args.batch_output), "--prefill", str(args.prefill), "--workloads",
+             args.workloads, "--seed", str(args.seed), "--json"]
+    if args.model:
+        flags += ["--model", args.model]
+    if args.speculative:
+        flags += ["--speculative", args.speculative]
+    report: dict = {"cpu_isa": "all", "native": native_isa(), "variants": {}}
+    for variant in runnable_variants() or ["native"]:
+        done = subprocess.run([sys.executable, "-m", "kdaserve.cli", "bench", "compare",
+                               "--isa", variant, *flags], capture_output=True, text=True,
+                              check=False)
+        if done.returncode != 0:
+            report["variants"][variant] = {"error": done.stderr[-2000:]}
+            continue
+        report["variants"][variant] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps(report, indent=None if args.json else 2))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.isa == "all":
+        return _each_variant(args)
+    if args.isa != "native":       # before any kernel is built in this process
+        os.environ["KDASERVE_CPU_ISA"] = args.isa
     model = args.model or str(kimi_linear_demo_path())
     peers = Path(args.peers_dir)
     if args.setup_peers:
