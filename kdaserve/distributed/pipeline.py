@@ -61,7 +61,8 @@ def execute_step(runner, out: SchedulerOutput) -> ModelRunnerOutput | None:
     model, device = runner.model, runner.device
     stage = stage_of(model, ctx)
     ops = runner.begin(out)
-    steps = [runner.plan(p.sequences, ops) for p in micro_batches(out, stage.size)]
+    steps = [runner.plan(p.sequences, ops, persistent=False)
+             for p in micro_batches(out, stage.size)]
     steps = [s for s in steps if s is not None]
     if any(s.fb is None for s in steps):
         raise RuntimeError("a pipeline stage cannot take the fused decode path")

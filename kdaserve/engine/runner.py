@@ -109,10 +109,14 @@ class ModelRunner:
         if self.structured is not None:
             self.structured.forget(request_id)
 
-    def plan(self, sequences: list[ScheduledSequence], ops: StepOps) -> StepPlan | None:
+    def plan(self, sequences: list[ScheduledSequence], ops: StepOps,
+             persistent: bool = True) -> StepPlan | None:
+        """persistent=False: fresh input tensors even for a device-resident decode step (a
+        pipeline stage plans all its micro-batches before running them: one set of buffers
+        would hold only the last one's)."""
         plan = plan_step(sequences, ops, self.requests, self.cache, self.cfg.conv_kernel_size,
                          self.model.chunk_size, self.device, self._fused_decoder,
-                         self.decode_inputs)
+                         self.decode_inputs if persistent else None)
         if plan is not None:
             self.num_forward_tokens += len(plan.ids)
         return plan
