@@ -170,7 +170,9 @@ class ModelRunner:
                   if any(s.media for s in plan.seqs) else None)
         logits, captured = self.model(plan.ids, fb, capture_layers=capture,
                                       inputs_embeds=embeds)
-        return ForwardResult(logits, captured, fb.positions, fb.mla.slot_mapping,
+        # persistent inputs are rewritten next step; a sleeping drafter keeps the positions
+        positions = fb.positions.clone() if fb.sync_free and capture else fb.positions
+        return ForwardResult(logits, captured, positions, fb.mla.slot_mapping,
                              ForwardKept(fb) if fb.decode is not None else None)
 
     def finish(self, plan: StepPlan, fwd: ForwardResult, masks, ops: StepOps,
