@@ -74,25 +74,17 @@ def plan_step(sequences: Sequence[ScheduledSequence], ops: StepOps,
     for r in prompt_rows:
         wanted.extend(r.at)
     fused = fused_for(seqs, num_decode) if not prompt_rows else None
-    ctx = [s.context_len for s in seqs]
-    fb = ids = None
-    if fused is None and decode_inputs is not None and num_decode == len(seqs) \
-            and all(n == 1 for n in lens) and not any(s.media for s in seqs):
-        inp = decode_inputs.fill(seqs)
-        ids = inp.ids
-        fb = build_forward_batch(
-            lens, ctx, num_decode=num_decode, conv_kernel=conv_kernel, chunk_size=chunk_size,
-            cache=cache, block_tables=inp.block_table, state_slots=inp.slots,
-            logits_indices=wanted, snapshots=snapshots or None, device=device,
-            positions=inp.positions, sync_free=True)
-    elif fused is None:
-        fb = build_forward_batch(
-            lens, ctx, num_decode=num_decode, conv_kernel=conv_kernel, chunk_size=chunk_size,
-            cache=cache, block_tables=[s.block_ids for s in seqs],
-            state_slots=[s.state_slot for s in seqs], logits_indices=wanted,
-            snapshots=snapshots or None, device=device)
-    if ids is None:
-        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long,
-                           device=device)
+    resident = (fused is None and decode_inputs is not None and num_decode == len(seqs)
+                and all(n == 1 for n in lens) and not any(s.media for s in seqs))
+    inp = decode_inputs.fill(seqs) if resident else None
+    fb = None if fused is not None else build_forward_batch(
+        lens, [s.context_len for s in seqs], num_decode=num_decode, conv_kernel=conv_kernel,
+        chunk_size=chunk_size, cache=cache,
+        block_tables=inp.block_table if inp else [s.block_ids for s in seqs],
+        state_slots=inp.slots if inp else [s.state_slot for s in seqs],
+        logits_indices=wanted, snapshots=snapshots or None, device=device,
+        positions=inp.positions if inp else None, sync_free=inp is not None)
+    ids = inp.ids if inp else torch.tensor([t for s in seqs for t in s.token_ids],
+                                           dtype=torch.long, device=device)
     return StepPlan(seqs, num_decode, lens, starts, n_sample, prompt_rows, snapshots, ids,
                     wanted, fb, fused)

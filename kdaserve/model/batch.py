@@ -111,9 +111,7 @@ def build_forward_batch(
     plan = None
     if snapshots:
         plan = snapshot_plan(snapshots, rows, conv, seq_lens, ctx_list, chunk_size)
-        # an interior snapshot reads a chunk-end state the chunked kernel must keep
-        keep_chunk_states = keep_chunk_states or any(
-            s.position - ctx_list[s.row] != seq_lens[s.row] for s in snapshots)
+        keep_chunk_states = keep_chunk_states or plan.interior
     slots = has_init = None
     if state_slots is not None:
         slots = (state_slots if isinstance(state_slots, torch.Tensor)

@@ -25,6 +25,7 @@ class SnapshotPlan:
     final: torch.Tensor         # [S] bool: the boundary is the end of this step's chunk
     chunk: torch.Tensor         # [S] index into the prefill row's chunk states (when not final)
     window_idx: torch.Tensor    # [S, K-1] ConvRows of the window at the boundary
+    interior: bool = False      # some snapshot reads a chunk-end state (the kernel keeps them)
 
 
 @dataclass(frozen=True)
@@ -65,4 +66,5 @@ def snapshot_plan(snapshots: list[SnapshotAt], rows: PackedRows, conv: ConvRows,
 
     seq = tensor([s.row for s in snapshots])
     return SnapshotPlan(tensor([s.snapshot_id for s in snapshots]), seq, tensor(final),
-                        tensor(chunk), conv.before(seq, rows.cu[seq], tensor(upto)))
+                        tensor(chunk), conv.before(seq, rows.cu[seq], tensor(upto)),
+                        interior=not all(final))

@@ -216,27 +216,18 @@ static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_
                 for (int c = 0; c < TILE_COLS; ++c)
                     __builtin_prefetch(W + i * N + n + TILE_OUT + 16 * c, 0, 2);
         int64_t b = 0;
-        if (C == 2) {
-            for (; b + 6 <= B; b += 6) NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 6, 2);
+        if (C == TILE_COLS) {        /* a whole tile wide: rows 6 at a time, then the rest */
+            for (; b + 6 <= B; b += 6)
+                NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 6, TILE_COLS);
             switch (B - b) {
-            case 5: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 5, 2); break;
-            case 4: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 4, 2); break;
-            case 3: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 3, 2); break;
-            case 2: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 2, 2); break;
-            case 1: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 1, 2); break;
+            case 5: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 5, TILE_COLS); break;
+            case 4: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 4, TILE_COLS); break;
+            case 3: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 3, TILE_COLS); break;
+            case 2: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 2, TILE_COLS); break;
+            case 1: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 1, TILE_COLS); break;
             default: break;
             }
-        } else if (TILE_COLS == 1) {
-            for (; b + 6 <= B; b += 6) NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 6, 1);
-            switch (B - b) {
-            case 5: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 5, 1); break;
-            case 4: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 4, 1); break;
-            case 3: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 3, 1); break;
-            case 2: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 2, 1); break;
-            case 1: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 1, 1); break;
-            default: break;
-            }
-        } else {
+        } else {                      /* the last 16 outputs of a 32-wide tiling */
             for (; b < B; ++b) NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 1, 1);
         }
     }
