@@ -53,6 +53,8 @@ class EngineArgs:
     kda_chunk_size: int | None = _arg(None, "KDA prefill chunk size (default: 64 on GPU, 16 "
                                       "on CPU)", parse=arg_types.positive_int)
     seed: int = _arg(0, "engine random seed")
+    enforce_eager: bool = _arg(False, "on CUDA, run decode steps eagerly instead of replaying "
+                               "the CUDA graphs captured at startup")
     num_threads: int | None = _arg(None, "torch intra-op threads of the engine process "
                                    "(default: torch's)", parse=arg_types.positive_int,
                                    aliases=("--torch-threads",))
@@ -160,7 +162,7 @@ class EngineArgs:
         return EngineConfig(
             model=str(self.model) if self.model is not None else str(default_model_path()),
             dtype=self.dtype, device=self.device, kda_chunk_size=self.kda_chunk_size,
-            seed=self.seed, num_threads=self.num_threads,
+            seed=self.seed, num_threads=self.num_threads, enforce_eager=self.enforce_eager,
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     expert_parallel_size=self.expert_parallel_size,
                                     data_parallel_size=self.data_parallel_size,

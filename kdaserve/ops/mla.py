@@ -157,6 +157,12 @@ def mla_decode_split_k(
     return torch.einsum("thc,hvc->thv", o[..., :dc].to(q_nope.dtype), w_uv)
 
 
+def decode_split_k_graph_safe(device: torch.device) -> bool:
+    """Whether `mla_decode_split_k` runs on `device` without reading lengths back to the host
+    (a captured CUDA graph needs that). The torch form tiles by the lengths on the host."""
+    return False
+
+
 @cache
 def _paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
     """csrc/mla_cpu.c's fused paged decode, or None (no compiler, disabled, build failed)."""
