@@ -71,6 +71,7 @@ class DecodeGraphs:
         self.capture_layers = capture_layers
         self.backend = backend
         self.steps: dict[int, CapturedStep] = {}
+        self.report: CaptureReport | None = None
         self._pool = None
 
     def capture(self, sizes: list[int]) -> CaptureReport:
@@ -84,8 +85,9 @@ class DecodeGraphs:
                 continue
             self.steps[n] = self._capture_one(n)
         after = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
-        return CaptureReport(sorted(self.steps), time.perf_counter() - t0, after - before,
-                             sorted(skipped))
+        self.report = CaptureReport(sorted(self.steps), time.perf_counter() - t0,
+                                    after - before, sorted(skipped))
+        return self.report
 
     def _graph_safe(self, n: int) -> bool:
         """Past the dense decode size the torch split-K reads lengths back to the host; a
