@@ -26,7 +26,7 @@ from kdaserve.config import (
     SpeculativeConfig,
 )
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("dspark", "ngram")
 
 
@@ -48,7 +48,8 @@ class EngineArgs:
 
     model: str | None = _arg(None, "model directory (config.json, *.safetensors, tokenizer "
                              "files); default: the bundled demo model", metavar="PATH")
-    dtype: str = _arg("float32", "weight and activation dtype", choices=DTYPES)
+    dtype: str = _arg("auto", "weight and activation dtype; auto: bfloat16 on CUDA, float32 on "
+                      "CPU (KDA states stay float32 either way)", choices=DTYPES)
     device: str = _arg("cpu", "torch device, e.g. cpu or cuda")
     kda_chunk_size: int | None = _arg(None, "KDA prefill chunk size (default: 64 on GPU, 16 "
                                       "on CPU)", parse=arg_types.positive_int)
@@ -161,7 +162,7 @@ class EngineArgs:
             budget = int(budget * self.cache_memory)
         return EngineConfig(
             model=str(self.model) if self.model is not None else str(default_model_path()),
-            dtype=self.dtype, device=self.device, kda_chunk_size=self.kda_chunk_size,
+            dtype=resolve_dtype(self.dtype, self.device), device=self.device, kda_chunk_size=self.kda_chunk_size,
             seed=self.seed, num_threads=self.num_threads, enforce_eager=self.enforce_eager,
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     expert_parallel_size=self.expert_parallel_size,
@@ -188,6 +189,14 @@ class EngineArgs:
                                           adaptive=self.speculative_adaptive)
             if self.speculative_method else None,
         )
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`auto`: bfloat16 on CUDA (the tensor cores' type, half the bytes a decode step reads),
+    float32 on CPU (the compiled CPU kernels' type; torch's bf16 CPU products are slow)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
 
 
 def _value_type(hint: Any) -> Callable[[str], Any]:
