@@ -208,6 +208,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     enforce_eager: bool = False     # CUDA: no captured decode graphs
+    async_scheduling: bool = False  # plan step N+1 while step N runs (engine/lookahead.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -54,6 +54,9 @@ class EngineArgs:
     kda_chunk_size: int | None = _arg(None, "KDA prefill chunk size (default: 64 on GPU, 16 "
                                       "on CPU)", parse=arg_types.positive_int)
     seed: int = _arg(0, "engine random seed")
+    async_scheduling: bool = _arg(False, "plan each step while the one before still runs "
+                                  "(the sampled tokens come back as the next is planned); not "
+                                  "with speculative decoding or worker processes")
     enforce_eager: bool = _arg(False, "on CUDA, run decode steps eagerly instead of replaying "
                                "the CUDA graphs captured at startup")
     num_threads: int | None = _arg(None, "torch intra-op threads of the engine process "
@@ -164,6 +167,7 @@ class EngineArgs:
             model=str(self.model) if self.model is not None else str(default_model_path()),
             dtype=resolve_dtype(self.dtype, self.device), device=self.device, kda_chunk_size=self.kda_chunk_size,
             seed=self.seed, num_threads=self.num_threads, enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling,
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     expert_parallel_size=self.expert_parallel_size,
                                     data_parallel_size=self.data_parallel_size,
