@@ -20,9 +20,23 @@ _SYNCING = {
 }
 # a tensor made from Python data inside the step: a host-to-device copy on CUDA
 _FROM_HOST = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+# factories: without an explicit device they make a host tensor, which a CUDA step then
+# copies (the dispatcher fills the device in, so they are checked where Python calls them)
+_FACTORIES = ("arange", "zeros", "ones", "empty", "full", "rand", "randn")
 
 
 class CaptureSafety(TorchDispatchMode):
+    def __enter__(self):
+        self._saved = {n: getattr(torch, n) for n in _FACTORIES}
+        for n, f in self._saved.items():
+            setattr(torch, n, _needs_device(n, f))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for n, f in self._saved.items():
+            setattr(torch, n, f)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = str(func)
@@ -40,3 +54,12 @@ class CaptureSafety(TorchDispatchMode):
                     raise AssertionError(f"{name} with a boolean mask sizes its output from "
                                          "values")
         return func(*args, **kwargs)
+
+
+def _needs_device(name: str, factory):
+    def made(*args, **kwargs):
+        if kwargs.get("device") is None and kwargs.get("out") is None:
+            raise AssertionError(f"torch.{name} without a device inside a captured step: a "
+                                 "host tensor on CUDA, copied to the device (give it device=)")
+        return factory(*args, **kwargs)
+    return made

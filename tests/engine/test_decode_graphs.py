@@ -153,9 +153,10 @@ def test_sizes_and_fixed_buffers():
 def test_capture_safety_refuses_what_a_capture_refuses():
     x = torch.arange(6.0)
     for bad in (lambda: x.sum().item(), lambda: x[x > 2], lambda: torch.tensor([1, 2]),
-                lambda: torch.nonzero(x), lambda: x.repeat_interleave(x.long())):
+                lambda: torch.nonzero(x), lambda: x.repeat_interleave(x.long()),
+                lambda: torch.arange(3) + x[:3]):
         with pytest.raises(AssertionError), CaptureSafety():
             bad()
     with CaptureSafety():          # fixed shapes, device-side values: fine
-        n = torch.arange(3)
+        n = torch.arange(3, device=x.device)
         x.index_select(0, n) * 2 + x[:3].repeat_interleave(n, output_size=3).sum()
