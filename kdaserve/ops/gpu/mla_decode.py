@@ -143,6 +143,20 @@ def split_size(max_keys: int, split_tokens: int = SPLIT_TOKENS,
     return split, max(1, -(-max_keys // split))
 
 
+def split_meta(DC: int, R: int, exact: bool) -> dict[str, int | bool]:
+    """Stage 1's compile-time parameters (tests compile them for sm_90). At Dc = 512,
+    R = 64 it compiles without spills: bf16 at 8 warps 143 registers and 43 KB of shared
+    memory, fp32 (exact) 218 registers and 75 KB."""
+    bdc = max(16, triton.next_power_of_2(DC))
+    return dict(BH=_BLOCK_H, BDC=bdc, BR=max(16, triton.next_power_of_2(max(R, 1))),
+                BN=_BLOCK_N, HAS_R=R > 0, EXACT=exact, num_warps=8 if bdc >= 256 else 4,
+                num_stages=2)
+
+
+def merge_meta(DC: int) -> dict[str, int]:
+    return dict(BDC=max(16, triton.next_power_of_2(DC)), num_warps=4)
+
+
 def mla_paged_attention_triton(
     q_lat: torch.Tensor, q_pe: torch.Tensor, pages: torch.Tensor, blocks: torch.Tensor,
     kv_lens: torch.Tensor, scale: float, split_tokens: int = SPLIT_TOKENS,
@@ -168,18 +182,15 @@ def mla_paged_attention_triton(
         return out
     o_part = torch.empty(T, ns, H, DC, dtype=torch.float32, device=q_lat.device)
     lse_part = torch.empty(T, ns, H, dtype=torch.float32, device=q_lat.device)
-    bdc = max(16, triton.next_power_of_2(DC))
     q_r = q_pe if R else q_lat          # never read without a rope part
+    meta = split_meta(DC, R, exact)
     _split_kernel[(T, ns, triton.cdiv(H, _BLOCK_H))](
         q_lat, q_r, pages, blocks, kv_lens, o_part, lse_part,
         q_lat.stride(0), q_lat.stride(1), q_r.stride(0), q_r.stride(1),
         pages.stride(0), pages.stride(1), blocks.stride(0),
-        H, DC, R, bs, split, ns, float(scale),
-        BH=_BLOCK_H, BDC=bdc, BR=max(16, triton.next_power_of_2(max(R, 1))), BN=_BLOCK_N,
-        HAS_R=R > 0, EXACT=exact, num_warps=8 if bdc >= 256 else 4, num_stages=2,
+        H, DC, R, bs, split, ns, float(scale), **meta,
     )
-    _merge_kernel[(T, H)](o_part, lse_part, kv_lens, out, H, DC, split, ns, BDC=bdc,
-                          num_warps=4)
+    _merge_kernel[(T, H)](o_part, lse_part, kv_lens, out, H, DC, split, ns, **merge_meta(DC))
     return out
 
 
