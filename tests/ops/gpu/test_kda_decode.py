@@ -97,3 +97,19 @@ def test_strided_inputs_and_int32_slots(device):
     o, _ = kda_recurrent_slots_triton(store, slots, q, k, v, g, beta)
     torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(store, ref_store, rtol=1e-5, atol=1e-6)
+
+
+def test_launch_reads_nothing_back(device):
+    """Graph-safe: the wrapper and launch read no tensor value on the host (the slots, padding
+    included, are read in the kernel)."""
+    from engine.test_device_resident import no_reads
+
+    B, L, H, K, V, S = 3, 2, 2, 8, 8, 5
+    store, (q, k, v, g, beta) = _inputs(B, L, H, K, V, S, torch.float32, device, seed=9)
+    slots = torch.tensor([3, -1, 0], device=device)
+    ref_store = store.clone()
+    want, _ = kda_recurrent_slots(ref_store, slots[[0, 2]], q[[0, 2]], k[[0, 2]], v[[0, 2]],
+                                  g[[0, 2]], beta[[0, 2]])
+    with no_reads():
+        o, kept = kda_recurrent_slots_triton(store, slots, q, k, v, g, beta, keep_states=True)
+    torch.testing.assert_close(o[[0, 2]], want, rtol=1e-5, atol=1e-6)

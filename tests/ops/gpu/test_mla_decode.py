@@ -70,3 +70,14 @@ def test_split_count_comes_from_shapes():
     # past SPLIT_TOKENS * MAX_SPLITS keys the split grows and the count stays bounded
     split, ns = split_size(1 << 20)
     assert ns <= 64 and split * ns >= 1 << 20 and split % 16 == 0
+
+
+def test_launch_reads_nothing_back(device):
+    """Graph-safe: no tensor value is read on the host (the grid comes from the block table's
+    shape, the lengths are read in the kernels)."""
+    from engine.test_device_resident import no_reads
+
+    c = _case(3, 3, 8, 4, 12, 8, 4, 12, [5, 0, 40], torch.float32, device, seed=4)
+    with no_reads():
+        out = mla_decode_split_k_triton(**c, split_tokens=16)
+    torch.testing.assert_close(out, _reference(c), rtol=1e-5, atol=1e-5)
