@@ -120,7 +120,7 @@ def _merge_kernel(o_part, lse_part, kv_lens, out, H, DC, split, NS, BDC: tl.cons
     m = tl.full([BDC], float("-inf"), dtype=tl.float32)   # a vector: every lane the same
     den = tl.zeros([BDC], dtype=tl.float32)
     acc = tl.zeros([BDC], dtype=tl.float32)
-    for sp in range(0, n_live):
+    for sp in range(n_live):
         idx = (t * NS + sp) * H + h
         lse = tl.load(lse_part + idx)
         o_s = tl.load(o_part + idx * DC + oc, mask=mc, other=0.0)

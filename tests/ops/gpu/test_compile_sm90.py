@@ -24,7 +24,8 @@ def test_kernels_compile_for_sm90_without_spills():
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_sm90.py"))],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     usage = json.loads(proc.stdout)
     assert {"kda_decode_bf16_keep1", "mla_split_bf16", "mla_split_fp32", "mla_merge"} <= set(usage)

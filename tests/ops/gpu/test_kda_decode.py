@@ -111,5 +111,5 @@ def test_launch_reads_nothing_back(device):
     want, _ = kda_recurrent_slots(ref_store, slots[[0, 2]], q[[0, 2]], k[[0, 2]], v[[0, 2]],
                                   g[[0, 2]], beta[[0, 2]])
     with no_reads():
-        o, kept = kda_recurrent_slots_triton(store, slots, q, k, v, g, beta, keep_states=True)
+        o, _ = kda_recurrent_slots_triton(store, slots, q, k, v, g, beta, keep_states=True)
     torch.testing.assert_close(o[[0, 2]], want, rtol=1e-5, atol=1e-6)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import random_model, tiny_config
 
 from kdaserve.model.batch import build_forward_batch
 from kdaserve.model.hybrid_cache import HybridCache
 from kdaserve.ops import gpu, registry
 from kdaserve.ops.gpu import kda_decode, mla_decode
-from tiny_models import random_model, tiny_config
 
 pytestmark = pytest.mark.gpu
 
