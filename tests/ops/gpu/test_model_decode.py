@@ -50,7 +50,16 @@ def _greedy(model, prompts: list[list[int]], steps: int) -> tuple[list[list[int]
     return [s[len(p):] for s, p in zip(seqs, prompts)], logits_seen
 
 
-def test_greedy_tokens_through_the_kernels_equal_the_cpu_path(monkeypatch):
+@pytest.fixture
+def one_thread():
+    """torch's worker threads spin against the interpreter's own (several times slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_greedy_tokens_through_the_kernels_equal_the_cpu_path(monkeypatch, one_thread):
     assert gpu.kernels_for("cpu")                       # the interpreter routes CPU here
     model = random_model(tiny_config(), seed=1)
     g = torch.Generator().manual_seed(2)
