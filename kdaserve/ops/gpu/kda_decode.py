@@ -72,7 +72,7 @@ def _kda_decode_kernel(
         o_t = tl.sum(q_t[:, None] * s, 0)
         # where, not a product: a padding row's inputs may hold anything, NaN included
         o_t = tl.where(live, o_t, 0.0)
-        row = (i_b * L + t) * H + i_h
+        row = ((i_b * L + t) * H + i_h).to(tl.int64)   # kept: B·L·H·K·V may pass 2^31
         tl.store(o + row * V + ov, o_t, mask=mv)
         if KEEP:
             tl.store(kept + row * K * V + ok[:, None] * V + ov[None, :],
