@@ -150,3 +150,29 @@ def test_the_engine_samples_the_same_tokens_on_the_device_form(monkeypatch, temp
         res = llm.generate(prompts, sp, use_tqdm=False)
         outs[mode] = [o.outputs[0].token_ids for o in res]
     assert outs["0"] == outs["1"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_nothing_waits_and_the_tokens_are_the_cpu_references():
+    """On a GPU: no read-back before the copy, and the same tokens as the CPU references
+    (greedy exactly; a random row could differ only where its uniform falls within rounding
+    of a CDF boundary, which these cases do not hit)."""
+    cuda = torch.device("cuda")
+    logits = _logits(0, len(PLAIN))
+    want = sample(logits, _rows(0, 2), fast=False)
+    rows = _rows(0, 2)
+    with no_reads():
+        draw = sample_on_device(logits.to(cuda), rows)
+        pending = PendingSample(rows, [], Readback(draw.tensors()))
+    got = pending.result()
+    assert [got[r.request_id][0].token_id for r in rows] == [t.token_id for t in want]
+    for with_q in (True, False):
+        vl, vrows = _verify_rows(1, with_q)
+        want_v = verify(vl, vrows)
+        vl, vrows = _verify_rows(1, with_q)
+        with no_reads():
+            pending = PendingSample([], vrows, Readback(verify_on_device(
+                vl.to(cuda), vrows).tensors()))
+        assert [[t.token_id for t in got] for got in pending.result().values()] == [
+            [t.token_id for t in w] for w in want_v]
