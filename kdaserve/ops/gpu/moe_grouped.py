@@ -6,7 +6,7 @@ sorted by expert on the device (kdaserve/ops/gpu/moe_tiles.py) and cut into tile
 slots of one expert each. Kernel 1 runs each tile through its expert's w1|w3 with the GLU
 activation fused (h = act(x w1ᵀ, x w3ᵀ), [N, I] in sorted order); kernel 2 runs h through w2,
 scales each slot by its routing weight and writes it at the slot's own row (unsorted, [N, W]
-fp32); the combine is a sum over the k slots of each token, in a fixed order: deterministic,
+in x's dtype); the combine is a sum over the k slots of each token, in a fixed order: deterministic,
 no atomics. Nothing reads a count back to the host and the grid is sized from shapes alone
 (tiles past the last expert's exit at once), so a decode step stays capturable in a CUDA graph.
 
@@ -166,7 +166,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, order_ptr, rw_ptr, t_exp_ptr, t_sta
         acc = tl.dot(a, tl.trans(wd), acc, input_precision=PRECISION)
     rw = tl.load(rw_ptr + slot, mask=m_mask, other=0.0)
     y = acc.to(dtype).to(tl.float32) * rw[:, None]
-    tl.store(y_ptr + slot[:, None] * sy_n + offs_n[None, :], y,
+    tl.store(y_ptr + slot[:, None] * sy_n + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -204,11 +204,13 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Ex
         k, W, I, *x.stride(), *w13.strides(), h.stride(0), float(act.beta), float(lb or 1.0),
         MXFP4=mx, SITU=situ, CLIP_UP=lb is not None, PRECISION=precision, UPCAST=upcast,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    y = torch.empty(N, W, dtype=torch.float32, device=x.device)           # [N, W] by slot
+    # [N, W] by slot, in x's dtype (a prefill chunk of 8k tokens, top-8, W 2,304 holds 300 MB
+    # of it in bf16); the combine sums the k rows in fp32
+    y = torch.empty(N, W, dtype=x.dtype, device=x.device)
     rw = weights.reshape(-1).to(torch.float32)
     grid2 = (tiles.count, triton.cdiv(W, block_n))
     _down_kernel[grid2](
         h, *w2.pointers(), y, tiles.order, rw, tiles.expert, tiles.start, tiles.end,
         I, W, h.stride(0), *w2.strides(), y.stride(0), MXFP4=mx, PRECISION=precision, UPCAST=upcast,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    return y.view(T, k, W).sum(1).to(x.dtype)
+    return y.view(T, k, W).sum(1, dtype=torch.float32).to(x.dtype)

@@ -170,9 +170,9 @@ _COMPILES = [
     ("_gate_up_kernel", {"x_ptr": "*fp32", "h_ptr": "*fp32", "w_ptr": "*fp32",
                          "s_ptr": "*fp32"},
      {"MXFP4": False, "SITU": False, "CLIP_UP": False, "PRECISION": "ieee", "BLOCK_M": 16}),
-    ("_down_kernel", {"h_ptr": "*bf16", **_BF16_PLAIN},
+    ("_down_kernel", {"h_ptr": "*bf16", "y_ptr": "*bf16", **_BF16_PLAIN},
      {"MXFP4": False, "PRECISION": "tf32", "BLOCK_M": 64}),
-    ("_down_kernel", {"h_ptr": "*bf16", **_MX},
+    ("_down_kernel", {"h_ptr": "*bf16", "y_ptr": "*bf16", **_MX},
      {"MXFP4": True, "PRECISION": "tf32", "BLOCK_M": 16}),
 ]
 
@@ -181,8 +181,8 @@ import json, sys
 from triton_aot import compile_for
 from kdaserve.ops.gpu import moe_grouped as m
 for name, types, consts in json.loads(sys.argv[1]):
-    types = {**types, **TILE, "y_ptr": "*fp32", "rw_ptr": "*fp32", "beta": "fp32",
-             "linear_beta": "fp32"}
+    types = {**TILE, "y_ptr": "*fp32", "rw_ptr": "*fp32", "beta": "fp32",
+             "linear_beta": "fp32", **types}
     consts = {"UPCAST": False, "BLOCK_N": 64, "BLOCK_K": 64, **consts}
     kernel = getattr(m, name)
     types = {k: v for k, v in types.items() if k in kernel.arg_names}
