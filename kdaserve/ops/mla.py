@@ -171,8 +171,9 @@ def mla_decode_split_k(
 
 def decode_split_k_graph_safe(device: torch.device) -> bool:
     """Whether `mla_decode_split_k` runs on `device` without reading lengths back to the host
-    (a captured CUDA graph needs that). The torch form tiles by the lengths on the host."""
-    return False
+    (a captured CUDA graph needs that): the Triton kernel does; the torch form tiles by the
+    lengths on the host."""
+    return triton_paged_decode(device)
 
 
 @cache

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from capture_safety import CaptureSafety
-from test_device_resident import no_reads
+from no_reads import no_reads
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.assets import default_model_path, kimi_linear_demo_path

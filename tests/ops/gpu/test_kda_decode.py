@@ -102,7 +102,7 @@ def test_strided_inputs_and_int32_slots(device):
 def test_launch_reads_nothing_back(device):
     """Graph-safe: the wrapper and launch read no tensor value on the host (the slots, padding
     included, are read in the kernel)."""
-    from engine.test_device_resident import no_reads
+    from no_reads import no_reads
 
     B, L, H, K, V, S = 3, 2, 2, 8, 8, 5
     store, (q, k, v, g, beta) = _inputs(B, L, H, K, V, S, torch.float32, device, seed=9)

@@ -74,7 +74,7 @@ def test_split_count_comes_from_shapes():
 def test_launch_reads_nothing_back(device):
     """Graph-safe: no tensor value is read on the host (the grid comes from the block table's
     shape, the lengths are read in the kernels)."""
-    from engine.test_device_resident import no_reads
+    from no_reads import no_reads
 
     c = _case(3, 3, 8, 4, 12, 8, 4, 12, [5, 0, 40], torch.float32, device, seed=4)
     with no_reads():
