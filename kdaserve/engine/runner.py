@@ -235,7 +235,7 @@ class ModelRunner:
         logits = fwd.logits
         prompt_lps = (score(logits[plan.n_sample:], plan.prompt_rows) if plan.prompt_rows
                       else {})
-        sampled = self.sampler.sample(seqs, logits[:plan.n_sample].cpu(), requests,
+        sampled = self.sampler.sample(seqs, logits[:plan.n_sample], requests,
                                       masks.result() if masks is not None else None)
         if masks is not None and self.proposer is not None:   # drafts are checked at once
             self.structured.advance(sampled)
