@@ -10,7 +10,7 @@ from torch import nn
 from kdaserve.model.layers import MLP, RMSNorm
 from kdaserve.model_config import ModelConfig
 from kdaserve.ops import cpu_kernels
-from kdaserve.ops.gpu import triton_available
+from kdaserve.ops import gpu
 from kdaserve.ops.mxfp4 import GROUP, dequantize_mxfp4
 
 
@@ -75,8 +75,6 @@ class SparseMoE(nn.Module):
     # groups at least this large on average, or at most this many experts: per-expert matmuls
     LARGE_GROUP = 32
     FEW_EXPERTS = 4
-    # device types the grouped Triton kernels run on (tests add "cpu" under the interpreter)
-    TRITON_DEVICES: tuple[str, ...] = ("cuda",)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -149,7 +147,7 @@ class SparseMoE(nn.Module):
     def _triton_grouped(self, x: torch.Tensor):
         """The grouped Triton kernels when they apply: a device they run on, triton importable
         (KDASERVE_TRITON=0: not), no autograd (they have no backward)."""
-        if x.device.type not in self.TRITON_DEVICES or not triton_available():
+        if not gpu.kernels_for(x.device.type):     # CUDA (or CPU under the interpreter)
             return None
         if torch.is_grad_enabled() and (x.requires_grad or any(
                 p.requires_grad for p in (getattr(self, "experts_w13", None),
