@@ -77,7 +77,8 @@ class ChatServing(ServingBase):
         self.check_model(req.model)
         check_sequences(1, req.n, self.limits)
         try:
-            plan = plan_chat(req, self.tool_call_parser, self.reasoning_parser)
+            plan = plan_chat(req, self.tool_call_parser, self.reasoning_parser,
+                             self.strict_schemas)
         except ValueError as exc:
             raise bad_request(exc) from None
         messages, images = await self._chat_images(req.messages)
