@@ -52,3 +52,27 @@ def test_tokenize_needs_exactly_one_input():
     with pytest.raises(pydantic.ValidationError, match="exactly one"):
         TokenizeRequest.model_validate({})
     assert TokenizeRequest.model_validate({"prompt": "x"}).add_special_tokens is True
+
+
+NULLABLE_CHAT = ("stream", "n", "logprobs", "top_logprobs", "presence_penalty",
+                 "frequency_penalty", "parallel_tool_calls", "include_reasoning", "ignore_eos",
+                 "skip_special_tokens", "temperature", "top_p", "max_tokens",
+                 "max_completion_tokens", "seed", "stop", "stream_options", "tools",
+                 "tool_choice", "response_format", "logit_bias", "user", "metadata",
+                 "min_tokens", "include_stop_str_in_output", "add_generation_prompt",
+                 "return_token_ids", "chat_template_kwargs")
+
+
+def test_null_is_not_set():
+    """Every field OpenAI's reference makes nullable (and vLLM's extras) takes null as its
+    default, the same request as one that leaves it out."""
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    want = ChatCompletionRequest.model_validate(base)
+    got = ChatCompletionRequest.model_validate({**base, **dict.fromkeys(NULLABLE_CHAT)})
+    assert got == want
+    assert got.sampling_params(8, None, {}) == want.sampling_params(8, None, {})
+    assert CompletionRequest.model_validate(
+        {"prompt": "a", "echo": None, "n": None, "logprobs": None, "stream": None}) == \
+        CompletionRequest(prompt="a")
+    with pytest.raises(pydantic.ValidationError):     # a required field is still required
+        ChatCompletionRequest.model_validate({"messages": None})
