@@ -46,7 +46,9 @@ def call_grammar(functions: Sequence[tuple[str, Any]], parallel: bool) -> Guided
         alts.append(f"call_{i}")
     calls = 'call ("," " " call)*' if parallel else "call"
     lark = "\n".join([f'start: "[" {calls} "]"', "call: " + " | ".join(alts), *rules])
-    return GuidedDecoding("lark", lark)
+    # the engine ends the list while max_tokens can close it (structured/list_end.py)
+    separator = ', {"name": "' + functions[0][0] + '", "arguments": ' if parallel else ""
+    return GuidedDecoding("lark", lark, list_separator=separator)
 
 
 class JsonCallsParser(ToolParser):
