@@ -11,11 +11,12 @@ one included) plus the list's end, the tokens that would cross into the separato
 out, so the model can only close the list. An item that is cut anyway (the first one, or one
 longer than all before it) is dropped by the parser (tool_parsers/json_calls.py).
 
-Which tokens cross is asked of the matcher, not guessed from text: a token holding the
-separator's first character crosses if, after it, the rest of the separator is accepted (a
-token may have eaten up to `PROBE_SPAN` characters of it: `}, {"` is one token in many
-vocabularies). The rest is long enough (it names a function) that no item's own content,
-a comma inside the arguments, matches it.
+Which tokens cross is asked of the matcher, not guessed from text. The candidates are the
+tokens whose text ends in a prefix of the separator, at most `PROBE_SPAN` characters of it
+(`}, {"` is one token in many vocabularies): a few dozen in a large vocabulary, found once.
+A candidate crosses if, after it, the rest of the separator is accepted; the rest is long
+enough (it names a function) that no item's own content (a comma inside the arguments)
+matches it.
 """
 
 from __future__ import annotations
@@ -30,20 +31,21 @@ ROOM_FACTOR = 2              # an item may be longer than those before it (a new
 
 
 class ListEnd:
-    def __init__(self, lltok: llg.LLTokenizer, separator: str, candidates: frozenset[int]
+    def __init__(self, lltok: llg.LLTokenizer, separator: str, candidates: dict[int, int]
                  ) -> None:
-        """candidates: the vocabulary's tokens that hold `separator[0]`."""
-        span = min(PROBE_SPAN, len(separator) // 2)
-        self.probes = [lltok.tokenize_str(separator[k:]) for k in range(1, span + 1)]
+        """candidates: `crossing_candidates(...)` of this separator."""
         self.candidates = candidates
+        self.probes = {k: lltok.tokenize_str(separator[k:]) for k in set(candidates.values())}
         self._item_start = 0         # output tokens before the current item
         self.longest = 0             # tokens of the longest finished item
 
     def crosses(self, matcher: llg.LLMatcher, token: int) -> bool:
         """Would `token` (allowed now) end the current item and start the separator?"""
-        if token not in self.candidates:
+        k = self.candidates.get(token)
+        if k is None:
             return False
-        return any(matcher.validate_tokens([token, *p]) == len(p) + 1 for p in self.probes)
+        probe = self.probes[k]
+        return matcher.validate_tokens([token, *probe]) == len(probe) + 1
 
     def on_token(self, matcher: llg.LLMatcher, token: int, num_before: int) -> None:
         """Called before the matcher consumes `token`, the output's token `num_before`."""
@@ -64,11 +66,21 @@ class ListEnd:
                 as_bytes[t // 8] &= ~(1 << (t % 8)) & 0xFF
 
 
-def tokens_holding(lltok: llg.LLTokenizer, vocab_size: int, char: str) -> frozenset[int]:
-    """Ids of the tokens whose bytes contain `char`."""
-    needle = char.encode()
-    found = []
+def crossing_candidates(lltok: llg.LLTokenizer, vocab_size: int, separator: str
+                        ) -> dict[int, int]:
+    """token id -> k, for the tokens whose text ends in separator[:k] (1 <= k <= PROBE_SPAN,
+    leaving at least half of the separator to probe with)."""
+    span = min(PROBE_SPAN, len(separator) // 2)
+    heads = {separator[:k].encode(): k for k in range(1, span + 1)}
+    first = separator[:1].encode()
+    found = {}
     for t in range(min(vocab_size, lltok.vocab_size)):
-        if needle in lltok.decode_bytes([t]):
-            found.append(t)
-    return frozenset(found)
+        text = lltok.decode_bytes([t])
+        at = text.find(first)
+        while at != -1:
+            k = heads.get(text[at:])
+            if k is not None:
+                found[t] = k
+                break
+            at = text.find(first, at + 1)
+    return found

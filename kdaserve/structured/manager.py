@@ -55,7 +55,7 @@ class StructuredOutputs:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdaserve-grammar")
         self._threads = threads
         self._executor: llg.LLExecutor | None = None    # built with the first masks
-        self._holding: dict[str, frozenset[int]] = {}   # list_end.py's candidates
+        self._crossing: dict[str, dict[int, int]] = {}   # list_end.py's candidates
 
     def _grammar_cache(self) -> GrammarCache:
         with self._cache_lock:
@@ -94,13 +94,13 @@ class StructuredOutputs:
     def _list_end(self, g: GuidedDecoding) -> ListEnd | None:
         if not g.list_separator:
             return None
-        from kdaserve.structured.list_end import ListEnd, tokens_holding
+        from kdaserve.structured.list_end import PROBE_SPAN, ListEnd, crossing_candidates
 
         lltok = self._grammar_cache().tokenizer
-        first = g.list_separator[0]
-        if first not in self._holding:       # a walk of the vocabulary, once per character
-            self._holding[first] = tokens_holding(lltok, self.vocab_size, first)
-        return ListEnd(lltok, g.list_separator, self._holding[first])
+        head = g.list_separator[:PROBE_SPAN]
+        if head not in self._crossing:      # a walk of the vocabulary, once per separator
+            self._crossing[head] = crossing_candidates(lltok, self.vocab_size, g.list_separator)
+        return ListEnd(lltok, g.list_separator, self._crossing[head])
 
     def forget(self, request_id: str) -> None:
         self._grammars.pop(request_id, None)
