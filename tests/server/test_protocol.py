@@ -76,3 +76,40 @@ def test_null_is_not_set():
         CompletionRequest(prompt="a")
     with pytest.raises(pydantic.ValidationError):     # a required field is still required
         ChatCompletionRequest.model_validate({"messages": None})
+
+
+def test_strict_schemas_and_who_decides():
+    """A json_schema's own `strict` wins; otherwise the server's default (strict unless
+    `--open-json-objects`); tool parameters follow the function's `strict` the same way."""
+    import argparse
+
+    from kdaserve.server.args import add_serve_arguments
+    from kdaserve.server.chat_plan import plan_chat
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+
+    def rf(strict):
+        js = {"name": "x", "schema": schema, **({} if strict is None else {"strict": strict})}
+        return ChatCompletionRequest.model_validate(
+            {**base, "response_format": {"type": "json_schema", "json_schema": js}})
+
+    assert rf(None).guided_decoding().strict is True
+    assert rf(None).guided_decoding(strict=False).strict is False
+    assert rf(True).guided_decoding(strict=False).strict is True
+    assert rf(False).guided_decoding().strict is False
+
+    def tools(strict):
+        fn = {"name": "f", "parameters": schema, **({} if strict is None else {"strict": strict})}
+        return ChatCompletionRequest.model_validate(
+            {**base, "tools": [{"type": "function", "function": fn}], "tool_choice": "required"})
+
+    closed = '"additionalProperties": false'
+    assert closed in plan_chat(tools(None), None, None).guided.spec
+    assert closed not in plan_chat(tools(None), None, None, strict=False).guided.spec
+    assert closed in plan_chat(tools(True), None, None, strict=False).guided.spec
+    assert closed not in plan_chat(tools(False), None, None).guided.spec
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    assert p.parse_args(["--open-json-objects"]).open_json_objects is True
+    assert p.parse_args([]).open_json_objects is False
