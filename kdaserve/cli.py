@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_lazy("generate", "one-shot generation from a prompt", _generate_args)
     sub.add_lazy("inspect", "parameter counts and cache sizes of a config, without weights",
                  _from("kdaserve.model.inspect"))
+    sub.add_lazy("plan", "a deployment's fit, speed and cost on paper (hardware table)",
+                 _from("kdaserve.plan.cli"))
     sub.add_lazy("bench", "benchmarks (JSON output)", _bench_args)
     sub.add_lazy("train", "train the demo model from its corpus", _from("kdaserve.train.demo"))
     sub.add_lazy("extract-hidden", "target hidden states over a corpus, for draft training",
@@ -132,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         from kdaserve.model.inspect import run as run_inspect
 
         return run_inspect(args)
+    if args.command == "plan":
+        from kdaserve.plan.cli import run as run_plan
+
+        return run_plan(args)
     if args.command == "bench":
         if args.bench == "offline":
             from kdaserve.bench.offline import run
