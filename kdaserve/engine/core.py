@@ -251,11 +251,12 @@ class EngineCore:
 
     def _log_weights(self, model: HybridForCausalLM, config: EngineConfig) -> None:
         rep = model.weight_report()
+        wq = model.config.weight_quant
         logger.info("kdaserve weights: %.1f MiB as loaded (%s)%s", rep["bytes"] / 2**20,
                     model.config.architecture,
                     f"; routed experts {rep['expert_bytes'] / 2**20:.1f} MiB, "
                     f"{rep['expert_bytes_per_weight']:.4g} bytes per weight"
-                    f" ({model.config.experts_quantization or config.dtype})"
+                    f" ({model.config.experts_quantization or (wq and wq.scheme) or config.dtype})"
                     if rep["expert_weights"] else "")
 
     # ---- one step ---------------------------------------------------------------------------

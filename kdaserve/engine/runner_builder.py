@@ -43,9 +43,14 @@ def prepare_model(config: EngineConfig, device: torch.device,
     backend = config.parallel.moe_backend
     if model is None:
         # a rank's experts are sharded by its backend while loading (shapes depend on it)
+        quant = None
+        if config.quantization is not None:
+            from kdaserve.quant_config import from_scheme
+
+            quant = from_scheme(config.quantization, config.quantization_group_size)
         model = load_model(config.model, dtype=config.dtype, device=str(device),
                            chunk_size=chunk, progress=progress, parallel=parallel,
-                           moe_backend=backend)
+                           moe_backend=backend, quantization=quant)
     else:
         model.set_chunk_size(chunk)
     model = model.fuse_for_inference()

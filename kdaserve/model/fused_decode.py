@@ -41,6 +41,7 @@ from kdaserve.model.kda import KimiDeltaAttention
 from kdaserve.model.layers import MLP
 from kdaserve.model.mla import MultiHeadLatentAttention
 from kdaserve.model.moe import SparseMoE
+from kdaserve.model.quant_linear import QuantLinear
 from kdaserve.ops.cpu_kernels import decode_block_kernels, thread_pool
 
 
@@ -196,6 +197,8 @@ def supports(model: HybridForCausalLM, cache: HybridCache) -> bool:
     if type(model).final_hidden is not HybridForCausalLM.final_hidden and \
             getattr(model, "new_bank", None) is None:
         return False          # a residual scheme the blocks do not know
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        return False          # packed INT weights: the torch forward over their own products
     dtype = model.dtype
     if dtype not in (torch.float32, torch.bfloat16) or \
             model.model.embed_tokens.weight.device.type != "cpu":

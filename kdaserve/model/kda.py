@@ -75,7 +75,9 @@ class KimiDeltaAttention(nn.Module):
         its pointer no longer matches and the layer goes back to separate matmuls. k_major:
         that tensor is stored K-major (kdaserve/ops/cpu_linear.py). Returns the layers fused."""
         lins = self._input_linears()
-        if len({lin.weight.dtype for lin in lins}) != 1:
+        # (packed INT layers keep their own bytes: kdaserve/model/quant_linear.py)
+        if any(type(lin) is not nn.Linear for lin in lins) or \
+                len({lin.weight.dtype for lin in lins}) != 1:
             return []
         fused = torch.cat([lin.weight.detach() for lin in lins], 0)
         if k_major:
