@@ -125,8 +125,14 @@ def to_int32_words(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
-    """t with unit stride in its last dim (a size-1 dim can keep any stride when contiguous)."""
-    return t if t.stride(-1) == 1 and t.is_contiguous() else t.new_empty(t.shape).copy_(t)
+    """t with row-major strides (a contiguous tensor's size-1 dims may carry any stride, which
+    a view to another element size refuses)."""
+    strides = [1] * t.dim()
+    for d in range(t.dim() - 2, -1, -1):
+        strides[d] = strides[d + 1] * t.shape[d + 1]
+    if list(t.stride()) == strides:
+        return t
+    return t.reshape(-1).clone().view(t.shape)
 
 
 def unpack_zero_points(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
