@@ -13,6 +13,7 @@ Legend: E experts, I expert width, W expert input width.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -69,14 +70,22 @@ def quantized_layout(model: nn.Module, wq: WeightQuant, dtype: torch.dtype) -> N
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, wq: WeightQuant) -> nn.Module:
+def quantize_model(model: nn.Module, wq: WeightQuant, whole_groups: bool = False
+                   ) -> nn.Module:
     """`model`'s targeted float weights replaced by their packed form; model.config records
-    the quantization (what `save_model` writes and `kdaserve inspect` reads)."""
+    the quantization (what `save_model` writes and `kdaserve inspect` reads). A row whose
+    width is not a multiple of the group ends in a shorter group, which kdaserve reads and
+    compressed-tensors does not: `whole_groups` (a checkpoint for other tools) leaves such
+    layers float instead and adds them to the config's `ignore`."""
     if getattr(model, "_rank_config", None) is not None:
         raise ValueError("weight quantization of a parallel rank's share is not supported")
     emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    skipped: list[str] = []
     for name, parent, attr, lin in _linears(model):
         if not wq.applies(name):
+            continue
+        if whole_groups and lin.in_features % wq.group_size:
+            skipped.append(name)
             continue
         w = lin.weight.detach()
         if emb is not None and w is emb.weight:     # tied head: the embedding stays float
@@ -85,6 +94,9 @@ def quantize_model(model: nn.Module, wq: WeightQuant) -> nn.Module:
                                                       wq.symmetric))
     for prefix, moe in _moes(model):
         if not _experts_apply(wq, prefix, moe) or moe.quantized:
+            continue
+        if whole_groups and (moe.width % wq.group_size or moe.intermediate % wq.group_size):
+            skipped.append("re:" + re.escape(f"{prefix}.experts."))
             continue
         floats = {s: getattr(moe, s).detach() for s, _ in _STACKS}
         _int_expert_buffers(moe, wq)
@@ -95,6 +107,8 @@ def quantize_model(model: nn.Module, wq: WeightQuant) -> nn.Module:
             getattr(moe, f"{stack}_scale").copy_(scale)
             if zero is not None:
                 getattr(moe, f"{stack}_zero_point").copy_(zero)
+    if skipped:
+        wq = replace(wq, ignore=wq.ignore + tuple(skipped))
     if hasattr(model, "config"):
         model.config = replace(model.config, weight_quant=wq)
     return model
