@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from kdaserve.model.loader import load_model, save_model
 from kdaserve.model.quant_linear import QuantLinear
-from tests.tiny_models import random_model, tiny_config
+from tiny_models import random_model, tiny_config
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized.base import (  # noqa: E402

@@ -13,7 +13,7 @@ from kdaserve.model.loader import load_model, save_model
 from kdaserve.model.quant_linear import QuantLinear
 from kdaserve.model.quantize import quantize_model
 from kdaserve.quant_config import WeightQuant, from_scheme
-from tests.tiny_models import random_model, tiny_config
+from tiny_models import random_model, tiny_config
 
 # widths that the groups below split unevenly too (48 in groups of 32)
 CFG = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=48, kv_lora_rank=32)
