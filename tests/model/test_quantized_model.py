@@ -51,9 +51,10 @@ def test_quantized_model_is_its_dequantized_twin(scheme: str, group: int) -> Non
     ref = _dequantized_twin(q, cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        # the same products over the same weights; only the experts' grouping may differ
+        # the same weights; the products sum in other orders (the packed product's fixed
+        # order against MKL's, the experts grouped otherwise): fp32 rounding through 4 layers
         torch.testing.assert_close(q.forward_dense(ids), ref.forward_dense(ids),
-                                   rtol=1e-5, atol=1e-5)
+                                   rtol=1e-4, atol=1e-4)
 
 
 def test_packed_bytes_are_what_the_model_keeps() -> None:
