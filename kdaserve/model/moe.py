@@ -9,7 +9,7 @@ from torch import nn
 
 from kdaserve.model.layers import MLP, RMSNorm
 from kdaserve.model_config import ModelConfig
-from kdaserve.ops import cpu_kernels
+from kdaserve.ops import cpu_int_linear, cpu_kernels
 from kdaserve.ops.int_quant import dequantize
 from kdaserve.ops.mxfp4 import GROUP, dequantize_mxfp4
 
@@ -136,7 +136,9 @@ class SparseMoE(nn.Module):
         if x.device.type != "cpu" or x.dtype != torch.float32:
             return None
         if self.quantized:
-            return cpu_kernels.moe_experts_mxfp4_kernel() if self.int_quant is None else None
+            if self.int_quant is not None:
+                return cpu_int_linear.experts_kernel()
+            return cpu_kernels.moe_experts_mxfp4_kernel()
         if torch.is_grad_enabled() and (x.requires_grad or self.experts_w13.requires_grad
                                         or self.experts_w2.requires_grad):
             return None
@@ -245,7 +247,9 @@ class SparseMoE(nn.Module):
             # than per-expert matmuls at every batch size measured (docs/benchmarks.md)
             offsets = torch.zeros(self.num_experts + 1, dtype=torch.long)
             torch.cumsum(counts, 0, out=offsets[1:])
-            if self.quantized:
+            if self.int_quant is not None:
+                kernel(x, token, offsets, slot_w.view(-1), self, out, act=self.act)
+            elif self.quantized:
                 kernel(x, token, offsets, slot_w.view(-1), self.experts_w13_packed,
                        self.experts_w13_scale, self.experts_w2_packed, self.experts_w2_scale,
                        out, act=self.act)

@@ -1,4 +1,5 @@
-"""Linear layers over packed INT8/INT4 weights on the CPU (kdaserve/model/quant_linear.py):
+"""Products over packed INT8/INT4 weights on the CPU: linear layers (kdaserve/model/
+quant_linear.py) and routed experts (SparseMoE with int_quant, csrc/moe_int.h). For a layer:
 the product reads the packed bytes and group scales in place (csrc/int_rows.h), so a decode
 step reads a quarter (INT8) or an eighth (INT4) of an fp32 weight's bytes.
 
@@ -11,10 +12,22 @@ its full speed. Everything else (other dtypes and devices, autograd) takes the o
 from __future__ import annotations
 
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 
-from kdaserve.ops.cpu_kernels import _I64, _PTR, _c_function
+from kdaserve.ops.cpu_kernels import (
+    _F32,
+    _I64,
+    _PTR,
+    _c_function,
+    _ptr,
+    activation_args,
+    parallel_rows,
+)
+
+if TYPE_CHECKING:
+    from kdaserve.ops.activation import GLUActivation
 
 # rows from which the dequantized weight's product beats decoding in the product (one
 # dequantization of N*K weights against N*K*rows multiply-adds)
@@ -63,3 +76,39 @@ def rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                   scale.shape[-1], min(group, k), bits, out.data_ptr(), n,
                   torch.get_num_threads())
     return out.view(*x.shape[:-1], n)
+
+
+@cache
+def _experts_kernel():
+    return _c_function("moe_cpu.c", "moe_experts_int_rows",
+                       [_I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
+                        _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64,
+                        _I64, _I64, _PTR, _I64, _F32, _F32])
+
+
+def experts_kernel():
+    """The compiled routed-expert MLPs over INT8/INT4 stacks (csrc/moe_int.h), or None."""
+    return None if _experts_kernel() is None else experts
+
+
+def experts(x: torch.Tensor, token: torch.Tensor, offsets: torch.Tensor,
+            slot_w: torch.Tensor, moe, out: torch.Tensor,
+            act: GLUActivation | None = None) -> torch.Tensor:
+    """As cpu_kernels.moe_experts_kernel's run, over `moe`'s INT stacks (a SparseMoE with
+    int_quant: experts_w13_packed [E,2I,rb], _scale/_zero_point [E,2I,G], likewise w2)."""
+    wq = moe.int_quant
+    E, H, I = moe.num_experts, moe.width, moe.intermediate
+    x, token, offsets, slot_w = (t.contiguous() for t in (x, token, offsets, slot_w))
+    stacks = []
+    for name in ("experts_w13", "experts_w2"):
+        packed, scale = getattr(moe, f"{name}_packed"), getattr(moe, f"{name}_scale")
+        zero = getattr(moe, f"{name}_zero_point", None)
+        assert all(t is None or t.is_contiguous() for t in (packed, scale, zero))
+        stacks += [_ptr(packed), _ptr(scale), _ptr(zero), packed.shape[-1], scale.shape[-1]]
+    assert all(t.dtype == torch.float32 for t in (x, slot_w, out)) and out.is_contiguous()
+    assert token.dtype == offsets.dtype == torch.int64 and offsets.numel() == E + 1
+    assert x.dim() == 2 and x.shape[1] == H == out.shape[1]
+    parallel_rows("moe_cpu.c", _experts_kernel(), x.shape[0], token.numel() * 2 * I, E, H, I,
+                  _ptr(x), _ptr(token), _ptr(offsets), _ptr(slot_w), *stacks, wq.group_size,
+                  wq.bits, _ptr(out), *activation_args(act), pool=False)
+    return out
