@@ -8,6 +8,7 @@ from torch import nn
 
 from kdaserve.model.batch import ForwardBatch
 from kdaserve.model.layers import GatedRMSNorm
+from kdaserve.model.quant_linear import QuantLinear, fuse_packed
 from kdaserve.model_config import ModelConfig
 from kdaserve.ops.conv import causal_conv1d_packed, conv_input_rows
 from kdaserve.ops.cpu_linear import k_major_weight, linear
@@ -59,6 +60,7 @@ class KimiDeltaAttention(nn.Module):
         self._fused: torch.Tensor | None = None       # see fuse_input_projections
         self._fused_ptrs: list[int] = []
         self._conv_wt: tuple[tuple, torch.Tensor] | None = None  # see _conv_weight_t
+        self._fused_q: QuantLinear | None = None     # packed input projections, fused
 
     def _input_linears(self) -> list[nn.Linear]:
         gate_in = self.g_proj if self.full_rank_gate else self.g_a_proj
@@ -75,7 +77,10 @@ class KimiDeltaAttention(nn.Module):
         its pointer no longer matches and the layer goes back to separate matmuls. k_major:
         that tensor is stored K-major (kdaserve/ops/cpu_linear.py). Returns the layers fused."""
         lins = self._input_linears()
-        # (packed INT layers keep their own bytes: kdaserve/model/quant_linear.py)
+        if all(isinstance(lin, QuantLinear) for lin in lins):
+            # not a submodule: the layers keep their checkpoint names and their bytes
+            object.__setattr__(self, "_fused_q", fuse_packed(lins))
+            return []
         if any(type(lin) is not nn.Linear for lin in lins) or \
                 len({lin.weight.dtype for lin in lins}) != 1:
             return []

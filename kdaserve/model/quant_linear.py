@@ -80,3 +80,24 @@ class QuantLinear(nn.Module):
 def reference(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     """The oracle: the dequantized weight through F.linear."""
     return F.linear(x, layer.dequantized(x.dtype))
+
+
+def fuse_packed(layers: list[QuantLinear]) -> QuantLinear | None:
+    """Layers of one input (a KDA layer's six input projections) as one QuantLinear over
+    their rows in order, for the fused decode blocks; each layer's buffers become row views of
+    its memory, so nothing is stored twice. None when their schemes differ."""
+    first = layers[0]
+    if len({(m.in_features, m.bits, m.group, m.symmetric) for m in layers}) != 1:
+        return None
+    fused = QuantLinear(first.in_features, sum(m.out_features for m in layers), first.bits,
+                        first.group, first.symmetric, first.dtype)
+    names = ["weight_packed", "weight_scale"] + ([] if first.symmetric else
+                                                 ["weight_zero_point"])
+    for name in names:
+        whole = torch.cat([getattr(m, name) for m in layers], 0)
+        setattr(fused, name, whole)
+        start = 0
+        for m in layers:
+            setattr(m, name, whole[start:start + m.out_features])
+            start += m.out_features
+    return fused

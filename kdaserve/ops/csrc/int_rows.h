@@ -39,6 +39,10 @@ static inline qv8f q_ld8(const float *p) {
 /* w[0:K) = weight row n decoded. */
 static inline void q_decode_row(const qmat *m, int64_t n, int64_t K, float *restrict w) {
     const uint8_t *q = m->packed + n * m->row_bytes;
+    if (m->bits == 32) {          /* a plain fp32 row (a layer left unquantized) */
+        memcpy(w, q, sizeof(float) * (size_t)K);
+        return;
+    }
     const float *s = m->scale + n * m->groups;
     const int8_t *z = m->zero ? m->zero + n * m->groups : NULL;
     for (int64_t g = 0; g < m->groups; ++g) {
