@@ -126,3 +126,22 @@ def test_engine_quantizes_on_load(tmp_path) -> None:
             assert llm.engine.runner.model.config.weight_quant.bits == 4
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert outs["quant"] == outs["oracle"]
+
+
+def test_inspect_counts_packed_bytes_per_weight(tmp_path) -> None:
+    """`kdaserve inspect` of a compressed-tensors config (meta, no weights) says what the
+    loaded model holds, part by part: packed bytes + scales, over the logical weights."""
+    from kdaserve.model.inspect import measure, measure_model
+    from kdaserve.model.registry import load_config
+
+    cfg = tiny_config(**CFG)
+    q = quantize_model(random_model(cfg), from_scheme("int4", 32))
+    save_model(q, tmp_path)
+    on_disk = measure(load_config(tmp_path), "float32")
+    loaded = measure_model(load_model(tmp_path, progress=False), q.config)
+    assert on_disk.stored_bytes == loaded.stored_bytes and on_disk.params == loaded.params
+    assert on_disk.params == measure(cfg, "float32").params        # same logical weights
+    per = on_disk.bytes_per_weight()
+    # INT4: half a byte, plus a 4-byte scale per 32 (ragged rows a little more)
+    assert 0.6 <= per["shared experts"] <= 0.7 and 0.6 <= per["routed experts"] <= 0.7
+    assert per["embedding"] == 4.0
