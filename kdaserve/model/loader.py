@@ -13,14 +13,14 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from kdaserve.model import ct_checkpoint
+from kdaserve.model import ct_checkpoint, fp8_checkpoint
 from kdaserve.model.base import FP32_PARAM_SUFFIXES, HybridForCausalLM
 from kdaserve.model.checkpoint_files import CheckpointError, checkpoint_files
 from kdaserve.model.expert_names import expert_slice as _expert_slice
 from kdaserve.model.expert_names import expert_target as _expert_target
 from kdaserve.model.quant_linear import QuantLinear
 from kdaserve.model.quantize import quantize_model, quantized_layout
-from kdaserve.model.registry import build_model, load_config
+from kdaserve.model.registry import build_model, load_config, read_config_json
 from kdaserve.model.saver import save_model  # noqa: F401 (importers' name for it)
 from kdaserve.model.vision.hf_layout import HFLayoutConverter, is_hf_layout
 from kdaserve.model.vision.tower import has_vision, vision_config_of
@@ -134,6 +134,8 @@ def load_model(
         raise CheckpointError(f"checkpoint {path} is already quantized ({wq.scheme}); drop "
                               "--quantization")
     target = parse_dtype(dtype)
+    block = fp8_checkpoint.block_size(read_config_json(path))
+    fp8 = fp8_checkpoint.FP8Pairs(block) if block is not None else None
     with torch.device("meta"):
         model = build_model(cfg, chunk_size=chunk_size)
         shard = None
@@ -161,6 +163,8 @@ def load_model(
             continue
         if hf_layout is not None and is_hf_layout(raw_name):
             pieces = hf_layout.feed(raw_name, h.get_tensor(raw_name))
+        elif fp8 is not None:
+            pieces = fp8.feed(raw_name, h)
         else:
             pieces = [(raw_name, None)]
         for name, t in pieces:
@@ -169,6 +173,8 @@ def load_model(
                 continue
             skipped += _load_one(name, t if t is not None else h, params, loaded, filled,
                                  target, device, path, shard, wq)
+    if fp8 is not None:
+        fp8.finish()
     if hf_layout is not None:
         try:
             hf_layout.finish()

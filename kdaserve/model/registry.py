@@ -86,9 +86,13 @@ def entry_for(raw: dict[str, Any], kind: str | None = None) -> ModelEntry:
 def load_config(source: str | os.PathLike | dict[str, Any]) -> ModelConfig:
     """The target model's ModelConfig from a directory, a config.json path or a parsed dict.
     A compressed-tensors pack-quantized (INT8/INT4) quantization_config applies to any
-    family; the family's parser reads the rest."""
+    family (block-scaled fp8 too: the loader dequantizes it); the family's parser reads the
+    rest."""
     raw = source if isinstance(source, dict) else read_config_json(source)
     qc = raw.get("quantization_config")
+    if qc and qc.get("quant_method") == "fp8":     # the loader dequantizes fp8 blocks
+        raw = {k: v for k, v in raw.items() if k != "quantization_config"}
+        return entry_for(raw, "target").config.parse(raw)
     if is_pack_quantized(qc):
         raw = {k: v for k, v in raw.items() if k != "quantization_config"}
         cfg = entry_for(raw, "target").config.parse(raw)
