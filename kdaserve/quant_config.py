@@ -74,7 +74,9 @@ def from_scheme(scheme: str, group_size: int = 128, lm_head: bool = True) -> Wei
     lm_head)."""
     if scheme not in SCHEMES:
         raise ConfigError(f"quantization must be one of {sorted(SCHEMES)}, got {scheme!r}")
-    return WeightQuant(SCHEMES[scheme], group_size, ignore=() if lm_head else ("lm_head",))
+    # K3's attention-residual projections have one output each: nothing to save there
+    ignore = ("re:.*_res_proj$",) + (() if lm_head else ("lm_head",))
+    return WeightQuant(SCHEMES[scheme], group_size, ignore=ignore)
 
 
 def is_pack_quantized(qc: dict[str, Any] | None) -> bool:

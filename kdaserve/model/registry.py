@@ -104,6 +104,9 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """cfg as the config.json of its family (what `load_config` reads back to an equal cfg)."""
     hf = entry_for({"model_type": cfg.architecture}, "target").config.to_hf(cfg)
     if cfg.weight_quant is not None:
+        if cfg.experts_quantization is not None:
+            raise ConfigError("a checkpoint with MXFP4 experts and INT8/INT4 layers cannot be "
+                              "written (one quantization_config)")
         hf["quantization_config"] = cfg.weight_quant.to_compressed_tensors()
     return hf
 

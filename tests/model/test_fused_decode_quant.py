@@ -127,3 +127,43 @@ def test_engine_greedy_same_fused_or_not(monkeypatch, tmp_path):
         assert isinstance(llm.engine.runner._fused, FusedDecoder) == (mode == "1")
         llm.close()
     assert outs["0"] == outs["1"]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_k3_step_matches_its_torch_forward(bits):
+    """Kimi K3 (attention residuals, latent SiTU experts, gated MLA) with packed layers: the
+    fused _q blocks against the same model's torch forward."""
+    from k3_models import k3_raw, random_k3
+
+    from kdaserve.model.registry import load_config
+    from kdaserve.quant_config import from_scheme
+
+    cfg = load_config(k3_raw())
+    model = quantize_model(random_k3(cfg, seed=1), from_scheme(f"int{bits}", 32))
+    with torch.no_grad():       # attention-residual pseudo-queries away from their zero init
+        for name, p in model.named_parameters():
+            if name.endswith("res_proj.weight"):
+                p.normal_(0, 0.5)
+    model = model.fuse_for_inference()
+    rows = 3
+    cache = HybridCache.allocate(cfg, 64, 4, 8)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, cfg.vocab_size - 1, (n,), generator=g).tolist()
+               for n in (9, 5, 14)]
+    tables = [list(range(1 + 12 * i, 13 + 12 * i)) for i in range(rows)]
+    slots = [2 + i for i in range(rows)]
+    _prefill(model, cache, tables, slots, prompts)
+    ref_cache = _clone(cache)
+    fused = fused_decoder(model, cache)
+    assert isinstance(fused, FusedDecoder) and fused.res is not None
+    for step in range(3):
+        ids = torch.randint(0, cfg.vocab_size - 1, (rows,), generator=g)
+        ctx = [len(p) + step for p in prompts]
+        fb = build_forward_batch([1] * rows, ctx, num_decode=rows,
+                                 conv_kernel=cfg.conv_kernel_size, chunk_size=model.chunk_size,
+                                 cache=ref_cache, block_tables=tables, state_slots=slots)
+        with torch.inference_mode():
+            want, _ = model(ids, fb)
+        got = fused(ids, torch.tensor(ctx), torch.tensor(slots), torch.tensor(tables), cache)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
