@@ -80,6 +80,7 @@ class KimiDeltaAttention(nn.Module):
         if all(isinstance(lin, QuantLinear) for lin in lins):
             # not a submodule: the layers keep their checkpoint names and their bytes
             object.__setattr__(self, "_fused_q", fuse_packed(lins))
+            self._fused_ptrs = [lin.weight_packed.data_ptr() for lin in lins]
             return []
         if any(type(lin) is not nn.Linear for lin in lins) or \
                 len({lin.weight.dtype for lin in lins}) != 1:
@@ -104,6 +105,10 @@ class KimiDeltaAttention(nn.Module):
             hd3 = 3 * self.num_heads * self.head_dim
             return linear(x, self._fused).split([hd3, self.head_dim, lins[4].weight.shape[0],
                                                    self.num_heads], -1)
+        fq = self._fused_q         # packed: one product over the six layers' rows
+        if fq is not None and [lin.weight_packed.data_ptr() for lin in lins] == self._fused_ptrs:
+            return fq(x).split([3 * self.num_heads * self.head_dim, self.head_dim,
+                                lins[4].out_features, self.num_heads], -1)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         return qkv, self.f_a_proj(x), lins[4](x), self.b_proj(x)
 
