@@ -13,27 +13,28 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import random_model, tiny_config
 
 from kdaserve.model.loader import load_model, save_model
 from kdaserve.model.quant_linear import QuantLinear
-from tiny_models import random_model, tiny_config
 
 ct = pytest.importorskip("compressed_tensors")
-from compressed_tensors.compressors.pack_quantized.base import (  # noqa: E402
+from compressed_tensors.compressors.pack_quantized.base import (
     PackedQuantizationCompressor,
 )
-from compressed_tensors.quantization import (  # noqa: E402
+from compressed_tensors.compressors.pack_quantized.helpers import (
+    unpack_from_int32,
+)
+from compressed_tensors.quantization import (
     QuantizationArgs,
     QuantizationConfig,
     QuantizationScheme,
 )
-from compressed_tensors.compressors.pack_quantized.helpers import (  # noqa: E402
-    unpack_from_int32,
-)
-from compressed_tensors.quantization.lifecycle.forward import dequantize  # noqa: E402
-from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
+from compressed_tensors.quantization.lifecycle.forward import dequantize
+from compressed_tensors.quantization.utils import calculate_qparams
 
-CFG = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=48, kv_lora_rank=32)
+CFG = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 48,
+       "kv_lora_rank": 32}
 # the linears of a Kimi Linear checkpoint (what transformers builds as nn.Linear); the router
 # (`block_sparse_moe.gate`) is not one of them, the head is ignored as llm-compressor does
 LINEAR = re.compile(r"(_proj|_proj_with_mqa|\.w[123]|lm_head)\.weight$")

@@ -16,7 +16,8 @@ from kdaserve.model.quant_linear import QuantLinear
 from kdaserve.ops.fp8_block import FP8, dequantize_fp8_blocks, quantize_fp8_blocks
 from kdaserve.quant_config import from_scheme
 
-CFG = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=48, kv_lora_rank=32)
+CFG = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 48,
+       "kv_lora_rank": 32}
 BLOCK = (32, 32)        # the tiny model's widths; real checkpoints: 128 x 128
 
 

@@ -24,7 +24,8 @@ from kdaserve.request import SamplingParams
 
 pytestmark = needs_kernels
 
-CFG = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=48, kv_lora_rank=32)
+CFG = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 48,
+       "kv_lora_rank": 32}
 SCHEMES = [WeightQuant(8, 32), WeightQuant(4, 32), WeightQuant(4, 16, symmetric=False),
            WeightQuant(4, 32, ignore=("lm_head", "re:.*\\.b_proj$"))]
 IDS = ["int8", "int4", "int4-asym", "int4-some-float"]
