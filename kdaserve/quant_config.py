@@ -39,10 +39,10 @@ class WeightQuant:
     def scheme(self) -> str:
         return f"int{self.bits}"
 
-    def applies(self, name: str) -> bool:
-        """Whether the linear module `name` is quantized."""
-        return (any(_matches(t, name) for t in self.targets)
-                and not any(_matches(t, name) for t in self.ignore))
+    def applies(self, *names: str) -> bool:
+        """Whether the linear module `names` (its spellings) is quantized."""
+        return (any(_matches(t, n) for t in self.targets for n in names)
+                and not any(_matches(t, n) for t in self.ignore for n in names))
 
     def to_compressed_tensors(self) -> dict[str, Any]:
         """The `quantization_config` of a checkpoint stored this way."""

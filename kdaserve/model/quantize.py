@@ -40,6 +40,15 @@ def _linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Linear]
                 yield (f"{name}.{attr}" if name else attr), mod, attr, child
 
 
+# transformers names the dense layers' MLP like the MoE block (the loader's alias): a config
+# written from its model names them so
+_DENSE_MLP = re.compile(r"^((?:language_model\.)?model\.layers\.\d+\.)mlp\.")
+
+
+def _applies(wq: WeightQuant, name: str) -> bool:
+    return wq.applies(name, _DENSE_MLP.sub(r"\1block_sparse_moe.", name))
+
+
 def _moes(model: nn.Module) -> Iterator[tuple[str, SparseMoE]]:
     for name, mod in model.named_modules():
         if isinstance(mod, SparseMoE):
@@ -59,7 +68,7 @@ def _experts_apply(wq: WeightQuant, prefix: str, moe: SparseMoE) -> bool:
 def quantized_layout(model: nn.Module, wq: WeightQuant, dtype: torch.dtype) -> None:
     """The targeted layers in packed form, uninitialised, where the model was built."""
     for name, parent, attr, lin in _linears(model):
-        if wq.applies(name):
+        if _applies(wq, name):
             setattr(parent, attr, QuantLinear(lin.in_features, lin.out_features, wq.bits,
                                               wq.group_size, wq.symmetric, dtype))
     for prefix, moe in _moes(model):
@@ -82,7 +91,7 @@ def quantize_model(model: nn.Module, wq: WeightQuant, whole_groups: bool = False
     emb = getattr(getattr(model, "model", None), "embed_tokens", None)
     skipped: list[str] = []
     for name, parent, attr, lin in _linears(model):
-        if not wq.applies(name):
+        if not _applies(wq, name):
             continue
         if whole_groups and lin.in_features % wq.group_size:
             skipped.append(name)

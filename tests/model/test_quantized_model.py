@@ -147,3 +147,13 @@ def test_inspect_counts_packed_bytes_per_weight(tmp_path) -> None:
     # INT4: half a byte, plus a 4-byte scale per 32 (ragged rows a little more)
     assert 0.6 <= per["shared experts"] <= 0.7 and 0.6 <= per["routed experts"] <= 0.7
     assert per["embedding"] == 4.0
+
+
+def test_ignore_names_the_dense_mlp_either_way() -> None:
+    """transformers names layer 0's dense MLP `block_sparse_moe.*` (the loader's alias): an
+    ignore list written from its model leaves our `mlp.*` float too."""
+    cfg = tiny_config(**CFG)
+    for name in ("model.layers.0.block_sparse_moe.down_proj", "model.layers.0.mlp.down_proj"):
+        q = quantize_model(random_model(cfg), WeightQuant(8, 32, ignore=(name,)))
+        mlp = q.model.layers[0].mlp
+        assert type(mlp.down_proj) is nn.Linear and isinstance(mlp.up_proj, QuantLinear)
