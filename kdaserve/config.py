@@ -207,6 +207,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    enforce_eager: bool = False     # CUDA: no captured decode graphs
+    async_scheduling: bool = False  # plan step N+1 while step N runs (engine/lookahead.py)
     # weight-only quantization on load: None, "int8" or "int4" (kdaserve/quant_config.py)
     quantization: str | None = None
     quantization_group_size: int = 128

@@ -26,7 +26,7 @@ from kdaserve.config import (
     SpeculativeConfig,
 )
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("dspark", "ngram")
 QUANTIZATIONS = ("int8", "int4")
 
@@ -49,7 +49,8 @@ class EngineArgs:
 
     model: str | None = _arg(None, "model directory (config.json, *.safetensors, tokenizer "
                              "files); default: the bundled demo model", metavar="PATH")
-    dtype: str = _arg("float32", "weight and activation dtype", choices=DTYPES)
+    dtype: str = _arg("auto", "weight and activation dtype; auto: bfloat16 on CUDA, float32 on "
+                      "CPU (KDA states stay float32 either way)", choices=DTYPES)
     device: str = _arg("cpu", "torch device, e.g. cpu or cuda")
     kda_chunk_size: int | None = _arg(None, "KDA prefill chunk size (default: 64 on GPU, 16 "
                                       "on CPU)", parse=arg_types.positive_int)
@@ -61,6 +62,11 @@ class EngineArgs:
                                         "(32 to 128 typical)",
                                         parse=arg_types.int_at_least(2))
     seed: int = _arg(0, "engine random seed")
+    async_scheduling: bool = _arg(False, "plan each step while the one before still runs "
+                                  "(the sampled tokens come back as the next is planned); not "
+                                  "with speculative decoding or worker processes")
+    enforce_eager: bool = _arg(False, "on CUDA, run decode steps eagerly instead of replaying "
+                               "the CUDA graphs captured at startup")
     num_threads: int | None = _arg(None, "torch intra-op threads of the engine process "
                                    "(default: torch's)", parse=arg_types.positive_int,
                                    aliases=("--torch-threads",))
@@ -167,8 +173,9 @@ class EngineArgs:
             budget = int(budget * self.cache_memory)
         return EngineConfig(
             model=str(self.model) if self.model is not None else str(default_model_path()),
-            dtype=self.dtype, device=self.device, kda_chunk_size=self.kda_chunk_size,
-            seed=self.seed, num_threads=self.num_threads, quantization=self.quantization,
+            dtype=resolve_dtype(self.dtype, self.device), device=self.device, kda_chunk_size=self.kda_chunk_size,
+            seed=self.seed, num_threads=self.num_threads, enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling, quantization=self.quantization,
             quantization_group_size=self.quantization_group_size,
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     expert_parallel_size=self.expert_parallel_size,
@@ -195,6 +202,14 @@ class EngineArgs:
                                           adaptive=self.speculative_adaptive)
             if self.speculative_method else None,
         )
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`auto`: bfloat16 on CUDA (the tensor cores' type, half the bytes a decode step reads),
+    float32 on CPU (the compiled CPU kernels' type; torch's bf16 CPU products are slow)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
 
 
 def _value_type(hint: Any) -> Callable[[str], Any]:

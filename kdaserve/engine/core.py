@@ -20,6 +20,8 @@ from kdaserve.engine.device_memory import cache_budget
 from kdaserve.engine.executor import Executor, ExecutorError
 from kdaserve.engine.executor.uniproc import UniProcExecutor
 from kdaserve.engine.offload_setup import open_tiers
+from kdaserve.engine.async_steps import StepPipeline
+from kdaserve.engine.lookahead import settle_results
 from kdaserve.engine.runner import ModelRunner
 from kdaserve.engine.runner_builder import (
     build_runner,
@@ -144,6 +146,13 @@ class EngineCore:
             self.executor = start_ranks(config, self.plan,
                                         StructuredOutputs(tokenizer, cfg.vocab_size))
         self._messages = StepMessages()
+        self._pipeline: StepPipeline | None = None
+        if config.async_scheduling:
+            if par.executor != "uni" or config.speculative is not None:
+                logger.warning("async scheduling needs the in-process executor and no "
+                               "speculative decoding; steps run synchronously")
+            else:
+                self._pipeline = StepPipeline(self)
         self.eos_ids = frozenset(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}
         self._children: dict[str, list[str]] = {}
@@ -214,7 +223,8 @@ class EngineCore:
             self._tracked.pop(cid, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (
+            self._pipeline is not None and self._pipeline.busy)
 
     @property
     def num_running(self) -> int:
@@ -227,6 +237,7 @@ class EngineCore:
     # ---- offload tiers -----------------------------------------------------------------------
     def flush_cache(self, drop_device: bool = False) -> None:
         """Copy the device prefix cache into the offload tiers now (see CacheManager.flush)."""
+        self._drain()                  # the runner's tensors are the runner thread's meanwhile
         ops = self.cache.flush(drop_device)
         if ops:
             self.cache.settle(self.executor.run_cache_ops(ops).failures)
@@ -239,7 +250,12 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the worker processes, if any (the engine is unusable afterwards)."""
+        self._drain()
         self.executor.shutdown()
+
+    def _drain(self) -> list[RequestDelta]:
+        """Wait for a step in flight (async scheduling) and take in its result."""
+        return self._pipeline.drain() if self._pipeline is not None else []
 
     @property
     def runner(self) -> ModelRunner:
@@ -270,6 +286,8 @@ class EngineCore:
         are reset (their caches freed, to be recomputed) and then run alone, one per step, so
         the next failure names the one request that causes it; that request ends with an error
         and the others go on. A failure the scheduler itself raises is an engine bug (fatal)."""
+        if self._pipeline is not None:
+            return self._pipeline.step()
         out = self.scheduler.schedule()
         try:
             deltas = self._run(out)
@@ -300,15 +318,21 @@ class EngineCore:
                        "time", type(exc).__name__, exc, len(ids))
         for rid in ids:
             self.scheduler.reset_for_retry(rid)
+            self._messages.forget(rid)   # the runner hears it whole again (its copy may differ)
         return []
 
     def _run(self, out) -> list[RequestDelta]:
-        requests = self.scheduler.requests
         start = time.perf_counter()
-        result = self.executor.execute(self._messages.attach(out, requests))
+        result = self.executor.execute(self._messages.attach(out, self.scheduler.requests))
+        return self._finish(out, result, time.perf_counter() - start)
+
+    def _finish(self, out, result, seconds: float, dispatched: bool = False
+                ) -> list[RequestDelta]:
+        """A step's result into the requests and their deltas. `dispatched`: async scheduling
+        advanced the step's counts when it started (engine/lookahead.py)."""
+        requests = self.scheduler.requests
         policy = self.scheduler.spec_policy
         if policy is not None and not out.is_empty:   # what steps cost: the policy's data
-            seconds = time.perf_counter() - start
             verifies = any(s.num_draft_tokens for s in out.sequences)
             policy.cost.observe(out.num_tokens, len(result.drafts), seconds, verifies=verifies)
             if all(len(s.token_ids) == 1 + s.num_draft_tokens for s in out.sequences):
@@ -321,7 +345,8 @@ class EngineCore:
             if req is not None and seq.context_len < req.num_prompt_tokens:
                 self.stats.prompt_tokens += min(len(seq.token_ids),
                                                 req.num_prompt_tokens - seq.context_len)
-        touched = self.scheduler.update(out, result)
+        touched = (settle_results(self.scheduler, out, result) if dispatched
+                   else self.scheduler.update(out, result))
         deltas = []
         for req in touched:
             try:
@@ -344,9 +369,10 @@ class EngineCore:
         tr = self._tracked[req.request_id]
         prompt_lps = (req.prompt_logprobs or [None]) if tr.emitted_tokens == 0 and \
             req.sampling_params.prompt_logprobs is not None else None
-        new_ids = req.output_token_ids[tr.emitted_tokens:]
+        known = req.num_known_outputs         # the rest are in flight (async scheduling)
+        new_ids = req.output_token_ids[tr.emitted_tokens:known]
         new_lps = req.output_logprobs[tr.emitted_tokens:] if req.output_logprobs else None
-        tr.emitted_tokens = len(req.output_token_ids)
+        tr.emitted_tokens = known
         self.stats.generation_tokens += len(new_ids)
         text = ""
         if tr.detok is not None:
@@ -364,7 +390,7 @@ class EngineCore:
             self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         return RequestDelta(tr.parent, tr.index, new_ids, text, finished, reason,
                             req.stop_reason if finished else None, new_lps,
-                            req.num_prompt_tokens, len(req.output_token_ids),
+                            req.num_prompt_tokens, known,
                             req.num_cached_tokens, prompt_logprobs=prompt_lps)
 
     def _final_delta(self, rid: str, reason: str, error: str | None = None) -> RequestDelta:

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from kdaserve.cache.planner import CachePlan
 from kdaserve.engine.cache_ops import CacheOpExecutor, StepOps
+from kdaserve.engine.decode_graphs import CaptureReport, DecodeGraphs, graph_sizes
 from kdaserve.engine.decode_inputs import DecodeInputs
 from kdaserve.engine.encoder_cache import EncoderCache, embed_with_media
 from kdaserve.engine.prompt_logprob_scoring import score
@@ -34,6 +35,7 @@ from kdaserve.model.base import HybridForCausalLM
 from kdaserve.model.hybrid_cache import HybridCache
 from kdaserve.model.kept_states import ForwardKept, FusedKept, KeptStates
 from kdaserve.outputs import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
+from kdaserve.request import PENDING
 
 if TYPE_CHECKING:
     from kdaserve.structured.manager import StructuredOutputs
@@ -56,18 +58,25 @@ class ModelRunner:
                  proposer: Proposer | None = None,
                  stores: Mapping[str, Store] | None = None,
                  structured: StructuredOutputs | None = None,
-                 device_resident: bool | None = None) -> None:
+                 device_resident: bool | None = None, graphs: str | None = None) -> None:
         """device_resident: decode steps that the torch forward runs read persistent input
         buffers and never wait on the device (engine/decode_inputs.py); by default on CUDA.
-        KDASERVE_DEVICE_RESIDENT=1 turns it on anywhere (the CPU tests), =0 off."""
+        KDASERVE_DEVICE_RESIDENT=1 turns it on anywhere (the CPU tests), =0 off.
+        graphs: "cuda" or "replay" (CPU) to replay decode steps from captured graphs once
+        `capture_graphs` has run (engine/decode_graphs.py); the cache then holds one more KDA
+        slot and MLA block, for padding rows."""
         self.model = model
         self.structured = structured      # grammar masks (structured outputs)
         self.device = torch.device(device)
         self.cfg = model.config
         # a tensor-parallel rank holds its own heads' states (model.rank_config)
-        self.cache = HybridCache.allocate(model.rank_config, plan.num_blocks, plan.block_size,
-                                          plan.num_state_slots, model.dtype, self.device,
+        pad = 1 if graphs else 0
+        self.cache = HybridCache.allocate(model.rank_config, plan.num_blocks + pad,
+                                          plan.block_size, plan.num_state_slots + pad,
+                                          model.dtype, self.device,
                                           num_snapshots=plan.num_snapshots)
+        self._graph_backend, self._pad = graphs, (plan.num_state_slots, plan.num_blocks)
+        self.graphs: DecodeGraphs | None = None
         self.cache_ops = CacheOpExecutor(self.cache, stores or {}, on_free=self._forget)
         self.proposer = proposer
         self.sampler = RowSampler(seed)
@@ -81,6 +90,18 @@ class ModelRunner:
             env = os.environ.get("KDASERVE_DEVICE_RESIDENT", "")
             device_resident = env == "1" or (self.device.type == "cuda" and env != "0")
         self.decode_inputs = DecodeInputs(self.device) if device_resident else None
+
+    @torch.inference_mode()
+    def capture_graphs(self, max_num_seqs: int, max_len: int) -> CaptureReport:
+        """Capture a decode graph for each padded batch size (startup)."""
+        assert self._graph_backend is not None, "the runner was built without graphs"
+        sizes = graph_sizes(max_num_seqs)
+        width = -(-max_len // self.cache.block_size)
+        self.decode_inputs = DecodeInputs(self.device, rows=sizes[-1], width=width, fixed=True)
+        capture = self.proposer.capture_layers if self.proposer is not None else ()
+        self.graphs = DecodeGraphs(self.model, self.cache, self.decode_inputs, *self._pad,
+                                   capture_layers=capture, backend=self._graph_backend)
+        return self.graphs.capture(sizes)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -100,9 +121,20 @@ class ModelRunner:
     # can run its share: every stage begins and plans, the last one finishes, the others
     # settle speculation once the last one has verified.
     def begin(self, out: SchedulerOutput) -> StepOps:
-        """Take in the message's request data; run the cache operations before the forward."""
+        """Take in the message's request data; run the cache operations before the forward.
+        A PENDING input token (async scheduling: sampled by the step before, whose result the
+        scheduler had not seen) is the one this runner sampled (engine/lookahead.py)."""
         self.requests.apply(out)
+        if any(t == PENDING for s in out.sequences for t in s.token_ids):
+            out.sequences = [self._known(s) for s in out.sequences]
         return self.cache_ops.begin(out.ops)
+
+    def _known(self, seq: ScheduledSequence) -> ScheduledSequence:
+        if PENDING not in seq.token_ids:
+            return seq
+        mine = self.requests[seq.request_id].all_token_ids
+        return replace(seq, token_ids=[mine[seq.context_len + i] if t == PENDING else t
+                                       for i, t in enumerate(seq.token_ids)])
 
     def _forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
@@ -116,7 +148,8 @@ class ModelRunner:
         would hold only the last one's)."""
         plan = plan_step(sequences, ops, self.requests, self.cache, self.cfg.conv_kernel_size,
                          self.model.chunk_size, self.device, self._fused_decoder,
-                         self.decode_inputs if persistent else None)
+                         self.decode_inputs if persistent else None,
+                         self.graphs if persistent else None)
         if plan is not None:
             self.num_forward_tokens += len(plan.ids)
         return plan
@@ -140,7 +173,25 @@ class ModelRunner:
             torch.set_num_threads(threads)
         if plan.fused is not None:
             return self._forward_fused(plan, capture, parts)
+        if plan.graph is not None:
+            return self._forward_graph(plan, capture)
         return self._forward_torch(plan, capture)
+
+    def _forward_graph(self, plan: StepPlan, capture: tuple[int, ...]) -> ForwardResult:
+        """A decode step replayed from its captured graph (the inputs are in the buffers)."""
+        step = self.graphs.replay(plan.graph)
+        n = len(plan.seqs)
+        if plan.snapshots:          # decode rows snapshot their final state: the slot's now
+            dev = self.device
+            self.cache.save_slots(
+                torch.tensor([plan.seqs[s.row].state_slot for s in plan.snapshots], device=dev),
+                torch.tensor([s.snapshot_id for s in plan.snapshots], device=dev))
+        if not capture:
+            return ForwardResult(step.logits[:n], [], step.inputs.positions[:n], None)
+        # the buffers and outputs are rewritten next step; a sleeping drafter keeps these
+        return ForwardResult(step.logits[:n], [c[:n] for c in step.captured],
+                             step.inputs.positions[:n].clone(),
+                             step.fb.mla.slot_mapping[:n].clone())
 
     def _forward_fused(self, plan: StepPlan, capture: tuple[int, ...], parts: int
                        ) -> ForwardResult:
@@ -184,7 +235,7 @@ class ModelRunner:
         logits = fwd.logits
         prompt_lps = (score(logits[plan.n_sample:], plan.prompt_rows) if plan.prompt_rows
                       else {})
-        sampled = self.sampler.sample(seqs, logits[:plan.n_sample].cpu(), requests,
+        sampled = self.sampler.sample(seqs, logits[:plan.n_sample], requests,
                                       masks.result() if masks is not None else None)
         if masks is not None and self.proposer is not None:   # drafts are checked at once
             self.structured.advance(sampled)
@@ -199,6 +250,8 @@ class ModelRunner:
                 seqs, valid, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()},
                 requests, fwd.positions, fwd.cache_slots, hidden, rows, draft_limits))
             drafts = self._keep_proposals(props)
+        for rid, toks in sampled.items():    # the next step may name them PENDING
+            requests[rid].output_token_ids.extend(t.token_id for t in toks)
         return ModelRunnerOutput(sampled=sampled, drafts=drafts, prompt_logprobs=prompt_lps)
 
     def settle(self, plan: StepPlan, ops: StepOps, kept: KeptStates | None,

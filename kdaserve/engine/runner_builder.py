@@ -4,6 +4,8 @@ backend, the proposer, the grammar masks and the offload stores wired to a `Mode
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -16,6 +18,8 @@ from kdaserve.engine.spec.proposer import NgramDrafts, Proposer
 from kdaserve.engine.tier_transfer import Store
 from kdaserve.model.base import HybridForCausalLM
 from kdaserve.model.loader import load_model
+
+logger = logging.getLogger("kdaserve")
 
 
 def default_chunk_size(device: torch.device) -> int:
@@ -82,8 +86,26 @@ def build_runner(config: EngineConfig, plan: CachePlan, model: HybridForCausalLM
                  device: torch.device, tokenizer=None,
                  stores: Mapping[str, Store] | None = None) -> ModelRunner:
     """A runner over a prepared model (`prepare_model`) and a cache sized by `plan`."""
+    from kdaserve.engine.decode_graphs import decode_graphs_log
     from kdaserve.structured.manager import StructuredOutputs
 
-    return ModelRunner(model, plan, device, seed=config.seed,
-                       proposer=build_proposer(config, model, device, plan), stores=stores,
-                       structured=StructuredOutputs(tokenizer, model.config.vocab_size))
+    graphs = graph_backend(config, device)
+    runner = ModelRunner(model, plan, device, seed=config.seed,
+                         proposer=build_proposer(config, model, device, plan), stores=stores,
+                         structured=StructuredOutputs(tokenizer, model.config.vocab_size),
+                         graphs=graphs)
+    if graphs is not None:
+        max_len = min(config.scheduler.max_model_len, model.config.max_position_embeddings)
+        decode_graphs_log(runner.capture_graphs(config.scheduler.max_num_seqs, max_len))
+    return runner
+
+
+def graph_backend(config: EngineConfig, device: torch.device) -> str | None:
+    """Captured decode graphs: on CUDA unless --enforce-eager. KDASERVE_DECODE_GRAPHS=replay
+    runs the same mechanism on CPU by calling the recorded step again (the tests); =0 off."""
+    env = os.environ.get("KDASERVE_DECODE_GRAPHS", "")
+    if env == "0" or config.enforce_eager:
+        return None
+    if env == "replay":
+        return "replay"
+    return "cuda" if device.type == "cuda" else None

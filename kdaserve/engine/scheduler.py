@@ -23,6 +23,7 @@ from kdaserve.cache.manager import CacheManager
 from kdaserve.cache.ops import CacheOp, FreeRequest, RestoreSnapshot, SettleDrafts, TakeSnapshot
 from kdaserve.config import SchedulerConfig
 from kdaserve.engine.fairness import fair_share_victim, next_waiting
+from kdaserve.engine.lookahead import may_look_ahead
 from kdaserve.engine.prompt_logprobs import record, wants_prompt_logprobs
 from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
 from kdaserve.engine.stop_conditions import append_tokens
@@ -119,6 +120,10 @@ class Scheduler:
                 break
             if req.status == RequestStatus.PREEMPTED:     # earlier in this step
                 continue
+            if req.num_pending and not may_look_ahead(
+                    req, self.cache.block_size, self.cache.prefix_caching,
+                    self.config.max_model_len):
+                continue                  # tokens in flight: it runs once they are known
             n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
             if n > 1:
                 n = min(n, budget - self._reserve_for_waiting(budget))
@@ -203,6 +208,8 @@ class Scheduler:
         counts = Counter(r.group for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = next_waiting(self.waiting, counts, self.config.policy)
+            if req.num_pending:           # preempted with a token in flight: next step
+                break
             hit = None
             if req.num_computed_tokens == 0 and not wants_prompt_logprobs(req):
                 hit = self.cache.find_hit(req.all_token_ids, req.extra_keys, req.cache_salt)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kdaserve.engine.cache_ops import StepOps
+from kdaserve.engine.decode_graphs import DecodeGraphs
 from kdaserve.engine.decode_inputs import DecodeInputs
 from kdaserve.engine.prompt_logprob_scoring import PromptRows, plan_rows
 from kdaserve.engine.step_message import RunnerRequest
@@ -35,6 +36,7 @@ class StepPlan:
     wanted: list[int]                       # rows whose logits are wanted, sampled first
     fb: ForwardBatch | None                 # the torch forward's layout (None: fused)
     fused: fused_decode.FusedDecoder | None  # the fused CPU decoder, when it takes the step
+    graph: int | None = None                # the captured decode graph's batch size, if one
 
     @property
     def verifying(self) -> bool:
@@ -52,10 +54,12 @@ def plan_step(sequences: Sequence[ScheduledSequence], ops: StepOps,
               chunk_size: int, device: torch.device,
               fused_for: Callable[[list[ScheduledSequence], int],
                                   fused_decode.FusedDecoder | None],
-              decode_inputs: DecodeInputs | None = None) -> StepPlan | None:
+              decode_inputs: DecodeInputs | None = None,
+              graphs: DecodeGraphs | None = None) -> StepPlan | None:
     """The plan for the sequences that run (None: every one sits the step out).
     `decode_inputs`: a step of one-token decode rows that the torch forward runs is laid out
-    from these persistent buffers, without waiting on the device (decode_inputs.py)."""
+    from these persistent buffers, without waiting on the device (decode_inputs.py); with
+    `graphs`, such a step is replayed from a captured graph where one holds it."""
     seqs, num_decode = forward_order([s for s in sequences if s.request_id not in ops.lost])
     if not seqs:
         return None
@@ -76,6 +80,12 @@ def plan_step(sequences: Sequence[ScheduledSequence], ops: StepOps,
     fused = fused_for(seqs, num_decode) if not prompt_rows else None
     resident = (fused is None and decode_inputs is not None and num_decode == len(seqs)
                 and all(n == 1 for n in lens) and not any(s.media for s in seqs))
+    graph = (graphs.size_for(len(seqs)) if resident and graphs is not None
+             and all(a.position == seqs[a.row].context_len + 1 for a in snapshots) else None)
+    if graph is not None:
+        graphs.fill(seqs, graph)
+        return StepPlan(seqs, num_decode, lens, starts, n_sample, prompt_rows, snapshots,
+                        decode_inputs.vectors[0, :len(seqs)], wanted, None, None, graph)
     inp = decode_inputs.fill(seqs) if resident else None
     fb = None if fused is not None else build_forward_batch(
         lens, [s.context_len for s in seqs], num_decode=num_decode, conv_kernel=conv_kernel,

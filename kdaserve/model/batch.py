@@ -86,11 +86,13 @@ def build_forward_batch(
     device: torch.device | str = "cpu",
     positions: torch.Tensor | None = None,
     sync_free: bool = False,
+    decode_width: int | None = None,
 ) -> ForwardBatch:
     """Build every index of a step. Without a cache all context lengths must be 0. Every
     size is taken from the Python lists, so building never waits on the device. A decode
     step's persistent inputs come as tensors: `positions` [T], `state_slots` [B] and
-    `block_tables` [B, width] (kdaserve/engine/decode_inputs.py)."""
+    `block_tables` [B, width] (kdaserve/engine/decode_inputs.py); `decode_width`: see
+    layout/mla.py (a captured decode graph)."""
     device = torch.device(device)
     B = len(seq_lens)
     ctx_list = list(context_lens) if context_lens is not None else [0] * B
@@ -104,7 +106,7 @@ def build_forward_batch(
     conv = ConvRows(B, conv_kernel - 1, rows.num_tokens)
     kda, decode = kda_layout(rows, conv, seq_lens, ctx_list, chunk_size)
     mla = mla_layout(rows, seq_lens, ctx_list, cache.block_size if cache is not None else None,
-                     block_tables)
+                     block_tables, decode_width)
     li = None
     if logits_indices is not None:
         li = torch.as_tensor(logits_indices, dtype=torch.long, device=device)

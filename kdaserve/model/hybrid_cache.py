@@ -56,6 +56,14 @@ class HybridCache:
             st.index_copy_(0, slots, sst.index_select(0, snapshot_ids))
             cv.index_copy_(0, slots, scv.index_select(0, snapshot_ids))
 
+    def save_slots(self, slots: torch.Tensor, snapshot_ids: torch.Tensor) -> None:
+        """Snapshots of live slots as they stand (a decode row's final state at a block
+        boundary, after a replayed graph), every KDA layer: `restore`'s inverse."""
+        for st, cv, sst, scv in zip(self.kda_states, self.kda_conv, self.snap_states,
+                                    self.snap_conv):
+            sst.index_copy_(0, snapshot_ids, st.index_select(0, slots))
+            scv.index_copy_(0, snapshot_ids, cv.index_select(0, slots))
+
     # Views of one cache entry, in the fixed order the offload tiers store them in
     # (kdaserve/engine/cache_ops.py): writing into the views writes the cache.
     def block_views(self, block_id: int) -> list[torch.Tensor]:

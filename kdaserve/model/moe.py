@@ -9,7 +9,7 @@ from torch import nn
 
 from kdaserve.model.layers import MLP, RMSNorm
 from kdaserve.model_config import ModelConfig
-from kdaserve.ops import cpu_int_linear, cpu_kernels
+from kdaserve.ops import cpu_int_linear, cpu_kernels, gpu
 from kdaserve.ops.int_quant import dequantize
 from kdaserve.ops.mxfp4 import GROUP, dequantize_mxfp4
 
@@ -64,7 +64,9 @@ class SparseMoE(nn.Module):
         out = up(norm(sum_k w_k · expert_k(z))) + shared(x).
 
     Slots (token, expert) are grouped by expert, then every active expert's group runs through
-    its fused w13 and w2: on CPU through the compiled ragged-group kernel; elsewhere one matmul
+    its fused w13 and w2: on CUDA with triton through the grouped Triton kernels (sync-free,
+    MXFP4 decoded inside; kdaserve/ops/gpu/moe_grouped.py); on CPU through the compiled
+    ragged-group kernel; elsewhere one matmul
     per expert when groups are large or few (prefill, single-token decode), or one padded
     batched matmul when groups are small (over all experts when most are active, so no weights
     are copied), where padding and gathers cost less than many small calls.
@@ -148,6 +150,24 @@ class SparseMoE(nn.Module):
             return None
         return cpu_kernels.moe_experts_kernel()
 
+    def _triton_grouped(self, x: torch.Tensor):
+        """The grouped Triton kernels when they apply: a device they run on, triton importable
+        (KDASERVE_TRITON=0: not), no autograd (they have no backward)."""
+        if not gpu.kernels_for(x.device.type) or self.int_quant is not None:
+            return None        # (INT8/INT4 stacks: the per-expert dequantized form on GPU)
+        if torch.is_grad_enabled() and (x.requires_grad or any(
+                p.requires_grad for p in (getattr(self, "experts_w13", None),
+                                          getattr(self, "experts_w2", None)) if p is not None)):
+            return None
+        from kdaserve.ops.gpu.moe_grouped import ExpertWeights, fused_moe
+
+        if self.quantized:
+            w13 = ExpertWeights(self.experts_w13_packed, self.experts_w13_scale)
+            w2 = ExpertWeights(self.experts_w2_packed, self.experts_w2_scale)
+        else:
+            w13, w2 = ExpertWeights(self.experts_w13), ExpertWeights(self.experts_w2)
+        return lambda x, weights, ids: fused_moe(x, weights, ids, w13, w2, self.act)
+
     def _expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (w13 [2I, W], w2 [W, I]); MXFP4 experts are dequantized into buffers
         reused from expert to expert (never the whole stack at once)."""
@@ -227,11 +247,14 @@ class SparseMoE(nn.Module):
         """sum_k weights[t,k] · expert_{ids[t,k]}(x[t]) for every token: [T,W]."""
         k = ids.shape[1]
         flat = ids.reshape(-1)
-        kernel = self._ragged_kernel(x)
-        if kernel is None and sync_free and not self.quantized:
+        grouped_gpu = self._triton_grouped(x)
+        kernel = None if grouped_gpu is not None else self._ragged_kernel(x)
+        if grouped_gpu is not None or (kernel is None and sync_free and not self.quantized):
             if self.load_counts is not None:     # (bincount on CUDA reads its max back)
                 self.load_counts.index_add_(0, flat, torch.ones_like(flat).to(
                     self.load_counts))
+            if grouped_gpu is not None:
+                return grouped_gpu(x, weights, ids)
             return self._routed_all_experts(x, weights, ids)
         order = flat.argsort(stable=True)                              # slots grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)      # [E]

@@ -17,7 +17,8 @@ def test_bench_cuda_tiny_runs_every_section_on_cpu(capsys, tmp_path):
                  "--budget-s", "600", "--out", str(saved)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert json.loads(saved.read_text()) == out
-    for section in ("correctness", "kda_op", "throughput", "long", "spec", "shapes48b"):
+    for section in ("correctness", "kda_op", "throughput", "graphs", "long", "spec",
+                    "shapes48b"):
         assert "error" not in out[section], out[section]
     corr = out["correctness"]
     # the "device" is the CPU here: the reference is the torch forward, the device run takes
@@ -54,7 +55,13 @@ def test_bench_cuda_tiny_runs_every_section_on_cpu(capsys, tmp_path):
         "bytes_per_step"]
     summary = out["summary"]
     assert summary["shapes48b_tpot_batch1_ms"] == shapes["decode"]["batch1"]["tpot_ms"]
-    assert summary["graphs_vs_eager"] is None      # graphs are not built yet
+    for name in ("kimi_k3", "kimi_linear"):      # the CPU replay backend of the graphs
+        row = out["graphs"][name]
+        assert row["greedy_identical"] is True and row["graphs_vs_eager"] > 0
+        assert row["capture"]["sizes"] == [1, 2, 4] and row["capture"]["mib"] == 0
+    assert summary["greedy_identical_graphs_vs_eager"] is True
+    assert summary["graphs_vs_eager"] == out["graphs"]["kimi_linear"]["graphs_vs_eager"]
+    assert summary["shapes48b_graphs_vs_eager"] is None       # no graphs on the CPU
     assert summary["kimi_linear_batch64_output_tok_s"] == \
         out["throughput"]["kimi_linear_bf16"]["batch64_output_tok_s"]
     assert summary["kimi_k3_greedy_identical_cuda_vs_cpu"] is True

@@ -17,6 +17,7 @@ import torch
 
 from kdaserve.bench.cuda.correctness import correctness
 from kdaserve.bench.cuda.driver import error_row
+from kdaserve.bench.cuda.graphs import graphs_section
 from kdaserve.bench.cuda.kda_op import kda_op
 from kdaserve.bench.cuda.long_context import long_context
 from kdaserve.bench.cuda.shapes_48b import shapes_48b
@@ -24,7 +25,7 @@ from kdaserve.bench.cuda.spec_decode import spec_decode
 from kdaserve.bench.cuda.throughput import throughput
 from kdaserve.bench.cuda.workload import MODELS, TINY, Sizes
 
-SECTIONS = ("correctness", "kda_op", "throughput", "long", "spec", "shapes48b")
+SECTIONS = ("correctness", "kda_op", "throughput", "graphs", "long", "spec", "shapes48b")
 
 
 def _environment(device: torch.device) -> dict:
@@ -74,9 +75,14 @@ def summarize(result: dict) -> dict:
         s["hbm_utilization_batch1"] = shapes["hbm_utilization_batch1"]
         s["shapes48b_tpot_batch1_ms"] = shapes["decode"]["batch1"]["tpot_ms"]
         s["shapes48b_roofline_tpot_batch1_ms"] = shapes["decode"]["batch1"]["roofline_tpot_ms"]
-        # CUDA graphs are not built yet: no graphs-versus-eager figure to report
-        s["graphs_vs_eager"] = shapes["graphs_vs_eager"]
-        s["greedy_identical_graphs_vs_eager"] = None
+        s["shapes48b_graphs_vs_eager"] = shapes.get("graphs_vs_eager")
+    graphs = result.get("graphs", {})
+    rows = [graphs[m] for m in MODELS if isinstance(graphs.get(m), dict)
+            and "greedy_identical" in graphs[m]]
+    if rows:
+        s["greedy_identical_graphs_vs_eager"] = all(r["greedy_identical"] for r in rows)
+    if "graphs_vs_eager" in graphs.get("kimi_linear", {}):
+        s["graphs_vs_eager"] = graphs["kimi_linear"]["graphs_vs_eager"]
     if "gpu" in result.get("environment", {}):
         s["device_name"] = result["environment"]["gpu"]
     return s
@@ -97,6 +103,7 @@ def run_sections(device: torch.device, sizes: Sizes, sections: tuple[str, ...],
         "correctness": lambda: correctness(device, sizes),
         "kda_op": lambda: kda_op(device, sizes),
         "throughput": lambda: throughput(device, sizes, deadline, threads),
+        "graphs": lambda: graphs_section(device, sizes),
         "long": lambda: long_context(device, sizes, deadline),
         "spec": lambda: spec_decode(device, sizes, deadline),
         "shapes48b": lambda: shapes_48b(device, sizes, tiny=sizes == TINY),

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kdaserve.engine.sampler import (Penalties, SamplingRow, _constrain, _filter,
-                                     _top_logprobs)
+                                     _top_logprobs, draw_rows)
 from kdaserve.outputs import SampledToken
 
 
@@ -39,10 +39,10 @@ def target_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from probs [V] by the exponential race (a draw per vocabulary entry; the
-    sampler's plain steps take one uniform and the inverse CDF instead)."""
-    noise = torch.empty(probs.shape[-1]).exponential_(1.0, generator=generator)
-    return int((probs / noise).argmax())
+    """One token from probs [V] (any total): one uniform from the request's stream and the
+    inverse CDF, as the sampler's plain steps draw, so the device form (spec/
+    device_rejection.py) draws the same token from the same stream."""
+    return int(draw_rows(probs[None], torch.rand(1, generator=generator))[0])
 
 
 def verify(logits: torch.Tensor, rows: list[VerifyRow]) -> list[list[SampledToken]]:

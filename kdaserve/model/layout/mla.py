@@ -59,11 +59,13 @@ def _pad_fill(q_valid: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor) -> 
 
 
 def mla_layout(rows: PackedRows, seq_lens: list[int], context_lens: list[int],
-               block_size: int | None, block_tables: list[list[int]] | torch.Tensor | None
-               ) -> MLALayout:
+               block_size: int | None, block_tables: list[list[int]] | torch.Tensor | None,
+               decode_width: int | None = None) -> MLALayout:
     """The step's MLA indices; `block_size` None: no cache (training, reference forwards).
     `block_tables`: per sequence, or already a [B, width] tensor (a decode step's persistent
-    inputs). Every size comes from the Python lists, so nothing waits on the device."""
+    inputs). Every size comes from the Python lists, so nothing waits on the device.
+    `decode_width`: blocks each decode query may read, whatever the lengths (a captured
+    graph serves every step of its batch size: `refresh_decode` rewrites the rest)."""
     nd, Td, device = rows.num_decode, rows.num_decode_tokens, rows.device
     Bp = rows.num_seqs - nd
     Tp = rows.num_tokens - Td
@@ -93,11 +95,13 @@ def mla_layout(rows: PackedRows, seq_lens: list[int], context_lens: list[int],
     # context is read whole blocks at a time: a gather of block_size rows per index
     if nd:
         lay.decode_kv_lens = pos[:Td] + 1
-        wd = -(-max(c + n for c, n in zip(context_lens[:nd], seq_lens[:nd])) // bs)
+        wd = decode_width or -(-max(c + n for c, n in zip(context_lens[:nd], seq_lens[:nd]))
+                               // bs)
         # index_select: advanced indexing with a trailing slice takes a slow path that
         # costs milliseconds at 1M-token page tables
         lay.decode_ctx_blocks = bt[:, :wd].index_select(0, rows.seq_of[:Td])
-        lay.decode_blockwise = Td * wd * bs > mla_ops.DENSE_MAX_DECODE_KEYS
+        lay.decode_blockwise = (Td * wd * bs > mla_ops.DENSE_MAX_DECODE_KEYS
+                                or mla_ops.triton_paged_decode(device))
         if not lay.decode_blockwise:
             lay.decode_ctx_mask = arange(wd * bs, device)[None] < lay.decode_kv_lens[:, None]
     if Bp:
@@ -115,3 +119,18 @@ def mla_layout(rows: PackedRows, seq_lens: list[int], context_lens: list[int],
             lay.prefill_mask = _pad_fill(q_valid, jk[None, None, :] <= qpos[:, :, None],
                                          jk)[:, None]
     return lay
+
+
+def refresh_decode(lay: MLALayout, positions: torch.Tensor, block_tables: torch.Tensor,
+                   block_size: int) -> None:
+    """Rewrite in place what a decode-only layout (one token a row, `decode_width` set)
+    derives from its persistent inputs: a captured graph runs this before its forward, so the
+    replay sees this step's positions and tables. The same values as `mla_layout`."""
+    bs, bt = block_size, block_tables
+    blk = (positions // bs).clamp(max=bt.shape[1] - 1)
+    torch.add(bt.gather(1, blk[:, None])[:, 0] * bs, positions % bs, out=lay.slot_mapping)
+    torch.add(positions, 1, out=lay.decode_kv_lens)
+    lay.decode_ctx_blocks.copy_(bt[:, :lay.decode_ctx_blocks.shape[1]])
+    if lay.decode_ctx_mask is not None:
+        keys = arange(lay.decode_ctx_mask.shape[1], positions.device)
+        torch.lt(keys[None], lay.decode_kv_lens[:, None], out=lay.decode_ctx_mask)
