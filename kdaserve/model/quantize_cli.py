@@ -3,7 +3,7 @@ compressed-tensors pack-quantized one (weight-only, group-wise scales; `weight_p
 `weight_scale`, `weight_shape`, `weight_zero_point` when asymmetric), which kdaserve, vLLM and
 other compressed-tensors readers load. Layers whose width is not a multiple of the group stay
 float (listed in the config's `ignore`: compressed-tensors has no shorter last group). The
-tokenizer and other side files are copied."""
+tokenizer, other side files and subfolders (a DSpark draft) are copied as they are."""
 
 from __future__ import annotations
 
@@ -54,6 +54,13 @@ def run(args: argparse.Namespace) -> int:
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in _WRITTEN:
             shutil.copy2(f, out / f.name)
+        elif f.is_dir():              # a draft model beside it (draft/), kept as it is
+            shutil.copytree(f, out / f.name, dirs_exist_ok=True)
+    left = len(model.config.weight_quant.ignore) - len(wq.ignore)
+    if left:
+        log.warning("kdaserve quantize: %d layers (or MoE layers' experts) have widths that "
+                    "are not a multiple of %d and stay float (listed in ignore); a group "
+                    "size dividing every width quantizes them too", left, wq.group_size)
     rep = model.weight_report()
     log.info("kdaserve quantize: %s -> %s (%s, group %d): %.1f MiB", src, out, wq.scheme,
              wq.group_size, rep["bytes"] / 2**20)
