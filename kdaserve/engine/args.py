@@ -18,6 +18,7 @@ from typing import Any
 from kdaserve import arg_types
 from kdaserve.config import (
     EXECUTORS,
+    ConfigError,
     MOE_BACKENDS,
     CacheConfig,
     EngineConfig,
@@ -119,6 +120,17 @@ class EngineArgs:
     speculative_adaptive: bool = _arg(
         True, "choose the drafts verified per request and step from measured acceptance and "
         "step cost, speculation off where it does not pay")
+    speculative_draft_sample_method: str = _arg(
+        "probabilistic", "the draft samples its tokens from its processed distribution "
+        "(verified against it) or takes its argmax", choices=("probabilistic", "greedy"))
+    speculative_rejection_sample_method: str = _arg(
+        "token", "verify drafts one by one, or the whole block at once (never fewer accepted)",
+        choices=("token", "block"))
+    speculative_config: str | None = _arg(
+        None, "vLLM's JSON form, e.g. '{\"method\": \"dspark\", \"num_speculative_tokens\": "
+        "7, \"draft_sample_method\": \"probabilistic\", \"rejection_sample_method\": "
+        "\"block\"}' (keys: method, model, num_speculative_tokens, draft_sample_method, "
+        "rejection_sample_method); it sets the flags above", metavar="JSON")
     # parallelism (docs/parallelism.md)
     tensor_parallel_size: int = _arg(1, "ranks that shard attention heads, MLPs and the "
                                      "vocabulary, one process each",
@@ -160,6 +172,24 @@ class EngineArgs:
         return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)
                       if hasattr(namespace, f.name)})
 
+    def _speculative(self) -> SpeculativeConfig | None:
+        """The speculative settings: the flags, with --speculative-config's keys over them."""
+        spec = {"speculative_method": self.speculative_method,
+                "speculative_model": self.speculative_model,
+                "num_speculative_tokens": self.num_speculative_tokens,
+                "speculative_draft_sample_method": self.speculative_draft_sample_method,
+                "speculative_rejection_sample_method": self.speculative_rejection_sample_method}
+        if self.speculative_config:
+            spec.update(speculative_from_json(self.speculative_config))
+        if not spec["speculative_method"]:
+            return None
+        return SpeculativeConfig(
+            method=spec["speculative_method"],
+            num_speculative_tokens=spec["num_speculative_tokens"],
+            draft_model=spec["speculative_model"], adaptive=self.speculative_adaptive,
+            draft_sample_method=spec["speculative_draft_sample_method"],
+            rejection_sample_method=spec["speculative_rejection_sample_method"])
+
     def to_engine_config(self) -> EngineConfig:
         from kdaserve.assets import default_model_path
 
@@ -196,12 +226,31 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=self.long_prefill_token_threshold),
-            speculative=SpeculativeConfig(method=self.speculative_method,
-                                          num_speculative_tokens=self.num_speculative_tokens,
-                                          draft_model=self.speculative_model,
-                                          adaptive=self.speculative_adaptive)
-            if self.speculative_method else None,
+            speculative=self._speculative(),
         )
+
+
+SPECULATIVE_JSON_KEYS = {"method": "speculative_method", "model": "speculative_model",
+                         "num_speculative_tokens": "num_speculative_tokens",
+                         "draft_sample_method": "speculative_draft_sample_method",
+                         "rejection_sample_method": "speculative_rejection_sample_method"}
+
+
+def speculative_from_json(text: str) -> dict[str, Any]:
+    """--speculative-config's JSON as EngineArgs fields (vLLM's keys)."""
+    import json
+
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("--speculative-config must be a JSON object")
+    unknown = sorted(set(raw) - set(SPECULATIVE_JSON_KEYS))
+    if unknown:
+        raise ConfigError(f"--speculative-config: unknown keys {unknown} (known: "
+                          f"{sorted(SPECULATIVE_JSON_KEYS)})")
+    return {SPECULATIVE_JSON_KEYS[k]: v for k, v in raw.items()}
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

@@ -74,6 +74,9 @@ class RowSampler:
         self._draft_probs: dict[str, torch.Tensor] = {}
         self._unseeded = torch.Generator().manual_seed(seed)
         self.on_device = on_device
+        # verify drafted blocks with block verification (--speculative-config
+        # rejection_sample_method "block"; spec/block_verify.py), else token by token
+        self.block_verification = False
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -113,7 +116,7 @@ class RowSampler:
                     probs = probs[: s.num_draft_tokens]
                 ver_rows.append(VerifyRow(self.row(requests[s.request_id]),
                                           list(s.token_ids[1:]), probs,
-                                          masks.get(s.request_id)))
+                                          masks.get(s.request_id), self.block_verification))
                 at += n
             elif s.sample:
                 plain_idx.append(at)

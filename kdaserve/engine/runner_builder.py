@@ -94,6 +94,9 @@ def build_runner(config: EngineConfig, plan: CachePlan, model: HybridForCausalLM
                          proposer=build_proposer(config, model, device, plan), stores=stores,
                          structured=StructuredOutputs(tokenizer, model.config.vocab_size),
                          graphs=graphs)
+    spec = config.speculative
+    runner.sampler.block_verification = (spec is not None
+                                         and spec.rejection_sample_method == "block")
     if graphs is not None:
         max_len = min(config.scheduler.max_model_len, model.config.max_position_embeddings)
         decode_graphs_log(runner.capture_graphs(config.scheduler.max_num_seqs, max_len))

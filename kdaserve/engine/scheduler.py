@@ -45,6 +45,10 @@ class Scheduler:
         self.num_verify_rows = 0        # speculative verifications (one request, one step)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # verified blocks by acceptance length (accepted drafts + 1), and how often the draft at
+        # each position of a block was accepted: /metrics' histogram and per-position counts
+        self.acceptance_lengths: Counter[int] = Counter()
+        self.accepted_by_position: Counter[int] = Counter()
         self.num_fair_preemptions = 0
         self.spec_policy: AdaptiveSpeculation | None = None   # set by the engine
         self._draft_plan: dict[str, int] = {}
@@ -357,6 +361,9 @@ class Scheduler:
                 self.num_verify_rows += 1
                 self.num_draft_tokens += seq.num_draft_tokens
                 self.num_accepted_tokens += len(tokens) - 1
+                self.acceptance_lengths[len(tokens)] += 1
+                for j in range(len(tokens) - 1):
+                    self.accepted_by_position[j] += 1
                 if self.spec_policy is not None:
                     self.spec_policy.record(req.request_id, seq.num_draft_tokens,
                                             len(tokens) - 1)

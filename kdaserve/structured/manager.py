@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     import llguidance as llg
 
     from kdaserve.structured.compiler import GrammarCache
+    from kdaserve.structured.list_end import ListEnd
     from kdaserve.structured.matcher import RequestGrammar
 
 logger = logging.getLogger("kdaserve")
@@ -54,6 +55,7 @@ class StructuredOutputs:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdaserve-grammar")
         self._threads = threads
         self._executor: llg.LLExecutor | None = None    # built with the first masks
+        self._crossing: dict[str, dict[int, int]] = {}   # list_end.py's candidates
 
     def _grammar_cache(self) -> GrammarCache:
         with self._cache_lock:
@@ -86,8 +88,19 @@ class StructuredOutputs:
             from kdaserve.structured.matcher import RequestGrammar
 
             st = self._grammars[req.request_id] = RequestGrammar(
-                self._grammar_cache().matcher(g), self._eos)
+                self._grammar_cache().matcher(g), self._eos, self._list_end(g))
         return st
+
+    def _list_end(self, g: GuidedDecoding) -> ListEnd | None:
+        if not g.list_separator:
+            return None
+        from kdaserve.structured.list_end import PROBE_SPAN, ListEnd, crossing_candidates
+
+        lltok = self._grammar_cache().tokenizer
+        head = g.list_separator[:PROBE_SPAN]
+        if head not in self._crossing:      # a walk of the vocabulary, once per separator
+            self._crossing[head] = crossing_candidates(lltok, self.vocab_size, g.list_separator)
+        return ListEnd(lltok, g.list_separator, self._crossing[head])
 
     def forget(self, request_id: str) -> None:
         self._grammars.pop(request_id, None)
@@ -99,7 +112,7 @@ class StructuredOutputs:
         if self._pending is not None:      # a failed step may have left one running
             self._pending.exception()
             self._pending = None
-        rows: list[tuple[str, RequestGrammar, list[int]]] = []
+        rows: list[tuple[str, RequestGrammar, list[int], int]] = []
         syncs: list[tuple[RequestGrammar, int, list[int]]] = []
         for s in seqs:
             req = requests.get(s.request_id)
@@ -110,13 +123,14 @@ class StructuredOutputs:
                 continue
             out = req.output_token_ids   # no job is running: num_tokens is settled
             syncs.append((st, len(out), out[st.num_tokens:]))
-            rows.append((s.request_id, st, list(s.token_ids[1:]) if s.num_draft_tokens else []))
+            rows.append((s.request_id, st, list(s.token_ids[1:]) if s.num_draft_tokens else [],
+                         req.sampling_params.max_tokens or 1 << 30))
         if not rows:
             return None
         self._pending = self._pool.submit(self._masks, rows, syncs)
         return self._pending
 
-    def _masks(self, rows: list[tuple[str, RequestGrammar, list[int]]],
+    def _masks(self, rows: list[tuple[str, RequestGrammar, list[int], int]],
                syncs: list[tuple[RequestGrammar, int, list[int]]] = ()) -> dict[str, torch.Tensor]:
         import llguidance as llg
         import llguidance.torch as llt
@@ -125,13 +139,14 @@ class StructuredOutputs:
             self._executor = llg.LLExecutor(num_threads=self._threads)
         for st, n, unseen in syncs:
             st.sync_to(n, unseen)
-        total = sum(len(d) + 1 for _, _, d in rows)
+        total = sum(len(d) + 1 for _, _, d, _ in rows)
         out = bitmask.allocate(total, self.vocab_size)          # [sum P, W], all allowed
         plain: list[tuple[llg.LLMatcher, int]] = []
         drafted: list[tuple[llg.LLMatcher, int, list[int]]] = []
         spans: dict[str, tuple[int, int]] = {}
+        ending: list[tuple[RequestGrammar, int, int]] = []
         at = 0
-        for rid, st, drafts in rows:
+        for rid, st, drafts, max_tokens in rows:
             spans[rid] = (at, len(drafts) + 1)
             if st.done:
                 self._eos_only(out[at:at + len(drafts) + 1])
@@ -139,11 +154,15 @@ class StructuredOutputs:
                 drafted.append((st.matcher, at, drafts))
             else:
                 plain.append((st.matcher, at))
+                if st.list_end is not None:     # (a verify row's drafts go unrestricted)
+                    ending.append((st, at, max_tokens))
             at += len(drafts) + 1
         if plain:
             llt.fill_next_token_bitmask_par(self._executor, plain, out)
         if drafted:
             llt.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, out)
+        for st, row, max_tokens in ending:
+            st.list_end.restrict(st.matcher, out[row], st.num_tokens, max_tokens)
         return {rid: out[a:a + n] for rid, (a, n) in spans.items()}
 
     def _eos_only(self, rows: torch.Tensor) -> None:

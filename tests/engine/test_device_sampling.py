@@ -110,12 +110,18 @@ def _verify_rows(seed: int, with_q: bool) -> tuple[torch.Tensor, list[VerifyRow]
     return logits, rows
 
 
+@pytest.mark.parametrize("block", [False, True], ids=["token", "block"])
 @pytest.mark.parametrize("with_q", [True, False], ids=["draft_probs", "point_mass"])
 @pytest.mark.parametrize("seed", range(6))
-def test_verify_rows_match_the_rejection_reference(seed, with_q):
+def test_verify_rows_match_the_rejection_reference(seed, with_q, block):
+    """The device form against the host form, token by token or block verification."""
     logits, rows = _verify_rows(seed, with_q)
+    for v in rows:
+        v.block = block
     want = verify(logits, rows)
     logits, rows = _verify_rows(seed, with_q)
+    for v in rows:
+        v.block = block
     with no_reads():
         draw = verify_on_device(logits, rows)
         pending = PendingSample([], rows, Readback(draw.tensors()))

@@ -20,6 +20,7 @@ import torch
 from kdaserve.engine.device_sampling import LogprobParts, constrain, wanted_logprobs
 from kdaserve.engine.penalties import Penalties, device_tensor
 from kdaserve.engine.sampler import SamplingRow, _filter, draw_rows
+from kdaserve.engine.spec.block_verify import block_accept
 from kdaserve.engine.spec.rejection import VerifyRow
 
 
@@ -123,6 +124,8 @@ def _accept_random(logits: torch.Tensor, rows: list[VerifyRow], random: list[int
         q_rows = (qsel, q_at, Q)
     u = _host_uniforms(rows, random, n, N)
     u = u.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else u
+    if rows[random[0]].block and N:     # the method is the engine's: every row alike
+        return _accept_block(probs, p_at, d, q_rows, random, n, N, u, dev)
     ok = hs & (u * q_d < p_d)
     a = ok[:, :N].long().cumprod(1).sum(1)
     p_a = probs[p_at.gather(1, a[:, None])[:, 0]]                             # [Rr, V]
@@ -137,3 +140,18 @@ def _accept_random(logits: torch.Tensor, rows: list[VerifyRow], random: list[int
     dist = torch.where(rejected[:, None], torch.where(total > 0, residual / total, p_a), p_a)
     last = draw_rows(dist, u[:, N])
     return ok, last[:, None].expand(-1, N + 1)
+
+
+def _accept_block(probs, p_at, d, q_rows, random, n, N, u, dev):
+    """Block verification (spec/block_verify.py) of the random rows, in the token form's
+    return shape: acceptance [Rr, N+1] True for the τ accepted drafts, the final token."""
+    Rr = len(random)
+    P = probs[p_at]                                                         # [Rr, N+1, V]
+    Q = torch.nn.functional.one_hot(d[:, :N], P.shape[-1]).to(P.dtype)      # point masses
+    if q_rows is not None:
+        qsel, q_at, Qp = q_rows
+        Q = Q.index_put((qsel,), Qp[q_at[:, :N]])
+    nr = device_tensor([n[r] for r in random], torch.long, dev)
+    tau, last = block_accept(P, Q, d[:, :N], nr, u[:, :N], u[:, N])
+    ok = torch.arange(N + 1, device=dev)[None] < tau[:, None]
+    return ok, last[:, None].expand(Rr, N + 1)
