@@ -1,4 +1,5 @@
-"""`kdaserve serve | generate | inspect | bench | train | extract-hidden | train-draft`."""
+"""`kdaserve serve | generate | inspect | quantize | bench | train | extract-hidden |
+train-draft`."""
 
 from __future__ import annotations
 
@@ -92,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                  _from("kdaserve.model.inspect"))
     sub.add_lazy("plan", "a deployment's fit, speed and cost on paper (hardware table)",
                  _from("kdaserve.plan.cli"))
+    sub.add_lazy("quantize", "write a float checkpoint as an INT8/INT4 compressed-tensors one",
+                 _from("kdaserve.model.quantize_cli"))
     sub.add_lazy("bench", "benchmarks (JSON output)", _bench_args)
     sub.add_lazy("train", "train the demo model from its corpus", _from("kdaserve.train.demo"))
     sub.add_lazy("extract-hidden", "target hidden states over a corpus, for draft training",
@@ -138,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         from kdaserve.plan.cli import run as run_plan
 
         return run_plan(args)
+    if args.command == "quantize":
+        from kdaserve.model.quantize_cli import run as run_quantize
+
+        return run_quantize(args)
     if args.command == "bench":
         if args.bench == "offline":
             from kdaserve.bench.offline import run

@@ -221,7 +221,15 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     enforce_eager: bool = False     # CUDA: no captured decode graphs
     async_scheduling: bool = False  # plan step N+1 while step N runs (engine/lookahead.py)
+    # weight-only quantization on load: None, "int8" or "int4" (kdaserve/quant_config.py)
+    quantization: str | None = None
+    quantization_group_size: int = 128
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ConfigError(f"quantization must be int8 or int4, got {self.quantization!r}")
+        if self.quantization_group_size <= 0 or self.quantization_group_size % 2:
+            raise ConfigError("quantization_group_size must be a positive even number, got "
+                              f"{self.quantization_group_size}")

@@ -29,6 +29,7 @@ from kdaserve.config import (
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("dspark", "ngram")
+QUANTIZATIONS = ("int8", "int4")
 
 
 def _arg(default: Any, help: str, *, parse: Callable[[str], Any] | None = None,
@@ -54,6 +55,13 @@ class EngineArgs:
     device: str = _arg("cpu", "torch device, e.g. cpu or cuda")
     kda_chunk_size: int | None = _arg(None, "KDA prefill chunk size (default: 64 on GPU, 16 "
                                       "on CPU)", parse=arg_types.positive_int)
+    quantization: str | None = _arg(
+        None, "quantize the float weights on load, weight-only with group-wise scales: int8 "
+        "or int4 (dense projections, shared and routed experts, the LM head; the embedding "
+        "stays); a compressed-tensors checkpoint is read as stored", choices=QUANTIZATIONS)
+    quantization_group_size: int = _arg(128, "input columns per scale of --quantization "
+                                        "(32 to 128 typical)",
+                                        parse=arg_types.int_at_least(2))
     seed: int = _arg(0, "engine random seed")
     async_scheduling: bool = _arg(False, "plan each step while the one before still runs "
                                   "(the sampled tokens come back as the next is planned); not "
@@ -197,7 +205,8 @@ class EngineArgs:
             model=str(self.model) if self.model is not None else str(default_model_path()),
             dtype=resolve_dtype(self.dtype, self.device), device=self.device, kda_chunk_size=self.kda_chunk_size,
             seed=self.seed, num_threads=self.num_threads, enforce_eager=self.enforce_eager,
-            async_scheduling=self.async_scheduling,
+            async_scheduling=self.async_scheduling, quantization=self.quantization,
+            quantization_group_size=self.quantization_group_size,
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     expert_parallel_size=self.expert_parallel_size,
                                     data_parallel_size=self.data_parallel_size,

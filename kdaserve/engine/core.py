@@ -267,12 +267,18 @@ class EngineCore:
 
     def _log_weights(self, model: HybridForCausalLM, config: EngineConfig) -> None:
         rep = model.weight_report()
+        wq = model.config.weight_quant
         logger.info("kdaserve weights: %.1f MiB as loaded (%s)%s", rep["bytes"] / 2**20,
                     model.config.architecture,
                     f"; routed experts {rep['expert_bytes'] / 2**20:.1f} MiB, "
                     f"{rep['expert_bytes_per_weight']:.4g} bytes per weight"
-                    f" ({model.config.experts_quantization or config.dtype})"
+                    f" ({model.config.experts_quantization or (wq and wq.scheme) or config.dtype})"
                     if rep["expert_weights"] else "")
+        from kdaserve.model.inspect import measure_model
+
+        per = measure_model(model, model.config).bytes_per_weight()
+        logger.info("kdaserve bytes per weight as loaded: %s", ", ".join(
+            f"{part} {b:.3g}" for part, b in sorted(per.items(), key=lambda kv: kv[0])))
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:

@@ -194,3 +194,20 @@ void attn_res_mix_rows(int64_t B, int64_t Hd, int64_t S, const float *bank, int6
 #define SFX _bf16
 #define WIDEN 1
 #include "decode_blocks.h"
+
+/* packed INT8/INT4 matrices (fp32 cache, activations and sums; the router and MLA's kv_b as
+ * fp32 arrays): each matrix argument is a descriptor (int_rows.h; bits 32: a plain fp32 row-
+ * major matrix, for layers a checkpoint left unquantized) */
+#include "int_rows.h"
+#define WT float
+#define CT float
+#define LDW(v) (v)
+#define LDW8(p) ld8f(p)
+#define LDW16(p) ld16f(p)
+#define LDC(v) (v)
+#define STC(v) (v)
+#define SFX _q
+#define WIDEN 0
+#define QMATS 1
+#include "decode_blocks.h"
+#undef QMATS

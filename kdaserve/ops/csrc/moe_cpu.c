@@ -313,3 +313,6 @@ void moe_experts_mxfp4_rows(int64_t t_begin, int64_t t_end, int64_t nthreads, in
                                   w13_scale, w2_packed, w2_scale, out, act_kind, beta,
                                   linear_beta))
 }
+
+/* INT8/INT4 experts (the same groups and activation, packed weights) */
+#include "moe_int.h"
