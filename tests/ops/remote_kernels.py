@@ -24,6 +24,7 @@ import struct
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -181,19 +182,38 @@ def _str(s: str) -> bytes:
     return struct.pack("<I", len(b)) + b
 
 
-def _tensor_spans(objects) -> list[tuple[int, int]]:
+# storages found by a scan of all objects, kept while their tensors live: the fused decode
+# blocks' pointers (weights, caches) are built once per model and found in no calling frame
+_seen: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _tensor_spans(objects, remember: bool = False) -> list[tuple[int, int]]:
     spans = []
     for o in objects:
-        if isinstance(o, torch.Tensor) and o.device.type == "cpu":
+        if issubclass(type(o), torch.Tensor) and o.device.type == "cpu":
             st = o.untyped_storage()
             if st.nbytes():
                 spans.append((st.data_ptr(), st.nbytes()))
+                if remember:
+                    _seen[st.data_ptr()] = (weakref.ref(o), st.nbytes())
+    return spans
+
+
+def _remembered() -> list[tuple[int, int]]:
+    spans = []
+    for start, (ref, n) in list(_seen.items()):
+        t = ref()
+        if t is None or t.untyped_storage().data_ptr() != start or \
+                t.untyped_storage().nbytes() != n:
+            del _seen[start]
+        else:
+            spans.append((start, n))
     return spans
 
 
 def _storages(addresses: list[int]) -> list[tuple[int, int]]:
     """The (start, bytes) of the tensor storages that hold `addresses`: the calling frames'
-    tensors first (cheap), all live tensors where one is not found there."""
+    tensors first (cheap), then those an earlier scan found, then all live tensors."""
     frames, f = [], sys._getframe(1)
     while f is not None:
         frames.append(f)
@@ -206,7 +226,9 @@ def _storages(addresses: list[int]) -> list[tuple[int, int]]:
         return next(((s, n) for s, n in spans if s <= a < s + n), None)
 
     if any(owner(a) is None for a in addresses):
-        spans += _tensor_spans(gc.get_objects())
+        spans += _remembered()
+    if any(owner(a) is None for a in addresses):
+        spans += _tensor_spans(gc.get_objects(), remember=True)
     out: list[tuple[int, int]] = []
     for a in addresses:
         span = owner(a)
