@@ -346,3 +346,4 @@ void NAME(head_block)(int64_t B, int64_t Hd, int64_t V, const float *x, const fl
 #undef WIDEN
 #undef LDW8
 #undef LDW16
+#undef LDWV

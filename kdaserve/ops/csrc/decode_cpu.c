@@ -100,6 +100,19 @@ static inline v16f ld16bf16(const uint16_t *p) {
     return f;
 }
 
+/* VREG_LANES bf16 weights widened (vec16.h's register of the outer products) */
+typedef uint16_t vregh __attribute__((vector_size(2 * VREG_LANES), aligned(2)));
+typedef uint32_t vregu __attribute__((vector_size(4 * VREG_LANES), aligned(4)));
+
+static inline vregf ldvbf16(const uint16_t *p) {
+    vregh h;
+    memcpy(&h, p, sizeof h);
+    const vregu u = __builtin_convertvector(h, vregu) << 16;
+    vregf f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 /* s + lane 0 + lane 1 + ... + lane 7, in that order */
 static inline float lanes_sum(v8f a, float s) {
     for (int l = 0; l < 8; ++l) s += a[l];
@@ -177,6 +190,7 @@ void attn_res_mix_rows(int64_t B, int64_t Hd, int64_t S, const float *bank, int6
 #define LDW(v) (v)
 #define LDW8(p) ld8f(p)
 #define LDW16(p) ld16f(p)
+#define LDWV(p) ldvf(p)
 #define LDC(v) (v)
 #define STC(v) (v)
 #define SFX _f32
@@ -189,6 +203,7 @@ void attn_res_mix_rows(int64_t B, int64_t Hd, int64_t S, const float *bank, int6
 #define LDW(v) bf16_to_f32(v)
 #define LDW8(p) ld8bf16(p)
 #define LDW16(p) ld16bf16(p)
+#define LDWV(p) ldvbf16(p)
 #define LDC(v) bf16_to_f32(v)
 #define STC(v) f32_to_bf16(v)
 #define SFX _bf16

@@ -36,9 +36,14 @@
 #include "fastmath.h"
 #include "threads.h"
 
+/* Up to MAX_ROWS sums of VW lanes, one register each: 16 lanes with AVX-512; 8 with AVX2;
+ * 4 on aarch64, one NEON register (GCC 12 keeps a wider generic vector in memory there, every
+ * add a store and a reload): 8 sums, 8 products in flight and the weights, 17 of 32. */
 #define MAX_ROWS 8
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
 #define VW 16
+#elif defined(__aarch64__)
+#define VW 4
 #else
 #define VW 8
 #endif

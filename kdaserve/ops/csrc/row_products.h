@@ -127,17 +127,39 @@ static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *r
  * (12 registers of sums, 2 of weights, 1 of input): 2.0 -> 7 GFLOPS a thread at 6-256 rows
  * of a [2304 x 2304] product on an AVX2 EPYC. A lone row keeps 128 outputs on both (on AVX2
  * the 64-output form with no spill read the weights in shorter runs: 6.2 -> 3.7 GFLOPS).
- * Each output still sums in K order: the results are the same bits with either tiling. */
+ * NEON (aarch64): 32 registers of 4 lanes, a 16-lane sum is four (vec16.h's VREGS16), and
+ * the ISO C build does not fuse a multiply-add, so each product takes a register until its
+ * add: GCC 12 issues a step's products before its adds. A lone row keeps 64 outputs: 16
+ * registers of sums and 16 of products, no spill (96 or 128 outputs spilled sums to the stack
+ * every step, by the compiler's output). The 6 x 16 tile (24 sums + 24 products + 4 weights)
+ * spills about 13 products a step to L1, which the FP pipes' 48 operations a step hide
+ * on paper; a 3-row tile would fit (31 registers) but read each weight tile from L2 twice as
+ * often. Neither is measured: no ARM machine here (docs/benchmarks.md).
+ * Each output still sums in K order: the results are the same bits with any tiling. */
 #ifndef KDASERVE_ROW_PRODUCTS_TILES
 #define KDASERVE_ROW_PRODUCTS_TILES
 #if defined(__AVX512F__)
 #define TILE_COLS 2        /* 16-lane sums per tile row: 32 outputs */
 #else
-#define TILE_COLS 1
+#define TILE_COLS 1        /* AVX2, NEON */
 #endif
-#define WIDE_SUMS 8        /* 16-lane sums of a lone row: 128 outputs */
+#if defined(__aarch64__)
+#define WIDE_SUMS 4        /* 16-lane sums of a lone row: 64 outputs */
+#else
+#define WIDE_SUMS 8        /* 128 outputs */
+#endif
 #define WIDE_OUT (16 * WIDE_SUMS)
 #define TILE_OUT (16 * TILE_COLS)
+#endif
+
+/* VREG_LANES weights as floats: the includer's LDWV, else the first lanes of LDW16 */
+#ifndef LDWV
+#if VREG_LANES == 16
+#define LDWV(p) LDW16(p)
+#else
+#define LDWV(p) (__extension__({ const v16f w16_ = LDW16(p); vregf w_; \
+                                 memcpy(&w_, &w16_, sizeof w_); w_; }))
+#endif
 #endif
 
 /* Y[b, n] = X[b, :] . W[:, n] for b < B: W [K, N] row-major (a projection stored transposed,
@@ -152,27 +174,28 @@ static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *r
 static inline __attribute__((always_inline)) void NAME(outer_tile)(
         const WT *restrict W, const float *restrict X, int64_t ldx, float *restrict Y,
         int64_t ldy, int64_t N, int64_t K, int64_t n, int64_t b, const int R, const int C) {
-    v16f acc[6][2];
+    const int CV = C * VREGS16;       /* registers per tile row */
+    vregf acc[6][2 * VREGS16];
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-        for (int c = 0; c < C; ++c) acc[r][c] = (v16f){0};
+#pragma GCC unroll 8
+        for (int c = 0; c < CV; ++c) acc[r][c] = (vregf){0};
     for (int64_t i = 0; i < K; ++i) {
         const WT *w = W + i * N + n;
-        v16f wv[2];
-#pragma GCC unroll 2
-        for (int c = 0; c < C; ++c) wv[c] = LDW16(w + 16 * c);
+        vregf wv[2 * VREGS16];
+#pragma GCC unroll 8
+        for (int c = 0; c < CV; ++c) wv[c] = LDWV(w + VREG_LANES * c);
 #pragma GCC unroll 6
         for (int r = 0; r < R; ++r) {
             const float x = X[(b + r) * ldx + i];
-#pragma GCC unroll 2
-            for (int c = 0; c < C; ++c) acc[r][c] += wv[c] * x;
+#pragma GCC unroll 8
+            for (int c = 0; c < CV; ++c) acc[r][c] += wv[c] * x;
         }
     }
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-        for (int c = 0; c < C; ++c) st16f(Y + (b + r) * ldy + n + 16 * c, acc[r][c]);
+#pragma GCC unroll 8
+        for (int c = 0; c < CV; ++c) stvf(Y + (b + r) * ldy + n + VREG_LANES * c, acc[r][c]);
 }
 
 /* One row, WIDE_OUT outputs: WIDE_SUMS independent sums in flight (a 32-output tile of one
@@ -180,17 +203,17 @@ static inline __attribute__((always_inline)) void NAME(outer_tile)(
  * order. */
 static void NAME(outer_row_wide)(const WT *restrict W, const float *restrict x,
                                  float *restrict y, int64_t N, int64_t K, int64_t n) {
-    v16f acc[WIDE_SUMS];
-#pragma GCC unroll 8
-    for (int c = 0; c < WIDE_SUMS; ++c) acc[c] = (v16f){0};
+    vregf acc[WIDE_SUMS * VREGS16];
+#pragma GCC unroll 32
+    for (int c = 0; c < WIDE_SUMS * VREGS16; ++c) acc[c] = (vregf){0};
     for (int64_t i = 0; i < K; ++i) {
         const WT *w = W + i * N + n;
         const float xi = x[i];
-#pragma GCC unroll 8
-        for (int c = 0; c < WIDE_SUMS; ++c) acc[c] += LDW16(w + 16 * c) * xi;
+#pragma GCC unroll 32
+        for (int c = 0; c < WIDE_SUMS * VREGS16; ++c) acc[c] += LDWV(w + VREG_LANES * c) * xi;
     }
-#pragma GCC unroll 8
-    for (int c = 0; c < WIDE_SUMS; ++c) st16f(y + n + 16 * c, acc[c]);
+#pragma GCC unroll 32
+    for (int c = 0; c < WIDE_SUMS * VREGS16; ++c) stvf(y + n + VREG_LANES * c, acc[c]);
 }
 
 static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_t ldx,
