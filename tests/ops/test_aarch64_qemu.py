@@ -14,20 +14,21 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import cross_build as cb
 import pytest
 import remote_kernels as rk
-import torch
 import test_cpu_kernels
 import test_cpu_linear
 import test_moe_kernel_k3
 import test_sample_kernel
+import torch
 
 from kdaserve.ops import mla
 
-pytestmark = pytest.mark.skipif(rk.missing_tools() is not None,
-                                reason=rk.missing_tools() or "")
+pytestmark = pytest.mark.skipif(cb.missing_tools() is not None,
+                                reason=cb.missing_tools() or "")
 
-TARGETS = {t.name: t for t in rk.aarch64_targets()}
+TARGETS = {t.name: t for t in cb.aarch64_targets()}
 # the whole set on NEON; on the SVE builds (the same C, other code generation) the kernels
 # once each and the bitwise comparison, to keep the emulated time short
 NEON = pytest.mark.parametrize("runner", ["neon"], indirect=True)
@@ -35,14 +36,14 @@ NEON = pytest.mark.parametrize("runner", ["neon"], indirect=True)
 
 @pytest.fixture(scope="module", params=list(TARGETS))
 def runner(request):
-    r = rk.Runner(TARGETS[request.param], rk.build(TARGETS[request.param]))
+    r = rk.Runner(TARGETS[request.param], cb.build(TARGETS[request.param]))
     yield r
     r.close()
 
 
 @pytest.fixture(scope="module")
 def host():
-    r = rk.Runner(rk.host_target(), rk.host_build())
+    r = rk.Runner(cb.host_target(), cb.host_build())
     yield r
     r.close()
 
