@@ -11,6 +11,9 @@ skips without them. Speed under emulation means nothing: nothing here is timed."
 from __future__ import annotations
 
 import importlib.util
+import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -64,6 +67,30 @@ def _model_tests():
 def on_target(runner):
     with rk.routed_to(runner):
         yield runner
+
+
+def test_the_calls_run_in_the_target_build(runner):
+    """What every test here relies on: within routed_to the wrappers get the target's
+    functions, aarch64 code under qemu (SVE code in the SVE builds), and a call that cannot
+    be made fails loudly."""
+    from kdaserve.ops import cpu_kernels
+
+    for path in runner.built.values():
+        assert path.read_bytes()[18] == 0xB7, path            # ELF e_machine: EM_AARCH64
+    assert runner.target.runner[0].endswith(("qemu-aarch64", "qemu-aarch64-static"))
+    objdump = shutil.which("aarch64-linux-gnu-objdump")
+    if objdump:
+        text = subprocess.run([objdump, "-d", str(runner.built["decode_cpu.c"])], check=True,
+                              capture_output=True, text=True).stdout
+        sve = re.search(r"\s(whilelo|ptrue)\s", text) is not None
+        assert sve == runner.target.name.startswith("sve")
+    local = cpu_kernels._c_function
+    with rk.routed_to(runner):
+        fn = cpu_kernels._c_function("kda_cpu.c", "kda_recurrent_slots", [])
+        assert isinstance(fn, rk.RemoteFunction) and fn.runner is runner
+        with pytest.raises(RuntimeError, match="no such symbol"):
+            cpu_kernels._c_function("kda_cpu.c", "no_such_kernel", [])()
+    assert cpu_kernels._c_function is local                              # restored
 
 
 @pytest.mark.parametrize("B,L,H,D", [(1, 1, 1, 4), (5, 1, 2, 8), (3, 6, 2, 16), (4, 1, 2, 64),
