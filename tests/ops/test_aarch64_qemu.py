@@ -170,9 +170,10 @@ def test_fused_decode_blocks(on_target, gate, rows):
 
 
 @NEON
-def test_fused_decode_blocks_bf16(on_target):
+@pytest.mark.parametrize("experts", ["transposed", "checkpoint"])   # matmat_t / matmat
+def test_fused_decode_blocks_bf16(on_target, experts):
     _model_tests().test_bf16_step_matches_fp32_forward_of_the_rounded_weights(
-        "low_rank", "transposed")
+        "low_rank", experts)
 
 
 # ---- the same bits as this machine's build --------------------------------------------------
@@ -251,13 +252,16 @@ def _sample() -> list[torch.Tensor]:
 
 
 def _fused() -> list[torch.Tensor]:
-    """Four decode steps of three rows through the fused blocks of a tiny model (fp32 and
-    bf16 weights): logits and every cache tensor."""
+    """Three decode steps of three rows through the fused blocks of a tiny model (fp32
+    weights, experts transposed; bf16, experts as the checkpoint lays them out): logits and
+    every cache tensor."""
     from fused_cases import prefill
     from tiny_models import random_model, tiny_config
+    from torch import nn
 
     from kdaserve.model.fused_decode import fused_decoder
     from kdaserve.model.hybrid_cache import HybridCache
+    from kdaserve.model.moe import SparseMoE
 
     out = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -268,11 +272,17 @@ def _fused() -> list[torch.Tensor]:
         prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 5, 14)]
         tables = [list(range(1 + 12 * i, 13 + 12 * i)) for i in range(3)]
         prefill(model, cache, tables, [2, 3, 4], prompts)
-        if dtype == torch.bfloat16:
-            model = model.to(dtype)
+        if dtype == torch.bfloat16:        # and the experts in the checkpoint's layout
+            model = model.to_dtype(dtype)
+            for layer in model.model.layers:
+                if isinstance(layer.ffn, SparseMoE):
+                    for name in ("experts_w13", "experts_w2"):
+                        w = getattr(layer.ffn, name).detach().contiguous()
+                        setattr(layer.ffn, name, nn.Parameter(w, requires_grad=False))
             for name in ("mla_pages", "kda_conv", "snap_conv"):
                 setattr(cache, name, [t.to(dtype) for t in getattr(cache, name)])
         fused = fused_decoder(model, cache)
+        assert fused.wdtype == dtype
         for step in range(3):
             ids = torch.randint(0, cfg.vocab_size, (3,), generator=g)
             ctx = [len(p) + step for p in prompts]

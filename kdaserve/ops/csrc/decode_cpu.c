@@ -159,6 +159,13 @@ static inline v8p ld8pbf16(const uint16_t *p) {
     return f;
 }
 
+/* lanes_sum of the sum held in parts a[0..V8_PARTS): s + its lanes in order */
+static inline float lanes_sum8p(const v8p *a, float s) {
+    for (int p = 0; p < V8_PARTS; ++p)
+        for (int l = 0; l < V8_LANES; ++l) s += a[p][l];
+    return s;
+}
+
 /* hsum8 of the sum held in parts a[0..V8_PARTS): the same tree */
 static inline float hsum8p(const v8p *a) {
 #if V8_PARTS == 1
