@@ -71,8 +71,8 @@ def build(target: Target) -> dict[str, Path]:
     key = hashlib.sha256(text + " ".join([target.cc, *flags]).encode()).hexdigest()[:16]
     folder = cpu_kernels._cache_dir() / "cross" / f"{target.name}-{key}"
     folder.mkdir(parents=True, exist_ok=True)
-    jobs = {src.name: ([target.cc, *flags, str(src), "-o", "{out}", "-lm"], folder / f"{src.stem}.so")
-            for src in sources}
+    jobs = {src.name: ([target.cc, *flags, str(src), "-o", "{out}", "-lm"],
+                       folder / f"{src.stem}.so") for src in sources}
     jobs["driver"] = ([target.cc, "-O2", "-std=c11", *target.flags, str(DRIVER), "-o", "{out}",
                        "-ldl"], folder / "call_kernel")
     todo = [(cmd, out) for cmd, out in jobs.values() if not out.is_file()]

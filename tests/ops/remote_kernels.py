@@ -3,9 +3,10 @@ aarch64 builds (NEON, SVE) under qemu-user on an x86 host, which has no aarch64 
 
 One process per target runs tests/ops/csrc/call_kernel.c (under `qemu-aarch64` for ARM) and
 calls the entry points of the kernels' shared libraries, built for that target with the flags
-kdaserve/ops/cpu_kernels.py uses (tests/ops/cross_build.py). `routed_to(runner)` swaps cpu_kernels' library loading for
-this one, so the Python wrappers the engine calls (cpu_kernels, cpu_linear, mla, sample_kernel)
-run unchanged and their tests' torch references judge the other build's results.
+kdaserve/ops/cpu_kernels.py uses (tests/ops/cross_build.py). `routed_to(runner)` swaps
+cpu_kernels' library loading for that process, so the Python wrappers the engine calls
+(cpu_kernels, cpu_linear, mla, sample_kernel, fused_decode) run unchanged and their tests'
+torch references judge the other build's results.
 
 A call ships every tensor storage its pointer arguments point into (found among the calling
 frames' tensors, else among all live tensors), runs the function there, and copies the
