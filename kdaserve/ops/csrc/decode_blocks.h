@@ -373,5 +373,7 @@ void NAME(head_block)(int64_t B, int64_t Hd, int64_t V, const float *x, const fl
 #undef SFX
 #undef WIDEN
 #undef LDW8
+#undef LDW8P
 #undef LDW16
 #undef W_AT
+#undef LDWV
