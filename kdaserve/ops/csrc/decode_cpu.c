@@ -267,7 +267,9 @@ void attn_res_mix_rows(int64_t B, int64_t Hd, int64_t S, const float *bank, int6
 #define CT float
 #define LDW(v) (v)
 #define LDW8(p) ld8f(p)
+#define LDW8P(p) ld8p(p)
 #define LDW16(p) ld16f(p)
+#define LDWV(p) ldvf(p)
 #define LDC(v) (v)
 #define STC(v) (v)
 #define SFX _q
