@@ -7,11 +7,17 @@ import argparse
 import json
 import sys
 
+from pathlib import Path
+
 from kdaserve.plan.model import EXPERT_BITS, Layout, plan, recommend
+
+# the published configs (shared/data), by name: `--model kimi-k3`
+PUBLISHED = {p.stem: p for p in (Path(__file__).parent / "configs").glob("*.json")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory or config.json")
+    p.add_argument("--model", required=True, help="checkpoint directory, config.json, or a "
+                   f"published config by name ({', '.join(sorted(PUBLISHED))})")
     p.add_argument("--gpu", required=True, help="an entry of the hardware table "
                    "(kdaserve/plan/hardware.json: H100, H200, B200, GB300, MI300X, MI355X, "
                    "RTX5090, EPYC-2C)")
@@ -38,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from kdaserve.model.registry import load_config
     from kdaserve.plan.hardware import find, load_table
 
-    cfg = load_config(args.model)
+    cfg = load_config(PUBLISHED.get(args.model, args.model))
     hw = find(load_table(args.hardware), args.gpu)
     nodes = args.nodes or max(1, -(-args.num_gpus // hw.node_gpus))
     layout = recommend(cfg, hw, args.num_gpus, nodes)

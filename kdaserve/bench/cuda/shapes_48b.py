@@ -18,7 +18,8 @@ import torch
 from kdaserve.bench.cuda.driver import drive, error_row, free_memory, median, random_prompts
 from kdaserve.bench.cuda.workload import MODELS, Sizes
 
-CONFIG_48B = Path(__file__).with_name("kimi_linear_48b_config.json")
+# the published config (shared/data), shipped with the planner
+CONFIG_48B = Path(__file__).parents[2] / "plan" / "configs" / "kimi-linear-48b.json"
 # peak memory bandwidth by device name (bytes/s), for the roofline
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12, "GB200": 8.0e12,
                   "B300": 8.0e12, "GB300": 8.0e12, "A100": 2.0e12}
