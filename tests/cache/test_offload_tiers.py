@@ -265,7 +265,7 @@ def test_disk_store_damaged_entries_are_misses_and_scans_remove_them(tmp_path, f
         # the load is a miss, at once: a FIFO must not wait for a writer
         errors: list[BaseException] = []
 
-        def load(kind=kind, key=key):
+        def load(kind=kind, key=key, errors=errors):
             try:
                 s.get(kind, key)
             except BaseException as exc:            # noqa: BLE001 - recorded for the assert
