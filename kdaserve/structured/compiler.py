@@ -41,8 +41,9 @@ def grammar_text(g: GuidedDecoding) -> str:
         if g.kind == "choice":
             return llg.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in g.choices))
         return llg.LLMatcher.grammar_from_lark(g.spec)
-    except (ValueError, TypeError) as exc:
-        raise GuidedDecodingError(f"the {g.kind} spec cannot be compiled: {exc}") from None
+    except (ValueError, TypeError, RecursionError, OverflowError) as exc:
+        raise GuidedDecodingError(f"the {g.kind} spec cannot be compiled: {_clean(str(exc))}"
+                                  ) from None
 
 
 def validate(g: GuidedDecoding, tokenizer: llg.LLTokenizer | None = None) -> str:

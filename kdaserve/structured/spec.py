@@ -48,7 +48,7 @@ class GuidedDecoding:
         if self.kind == "json":
             try:
                 schema = json.loads(self.spec)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:   # "[" * 2000: nested past the limit
                 raise GuidedDecodingError(f"the JSON schema is not valid JSON: {exc}") from None
             if not isinstance(schema, (dict, bool)):
                 raise GuidedDecodingError("the JSON schema must be an object or a boolean")

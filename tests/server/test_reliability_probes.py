@@ -1,0 +1,65 @@
+"""Issue 35's probes over real HTTP, one server for the module: each probe is sent, a normal
+request must complete while it runs (or right after its refusal), and /health stays 200."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from server_harness import assert_openai_error, start_server
+
+NORMAL = {"prompt": "The king", "max_tokens": 3, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "probes.log"
+    s = start_server(tiny_model_dir, log, "--max-model-len", "512", "--torch-threads", "1",
+                     "--max-num-seqs", "64")
+    yield s
+    assert s.stop() == 0
+    assert 'HTTP/1.1" 5' not in s.log()
+
+
+def post(srv, body: dict | str, path: str = "/completions") -> httpx.Response:
+    if isinstance(body, str):
+        return httpx.post(srv.base_url + path, content=body, timeout=120,
+                          headers={"content-type": "application/json"})
+    return httpx.post(srv.base_url + path, json=body, timeout=120)
+
+
+def healthy_and_serving(srv) -> None:
+    assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    r = post(srv, NORMAL)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def beside(srv, probe: dict, path: str = "/completions") -> httpx.Response:
+    """Sends the probe and, while it runs, a normal request that must complete."""
+    with ThreadPoolExecutor(2) as pool:
+        p = pool.submit(post, srv, probe, path)
+        normal = pool.submit(post, srv, NORMAL)
+        assert normal.result(timeout=120).status_code == 200
+        out = p.result(timeout=120)
+    healthy_and_serving(srv)
+    return out
+
+
+DEEP = '{"a":' * 900 + "1" + "}" * 900
+
+
+@pytest.mark.parametrize("field,raw", [
+    ("guided_json", json.dumps("[" * 2000 + "]" * 2000)),
+    ("guided_json", DEEP),
+    ("response_format", '{"type": "json_schema", "json_schema": {"name": "x", "schema": '
+                        + DEEP + "}}"),
+    ("guided_regex", json.dumps("(" * 3000 + "a" + ")" * 3000)),
+    ("guided_grammar", json.dumps("start: " + "(" * 3000 + '"a"' + ")" * 3000)),
+], ids=["json-text", "json-object", "response-format", "regex", "lark"])
+def test_deeply_nested_guided_specs_are_400(srv, field, raw):
+    body = json.dumps({**NORMAL, "prompt": "Day"})[:-1] + f', "{field}": {raw}}}'
+    err = assert_openai_error(post(srv, body), 400)
+    assert err["param"] == field
+    healthy_and_serving(srv)
