@@ -318,6 +318,10 @@ class EngineCore:
         touched = self.scheduler.update(out, result)
         deltas = []
         for req in touched:
+            why = result.grammar_errors.get(req.request_id)
+            if why is not None and req.request_id in self._tracked:
+                deltas.append(self._grammar_failed(req.request_id, why))
+                continue
             try:
                 deltas.append(self._delta(req))
             except Exception as exc:    # e.g. detokenizing: this request's alone
@@ -360,6 +364,13 @@ class EngineCore:
                             req.stop_reason if finished else None, new_lps,
                             req.num_prompt_tokens, len(req.output_token_ids),
                             req.num_cached_tokens, prompt_logprobs=prompt_lps)
+
+    def _grammar_failed(self, rid: str, why: str) -> RequestDelta:
+        # its last token was sampled under an EOS-only mask: never report it as a "stop"
+        if rid in self.scheduler.requests:
+            self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
+        self.stats.failed += 1
+        return self._final_delta(rid, "error", error=f"the output grammar failed: {why}")
 
     def _final_delta(self, rid: str, reason: str, error: str | None = None) -> RequestDelta:
         tr = self._tracked[rid]

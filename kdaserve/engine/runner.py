@@ -238,7 +238,9 @@ class ModelRunner:
                 seqs, valid, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()},
                 requests, fwd.positions, fwd.cache_slots, hidden, rows, draft_limits))
             drafts = self._keep_proposals(props)
-        return ModelRunnerOutput(sampled=sampled, drafts=drafts, prompt_logprobs=prompt_lps)
+        errors = self.structured.take_failures() if masks is not None else {}
+        return ModelRunnerOutput(sampled=sampled, drafts=drafts, prompt_logprobs=prompt_lps,
+                                 grammar_errors=errors)
 
     def settle(self, plan: StepPlan, ops: StepOps, kept: KeptStates | None,
                sampled: Mapping[str, list[SampledToken]]) -> list[int]:

@@ -118,11 +118,11 @@ class ServingBase:
         except ValueError as exc:
             raise bad_request(exc) from None
         if guided is not None:        # grammar errors the engine would find, answered here
+            guided.field = ("tools" if plan and plan.forced_calls else req.guided_field()) or ""
             try:
                 validate_grammar(guided)
             except ValueError as exc:
-                raise APIError(400, str(exc), param="tools" if plan and plan.forced_calls
-                               else req.guided_field()) from None
+                raise APIError(400, str(exc), param=guided.field or None) from None
         if plan is not None and plan.keeps_special_tokens:
             params.skip_special_tokens = False
         vocab = self.engine.info.vocab_size if self.engine.info else self.tokenizer.vocab_size
@@ -155,7 +155,11 @@ class ServingBase:
         except BaseException as exc:
             await self._close(runs)
             if isinstance(exc, (ValueError, EngineError)):
-                raise engine_error(exc) from None
+                err = engine_error(exc)
+                field = params.guided.field if params.guided is not None else ""
+                if field and err.status == 400 and str(exc).startswith(f"{field}: "):
+                    err.param = field           # the grammar's budget, checked in the engine
+                raise err from None
             raise
         return runs
 

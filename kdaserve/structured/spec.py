@@ -32,6 +32,8 @@ class GuidedDecoding:
     spec: str = ""
     choices: list[str] = field(default_factory=list)
     whitespace: bool = False
+    # the request field that carried the spec (for error messages; not part of the key)
+    field: str = ""
 
     def __post_init__(self) -> None:
         self.check()

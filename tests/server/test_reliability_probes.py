@@ -4,6 +4,7 @@ request must complete while it runs (or right after its refusal), and /health st
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -63,3 +64,23 @@ def test_deeply_nested_guided_specs_are_400(srv, field, raw):
     err = assert_openai_error(post(srv, body), 400)
     assert err["param"] == field
     healthy_and_serving(srv)
+
+
+@pytest.mark.parametrize("regex,n", [("(a{1000}){1000}", 48), ("(a{300}){300}", 64)])
+def test_costly_grammars_are_400_naming_the_field(srv, regex, n):
+    probe = {"prompt": "Day", "max_tokens": 8, "n": n, "temperature": 1.0,
+             "guided_regex": regex}
+    err = assert_openai_error(beside(srv, probe), 400)
+    assert err["param"] == "guided_regex" and "too complex" in err["message"]
+
+
+def test_grammar_masks_of_n_sequences_are_shared(srv):
+    # 16 sequences of one grammar: their masks are computed once per distinct state, and
+    # every output follows the grammar (the digits after "id-" are free, so they diverge)
+    probe = {"prompt": "Day", "max_tokens": 12, "n": 16, "temperature": 1.0, "seed": 3,
+             "guided_regex": "id-[0-9]{1,6}"}
+    r = beside(srv, probe)
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        assert re.fullmatch(r"id-[0-9]{1,6}", c["text"]), c
+        assert c["finish_reason"] in ("stop", "length")
