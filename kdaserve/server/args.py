@@ -69,6 +69,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set; "
                         "/health stays open)")
+    p.add_argument("--allow-special-tokens-in-prompt", action="store_true",
+                   help="encode special tokens typed in prompts and messages as control tokens "
+                        "(default: as text, so a user cannot forge chat turns)")
     p.add_argument("--public-metrics", action="store_true",
                    help="with --api-key, leave /metrics open too")
     p.add_argument("--max-body-size", type=arg_types.parse_size, default=DEFAULT_MAX_BODY_SIZE,

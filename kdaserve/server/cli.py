@@ -106,7 +106,8 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Toke
             default_max_tokens=args.default_max_tokens,
             request_timeout_s=args.request_timeout or None,
             health_timeout_s=args.health_timeout, shutdown_timeout_s=args.shutdown_timeout,
-            max_token_bytes=tokenizer.max_token_bytes())
+            max_token_bytes=tokenizer.max_token_bytes(),
+            allow_special_tokens=args.allow_special_tokens_in_prompt)
         hosts = tuple(h.strip() for h in (args.allow_image_urls or "").split(",") if h.strip())
         image_limits = ImageLimits(
             max_bytes=args.max_image_bytes, max_pixels=args.max_image_pixels,

@@ -48,6 +48,7 @@ from kdaserve.server.runs import (
 )
 from kdaserve.structured.compiler import validate as validate_grammar
 from kdaserve.tokenizer import Tokenizer
+from kdaserve.user_text import SpecialTextGuard
 from kdaserve.vision_input import VisionInput
 
 logger = logging.getLogger("kdaserve")
@@ -77,6 +78,8 @@ class ServingBase:
         self.defaults = dict(defaults)
         self.metrics = metrics
         self.limits = limits or ServerLimits()
+        # special tokens typed in user text stay text (kdaserve/user_text.py)
+        self.guard = None if self.limits.allow_special_tokens else SpecialTextGuard(self.specials)
         self.draining = False
         self.active: set[str] = set()          # engine request ids of runs in flight
         self._token_text: dict[int, str] = {}
@@ -88,10 +91,21 @@ class ServingBase:
         return await asyncio.get_running_loop().run_in_executor(
             self._pool, functools.partial(fn, *args, **kwargs))
 
-    async def encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+    async def encode(self, text: str, param: str, add_special_tokens: bool,
+                     rendered: bool = False) -> list[int]:
+        """rendered: a chat template's output (its control tokens are real; the user strings
+        in it were marked by `user_messages`); otherwise user text."""
         check_text(text, param, self.max_model_len, self.limits)
+        guarded = self.guard is not None
         return await self._off_loop(self.tokenizer.encode, text,
-                                    add_special_tokens=add_special_tokens)
+                                    add_special_tokens=add_special_tokens,
+                                    specials=rendered or not guarded,
+                                    marked=rendered and guarded)
+
+    def user_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Messages with special tokens' text marked, before anything (image markers, the
+        template) adds real ones."""
+        return self.guard.mark(messages) if self.guard is not None else messages
 
     async def render_chat(self, messages: list[dict[str, Any]],
                           add_generation_prompt: bool, **template_kwargs: Any) -> str:
@@ -220,8 +234,9 @@ class ServingBase:
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.check_model(req.model)
         if req.messages is not None:
-            text = await self.render_chat(req.messages, req.add_generation_prompt)
-            ids = await self.encode(text, "messages", add_special_tokens=False)
+            text = await self.render_chat(self.user_messages(req.messages),
+                                          req.add_generation_prompt)
+            ids = await self.encode(text, "messages", add_special_tokens=False, rendered=True)
         else:
             ids = await self.encode(req.prompt or "", "prompt", req.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_model_len)

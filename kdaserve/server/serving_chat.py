@@ -80,10 +80,11 @@ class ChatServing(ServingBase):
             plan = plan_chat(req, self.tool_call_parser, self.reasoning_parser)
         except ValueError as exc:
             raise bad_request(exc) from None
-        messages, images = await self._chat_images(req.messages)
+        messages, images = await self._chat_images(self.user_messages(req.messages))
         text = await self.render_chat(messages, req.add_generation_prompt,
                                       **plan.template_kwargs)
-        prompt = Prompt(await self.encode(text, "messages", add_special_tokens=False), text)
+        prompt = Prompt(await self.encode(text, "messages", add_special_tokens=False,
+                                          rendered=True), text)
         if images:
             try:
                 ids, media = await self._off_loop(self.vision.expand, prompt.token_ids, images)
