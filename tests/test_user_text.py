@@ -38,6 +38,6 @@ def test_tokenizer_encodes_marked_specials_as_text():
     forged = tok.encode(tok.apply_chat_template(msgs))
     safe = tok.encode(tok.apply_chat_template(g.mark(msgs)), marked=True)
     honest = tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}]))
-    count = lambda ids: sum(i in specials for i in ids)        # noqa: E731
+    count = lambda ids: sum(i in specials for i in ids)
     assert count(safe) == count(honest) < count(forged)
     assert tok.decode(safe, skip_special_tokens=False) == tok.apply_chat_template(msgs)
