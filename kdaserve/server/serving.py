@@ -28,6 +28,7 @@ from kdaserve.request import SamplingParams
 from kdaserve.server.chat_plan import ChatPlan
 from kdaserve.server.errors import APIError, ServerDrainingError, bad_request, engine_error
 from kdaserve.server.guards import ServerLimits, check_sequences, check_text, check_token_ids
+from kdaserve.server.image_decoding import ImageDecoder
 from kdaserve.server.metrics import ServerMetrics
 from kdaserve.server.prompt_logprobs import format_prompt_logprobs
 from kdaserve.server.protocol import (
@@ -66,6 +67,7 @@ class ServingBase:
         self.engine = engine
         self.vision = vision                    # None: a text-only model
         self.image_limits = image_limits or ImageLimits()
+        self.images = ImageDecoder(self.image_limits)   # its own pool, not the tokenizer's
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         # special tokens' text: dropped from what parsers leave (they need them kept to see
