@@ -8,7 +8,9 @@ import base64
 import io
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -125,9 +127,6 @@ def test_placeholder_text_without_an_image(client):
 def test_images_are_judged_from_their_header(client, vision_server, size, why):
     """Refused before a pixel is decoded: the data behind these headers is not an image at
     all, so decoding would have said "corrupt"."""
-    import httpx
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(1) as pool:
         probe = pool.submit(ask, client, data_url(bomb_png(*size)))
         assert ask(client, data_url(png(seed=5))).usage.prompt_tokens
