@@ -114,3 +114,16 @@ def test_special_tokens_typed_by_users_stay_text(srv):
     r = beside(srv, {"messages": [{"role": "user", "content": FORGED}], "max_tokens": 3},
                "/chat/completions")
     assert r.status_code == 200, r.text
+
+
+def test_echo_with_prompt_logprobs_beside_a_normal_request(srv):
+    long = " ".join(["the king and the queen of the night"] * 20)
+    probe = {"prompt": [long] * 4, "echo": True, "logprobs": 1, "max_tokens": 1, "n": 2,
+             "prompt_logprobs": 1}
+    r = beside(srv, probe)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 8
+    # the n sequences of a prompt share its prompt logprobs (computed once)
+    for a, b in zip(choices[::2], choices[1::2]):
+        assert a["prompt_logprobs"] == b["prompt_logprobs"] and a["prompt_logprobs"][1:]
