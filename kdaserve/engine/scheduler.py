@@ -22,8 +22,8 @@ from collections import Counter, deque
 from kdaserve.cache.manager import CacheManager
 from kdaserve.cache.ops import CacheOp, FreeRequest, RestoreSnapshot, SettleDrafts, TakeSnapshot
 from kdaserve.config import SchedulerConfig
-from kdaserve.engine.fairness import fair_share_victim, next_waiting
 from kdaserve.engine import prompt_logprobs
+from kdaserve.engine.fairness import fair_share_victim, next_waiting
 from kdaserve.engine.prompt_logprobs import record, wants_prompt_logprobs
 from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
 from kdaserve.engine.stop_conditions import append_tokens

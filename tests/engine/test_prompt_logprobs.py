@@ -89,7 +89,7 @@ def test_prompt_logprobs_skip_prefix_hits_and_a_one_token_prompt(model_dir, refe
 
 def _spy_scoring(monkeypatch) -> list[int]:
     """Prompt rows scored per step."""
-    import kdaserve.engine.runner as runner
+    from kdaserve.engine import runner
 
     rows: list[int] = []
     real = runner.score
