@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,7 +19,7 @@ NORMAL = {"prompt": "The king", "max_tokens": 3, "ignore_eos": True, "temperatur
 def srv(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "probes.log"
     s = start_server(tiny_model_dir, log, "--max-model-len", "512", "--torch-threads", "1",
-                     "--max-num-seqs", "64")
+                     "--max-num-seqs", "64", "--header-timeout", "2", "--body-timeout", "2")
     yield s
     assert s.stop() == 0
     assert 'HTTP/1.1" 5' not in s.log()
@@ -127,3 +128,25 @@ def test_echo_with_prompt_logprobs_beside_a_normal_request(srv):
     # the n sequences of a prompt share its prompt logprobs (computed once)
     for a, b in zip(choices[::2], choices[1::2]):
         assert a["prompt_logprobs"] == b["prompt_logprobs"] and a["prompt_logprobs"][1:]
+
+
+@pytest.mark.parametrize("sent", [
+    b"",                                                        # nothing at all
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",             # half the headers
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+     b"Content-Length: 100\r\n\r\n{\"prompt\": "),                  # part of the body
+], ids=["nothing", "half-headers", "half-body"])
+def test_half_sent_requests_are_cut_off(srv, sent):
+    socks = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(20)]
+    try:
+        for s in socks:
+            s.sendall(sent)
+        healthy_and_serving(srv)                 # while they hang
+        for s in socks:
+            s.settimeout(60)                     # generous: the limit is 2 s
+            while s.recv(4096):                  # a 4xx, if anything, then the close
+                pass
+    finally:
+        for s in socks:
+            s.close()
+    healthy_and_serving(srv)
