@@ -12,7 +12,6 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kdaserve.image_io import ImageError, check_count
-from kdaserve.model.vision.processor import num_image_tokens
 from kdaserve.server.chat_output import ChatDelta, ChatOutput
 from kdaserve.server.chat_plan import ChatPlan, plan_chat
 from kdaserve.server.errors import APIError, bad_request
@@ -52,8 +51,7 @@ class ChatServing(ServingBase):
             check_count(len(refs), self.image_limits)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        proc = self.vision.processor if self.vision is not None else None
-        tokens_of = (lambda h, w: num_image_tokens(h, w, proc)) if proc is not None else None
+        tokens_of = self.vision.num_tokens if self.vision is not None else None
         try:
             images = await unless_disconnected(
                 request, self.images.load(refs, tokens_of, self.max_model_len - 1))
