@@ -85,7 +85,9 @@ def _content_text(index: int, content: Any) -> str:
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     """Copy messages with content flattened to a string (text parts joined by newlines).
 
-    A message carrying ``tool_calls`` may omit its content (None becomes "").
+    A message carrying ``tool_calls`` may omit its content, and an assistant message's
+    content may be null (OpenAI's shape; frameworks send ``content: null, tool_calls: []``):
+    None becomes "".
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of dicts")
@@ -96,7 +98,7 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(message.get("role"), str):
             raise ValueError(f"messages[{i}] needs a string 'role'")
         content = message.get("content")
-        if content is None and message.get("tool_calls"):
+        if content is None and ("tool_calls" in message or message["role"] == "assistant"):
             content = ""
         elif "content" not in message:
             raise ValueError(f"messages[{i}] needs a 'content'")

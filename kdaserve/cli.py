@@ -1,4 +1,5 @@
-"""`kdaserve serve | generate | inspect | bench | train | extract-hidden | train-draft`."""
+"""`kdaserve serve | generate | inspect | quantize | bench | train | extract-hidden |
+train-draft`."""
 
 from __future__ import annotations
 
@@ -90,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_lazy("generate", "one-shot generation from a prompt", _generate_args)
     sub.add_lazy("inspect", "parameter counts and cache sizes of a config, without weights",
                  _from("kdaserve.model.inspect"))
+    sub.add_lazy("plan", "a deployment's fit, speed and cost on paper (hardware table)",
+                 _from("kdaserve.plan.cli"))
+    sub.add_lazy("quantize", "write a float checkpoint as an INT8/INT4 compressed-tensors one",
+                 _from("kdaserve.model.quantize_cli"))
     sub.add_lazy("bench", "benchmarks (JSON output)", _bench_args)
     sub.add_lazy("train", "train the demo model from its corpus", _from("kdaserve.train.demo"))
     sub.add_lazy("extract-hidden", "target hidden states over a corpus, for draft training",
@@ -132,6 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         from kdaserve.model.inspect import run as run_inspect
 
         return run_inspect(args)
+    if args.command == "plan":
+        from kdaserve.plan.cli import run as run_plan
+
+        return run_plan(args)
+    if args.command == "quantize":
+        from kdaserve.model.quantize_cli import run as run_quantize
+
+        return run_quantize(args)
     if args.command == "bench":
         if args.bench == "offline":
             from kdaserve.bench.offline import run

@@ -107,8 +107,20 @@ class SpeculativeConfig:
     # per request and step, verify only the drafts that pay for themselves (measured acceptance
     # and step cost; engine/spec/adaptive.py); False: always num_speculative_tokens
     adaptive: bool = True
+    # how the draft picks its tokens: sampled from its processed distribution q
+    # ("probabilistic"; verification uses q) or its argmax ("greedy", a point mass)
+    draft_sample_method: str = "probabilistic"
+    # "token": each draft accepted or rejected in turn; "block": the drafted block at once
+    # (engine/spec/block_verify.py: never fewer accepted, the same distribution)
+    rejection_sample_method: str = "token"
 
     def __post_init__(self) -> None:
+        if self.draft_sample_method not in ("probabilistic", "greedy"):
+            raise ConfigError("draft_sample_method must be 'probabilistic' or 'greedy', got "
+                              f"{self.draft_sample_method!r}")
+        if self.rejection_sample_method not in ("token", "block"):
+            raise ConfigError("rejection_sample_method must be 'token' or 'block', got "
+                              f"{self.rejection_sample_method!r}")
         if self.method not in ("dspark", "ngram"):
             raise ConfigError(f"speculative method must be 'dspark' or 'ngram', got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 32:
@@ -208,7 +220,16 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     enforce_eager: bool = False     # CUDA: no captured decode graphs
+    async_scheduling: bool = False  # plan step N+1 while step N runs (engine/lookahead.py)
+    # weight-only quantization on load: None, "int8" or "int4" (kdaserve/quant_config.py)
+    quantization: str | None = None
+    quantization_group_size: int = 128
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ConfigError(f"quantization must be int8 or int4, got {self.quantization!r}")
+        if self.quantization_group_size <= 0 or self.quantization_group_size % 2:
+            raise ConfigError("quantization_group_size must be a positive even number, got "
+                              f"{self.quantization_group_size}")

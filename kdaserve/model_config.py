@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kdaserve.config import ConfigError
+from kdaserve.quant_config import WeightQuant
 
 if TYPE_CHECKING:  # the bookkeeping imports this module and stays free of torch
     from kdaserve.ops.activation import GLUActivation
@@ -72,6 +73,7 @@ class ModelConfig:
     kda_full_rank_gate: bool = False           # g_proj [HD, hidden] instead of g_a/g_b
     mla_use_output_gate: bool = False          # attn_out * sigmoid(g_proj(x)) before o_proj
     experts_quantization: str | None = None    # "mxfp4": routed experts stored packed
+    weight_quant: WeightQuant | None = None    # INT8/INT4 weight-only linears (quant_config.py)
     media_placeholder_token_id: int | None = None
     vision_config: dict | None = field(default=None, compare=False, hash=False)
 

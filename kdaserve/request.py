@@ -36,6 +36,11 @@ LOGIT_BIAS_RANGE = 100.0         # each bias in [-100, 100] (OpenAI's range)
 SAMPLING_EPS = 1e-5              # temperatures below this sample greedily (as vLLM does)
 
 
+# an output token sampled by a step still in flight (async scheduling): its value is the
+# runner's until the step's result comes back
+PENDING = -1
+
+
 def child_seed(seed: int, index: int) -> int:
     """The seed of completion `index` of a request seeded `seed` (wraps within uint64)."""
     return (seed + index) % 2**64
@@ -215,6 +220,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)   # drafts to verify next step
     num_draft_tokens: int = 0           # drafts verified so far (speculative decoding stats)
     num_accepted_tokens: int = 0        # of which accepted
+    # async scheduling (engine/lookahead.py): output tokens sampled by steps still in flight,
+    # held at the end of output_token_ids as PENDING until their step's result arrives
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         if not self.group:
@@ -223,6 +231,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_known_outputs(self) -> int:
+        """Output tokens whose values are known (the rest are PENDING, in flight)."""
+        return len(self.output_token_ids) - self.num_pending
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without building the whole list (a decode step's token)."""

@@ -89,7 +89,6 @@ def test_eager_streams_arguments_in_pieces():
                        '<|tool_call_argument_begin|>{}<|tool_call_end|>'),
     (KimiK2ToolParser, '<|tool_calls_section_begin|><|tool_call_begin|>functions.a:0'
                        '<|tool_call_argument_begin|>{"a": 1'),
-    (JsonCallsParser, '[{"name": "f", "arguments": {"a": '),
     (JsonCallsParser, "not json at all"),
 ])
 def test_malformed_calls_come_back_as_text(parser, text):
@@ -101,6 +100,28 @@ def test_malformed_calls_come_back_as_text(parser, text):
         p.feed(text[:cut])
         p.feed(text[cut:])
         p.finish()
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_forced_calls_cut_by_max_tokens_are_dropped_never_half_sent(eager):
+    """A grammar-forced list cut anywhere: the complete calls, and nothing of the cut one
+    (neither a header whose arguments do not parse, nor its text as content)."""
+    second = JSON_CALLS.index('{"name": "f"')
+    for cut in range(len(JSON_CALLS)):
+        p = JsonCallsParser(eager=eager)
+        events = []
+        for i in range(0, cut, 3):                  # streamed in small pieces
+            events += p.feed(JSON_CALLS[i:min(i + 3, cut)])
+            sent = collect(events).tool_calls
+            assert all(json.loads(c.arguments) is not None for c in sent), cut
+        msg = collect(events + p.finish())
+        args_closed = JSON_CALLS.index("}}, ") + 1
+        want = ([] if cut < args_closed else ["get_weather"]) + \
+            (["f"] if cut >= second + len('{"name": "f", "arguments": {}') else [])
+        assert [c.name for c in msg.tool_calls] == want, cut
+        assert msg.content == "", cut
+        for c in msg.tool_calls:
+            json.loads(c.arguments)
 
 
 def test_one_good_call_among_bad_ones():

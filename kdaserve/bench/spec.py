@@ -8,6 +8,10 @@ demo's repetition penalty), fixed seeds. Batch sizes 1, 8 and 32 (concurrent req
 `mean_accepted_tokens` (tokens a verifying row yields: accepted drafts + 1), and for greedy
 `identical` (the outputs must be token-identical). Sampled outputs differ by construction (the
 random stream is consumed differently); the rejection sampler's exactness is a unit test.
+`acceptance_length` is mean_accepted_tokens under the name the K3 recipe reports it by.
+`--rejection-sample-method both` runs a third engine that verifies by blocks
+(engine/spec/block_verify.py) on the same prompts and seeds, and reports its row beside the
+token rule's, with `block_vs_token_acceptance` (sampled: the ratio of acceptance lengths).
 """
 
 from __future__ import annotations
@@ -91,27 +95,40 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or str(default_model_path())
     where = {"device": args.device, "dtype": args.dtype}
     base = LLM(model, enable_prefix_caching=False, **where)
-    spec = LLM(model, enable_prefix_caching=False, speculative_method=args.method,
-               num_speculative_tokens=args.k, speculative_model=args.draft,
-               speculative_adaptive=not args.no_adaptive, **where)
+    methods = ["token", "block"] if args.rejection_sample_method == "both" else [
+        args.rejection_sample_method]
+    specs = {m: LLM(model, enable_prefix_caching=False, speculative_method=args.method,
+                    num_speculative_tokens=args.k, speculative_model=args.draft,
+                    speculative_adaptive=not args.no_adaptive,
+                    speculative_rejection_sample_method=m, **where) for m in methods}
+    spec = specs[methods[0]]
     prompts = unseen_prompts()
     defaults = generation_defaults(model)
     result: dict = {"model": model, "method": args.method, "k": args.k,
+                    "rejection_sample_method": args.rejection_sample_method,
                     "adaptive": not args.no_adaptive, "max_tokens": args.max_tokens,
                     "repeats": args.repeats,
                     "cpu_isa": cpu_isa(), "threads": args.threads, "device": args.device, "dtype": args.dtype,
                     "prompts": "unseen (bench/spec_prompts.py)"}
     warm = [SamplingParams(temperature=0.0, max_tokens=8)]
-    for llm in (base, spec):
+    for llm in (base, *specs.values()):
         _timed(llm, prompts[:1], warm, 1)
     for mode in args.modes:
         rows = {}
         for b in [1, *args.batches]:
             n = args.num_prompts if b == 1 else b
             many = (prompts * (n // len(prompts) + 1))[:n]
-            rows[f"batch{b}"] = measure(base, spec, many, _params(mode, defaults, n,
-                                                                   args.max_tokens),
-                                        b, greedy=mode == "greedy", repeats=args.repeats)
+            params = _params(mode, defaults, n, args.max_tokens)
+            row = rows[f"batch{b}"] = measure(base, spec, many, params, b,
+                                              greedy=mode == "greedy", repeats=args.repeats)
+            row["acceptance_length"] = row["mean_accepted_tokens"]
+            if "block" in specs and spec is not specs["block"]:
+                blk = measure(base, specs["block"], many, params, b, greedy=mode == "greedy",
+                              repeats=args.repeats)
+                blk["acceptance_length"] = blk["mean_accepted_tokens"]
+                row["block"] = blk
+                row["block_vs_token_acceptance"] = round(
+                    blk["acceptance_length"] / row["acceptance_length"], 3)
         result[mode] = rows
         if mode == "sampled":
             result["sampling"] = {k: v for k, v in vars(_params(mode, defaults, 1, 1)[0]).items()
@@ -134,6 +151,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="DSpark draft directory (default: <model>/draft)")
     p.add_argument("--method", choices=("dspark", "ngram"), default="dspark")
     p.add_argument("--k", type=int, default=7, help="most drafts per step")
+    p.add_argument("--rejection-sample-method", choices=("token", "block", "both"),
+                   default="token", help="verification rule; both: a row for each, the same "
+                   "prompts and seeds")
     p.add_argument("--no-adaptive", action="store_true",
                    help="always verify k drafts (adaptive speculation off)")
     p.add_argument("--max-tokens", type=int, default=128)

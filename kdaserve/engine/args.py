@@ -18,6 +18,7 @@ from typing import Any
 from kdaserve import arg_types
 from kdaserve.config import (
     EXECUTORS,
+    ConfigError,
     MOE_BACKENDS,
     CacheConfig,
     EngineConfig,
@@ -26,8 +27,9 @@ from kdaserve.config import (
     SpeculativeConfig,
 )
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("dspark", "ngram")
+QUANTIZATIONS = ("int8", "int4")
 
 
 def _arg(default: Any, help: str, *, parse: Callable[[str], Any] | None = None,
@@ -48,11 +50,22 @@ class EngineArgs:
 
     model: str | None = _arg(None, "model directory (config.json, *.safetensors, tokenizer "
                              "files); default: the bundled demo model", metavar="PATH")
-    dtype: str = _arg("float32", "weight and activation dtype", choices=DTYPES)
+    dtype: str = _arg("auto", "weight and activation dtype; auto: bfloat16 on CUDA, float32 on "
+                      "CPU (KDA states stay float32 either way)", choices=DTYPES)
     device: str = _arg("cpu", "torch device, e.g. cpu or cuda")
     kda_chunk_size: int | None = _arg(None, "KDA prefill chunk size (default: 64 on GPU, 16 "
                                       "on CPU)", parse=arg_types.positive_int)
+    quantization: str | None = _arg(
+        None, "quantize the float weights on load, weight-only with group-wise scales: int8 "
+        "or int4 (dense projections, shared and routed experts, the LM head; the embedding "
+        "stays); a compressed-tensors checkpoint is read as stored", choices=QUANTIZATIONS)
+    quantization_group_size: int = _arg(128, "input columns per scale of --quantization "
+                                        "(32 to 128 typical)",
+                                        parse=arg_types.int_at_least(2))
     seed: int = _arg(0, "engine random seed")
+    async_scheduling: bool = _arg(False, "plan each step while the one before still runs "
+                                  "(the sampled tokens come back as the next is planned); not "
+                                  "with speculative decoding or worker processes")
     enforce_eager: bool = _arg(False, "on CUDA, run decode steps eagerly instead of replaying "
                                "the CUDA graphs captured at startup")
     num_threads: int | None = _arg(None, "torch intra-op threads of the engine process "
@@ -107,6 +120,17 @@ class EngineArgs:
     speculative_adaptive: bool = _arg(
         True, "choose the drafts verified per request and step from measured acceptance and "
         "step cost, speculation off where it does not pay")
+    speculative_draft_sample_method: str = _arg(
+        "probabilistic", "the draft samples its tokens from its processed distribution "
+        "(verified against it) or takes its argmax", choices=("probabilistic", "greedy"))
+    speculative_rejection_sample_method: str = _arg(
+        "token", "verify drafts one by one, or the whole block at once (never fewer accepted)",
+        choices=("token", "block"))
+    speculative_config: str | None = _arg(
+        None, "vLLM's JSON form, e.g. '{\"method\": \"dspark\", \"num_speculative_tokens\": "
+        "7, \"draft_sample_method\": \"probabilistic\", \"rejection_sample_method\": "
+        "\"block\"}' (keys: method, model, num_speculative_tokens, draft_sample_method, "
+        "rejection_sample_method); it sets the flags above", metavar="JSON")
     # parallelism (docs/parallelism.md)
     tensor_parallel_size: int = _arg(1, "ranks that shard attention heads, MLPs and the "
                                      "vocabulary, one process each",
@@ -148,6 +172,24 @@ class EngineArgs:
         return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)
                       if hasattr(namespace, f.name)})
 
+    def _speculative(self) -> SpeculativeConfig | None:
+        """The speculative settings: the flags, with --speculative-config's keys over them."""
+        spec = {"speculative_method": self.speculative_method,
+                "speculative_model": self.speculative_model,
+                "num_speculative_tokens": self.num_speculative_tokens,
+                "speculative_draft_sample_method": self.speculative_draft_sample_method,
+                "speculative_rejection_sample_method": self.speculative_rejection_sample_method}
+        if self.speculative_config:
+            spec.update(speculative_from_json(self.speculative_config))
+        if not spec["speculative_method"]:
+            return None
+        return SpeculativeConfig(
+            method=spec["speculative_method"],
+            num_speculative_tokens=spec["num_speculative_tokens"],
+            draft_model=spec["speculative_model"], adaptive=self.speculative_adaptive,
+            draft_sample_method=spec["speculative_draft_sample_method"],
+            rejection_sample_method=spec["speculative_rejection_sample_method"])
+
     def to_engine_config(self) -> EngineConfig:
         from kdaserve.assets import default_model_path
 
@@ -161,8 +203,10 @@ class EngineArgs:
             budget = int(budget * self.cache_memory)
         return EngineConfig(
             model=str(self.model) if self.model is not None else str(default_model_path()),
-            dtype=self.dtype, device=self.device, kda_chunk_size=self.kda_chunk_size,
+            dtype=resolve_dtype(self.dtype, self.device), device=self.device, kda_chunk_size=self.kda_chunk_size,
             seed=self.seed, num_threads=self.num_threads, enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling, quantization=self.quantization,
+            quantization_group_size=self.quantization_group_size,
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     expert_parallel_size=self.expert_parallel_size,
                                     data_parallel_size=self.data_parallel_size,
@@ -182,12 +226,39 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=self.long_prefill_token_threshold),
-            speculative=SpeculativeConfig(method=self.speculative_method,
-                                          num_speculative_tokens=self.num_speculative_tokens,
-                                          draft_model=self.speculative_model,
-                                          adaptive=self.speculative_adaptive)
-            if self.speculative_method else None,
+            speculative=self._speculative(),
         )
+
+
+SPECULATIVE_JSON_KEYS = {"method": "speculative_method", "model": "speculative_model",
+                         "num_speculative_tokens": "num_speculative_tokens",
+                         "draft_sample_method": "speculative_draft_sample_method",
+                         "rejection_sample_method": "speculative_rejection_sample_method"}
+
+
+def speculative_from_json(text: str) -> dict[str, Any]:
+    """--speculative-config's JSON as EngineArgs fields (vLLM's keys)."""
+    import json
+
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("--speculative-config must be a JSON object")
+    unknown = sorted(set(raw) - set(SPECULATIVE_JSON_KEYS))
+    if unknown:
+        raise ConfigError(f"--speculative-config: unknown keys {unknown} (known: "
+                          f"{sorted(SPECULATIVE_JSON_KEYS)})")
+    return {SPECULATIVE_JSON_KEYS[k]: v for k, v in raw.items()}
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`auto`: bfloat16 on CUDA (the tensor cores' type, half the bytes a decode step reads),
+    float32 on CPU (the compiled CPU kernels' type; torch's bf16 CPU products are slow)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
 
 
 def _value_type(hint: Any) -> Callable[[str], Any]:

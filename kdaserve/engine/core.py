@@ -20,6 +20,8 @@ from kdaserve.engine.device_memory import cache_budget
 from kdaserve.engine.executor import Executor, ExecutorError
 from kdaserve.engine.executor.uniproc import UniProcExecutor
 from kdaserve.engine.offload_setup import open_tiers
+from kdaserve.engine.async_steps import StepPipeline
+from kdaserve.engine.lookahead import settle_results
 from kdaserve.engine.runner import ModelRunner
 from kdaserve.engine.runner_builder import (
     build_runner,
@@ -145,6 +147,13 @@ class EngineCore:
             self.executor = start_ranks(config, self.plan,
                                         StructuredOutputs(tokenizer, cfg.vocab_size))
         self._messages = StepMessages()
+        self._pipeline: StepPipeline | None = None
+        if config.async_scheduling:
+            if par.executor != "uni" or config.speculative is not None:
+                logger.warning("async scheduling needs the in-process executor and no "
+                               "speculative decoding; steps run synchronously")
+            else:
+                self._pipeline = StepPipeline(self)
         self.eos_ids = frozenset(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}
         self._children: dict[str, list[str]] = {}
@@ -223,7 +232,8 @@ class EngineCore:
             self._tracked.pop(cid, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (
+            self._pipeline is not None and self._pipeline.busy)
 
     @property
     def num_running(self) -> int:
@@ -236,6 +246,7 @@ class EngineCore:
     # ---- offload tiers -----------------------------------------------------------------------
     def flush_cache(self, drop_device: bool = False) -> None:
         """Copy the device prefix cache into the offload tiers now (see CacheManager.flush)."""
+        self._drain()                  # the runner's tensors are the runner thread's meanwhile
         ops = self.cache.flush(drop_device)
         if ops:
             self.cache.settle(self.executor.run_cache_ops(ops).failures)
@@ -248,7 +259,12 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the worker processes, if any (the engine is unusable afterwards)."""
+        self._drain()
         self.executor.shutdown()
+
+    def _drain(self) -> list[RequestDelta]:
+        """Wait for a step in flight (async scheduling) and take in its result."""
+        return self._pipeline.drain() if self._pipeline is not None else []
 
     @property
     def runner(self) -> ModelRunner:
@@ -260,12 +276,18 @@ class EngineCore:
 
     def _log_weights(self, model: HybridForCausalLM, config: EngineConfig) -> None:
         rep = model.weight_report()
+        wq = model.config.weight_quant
         logger.info("kdaserve weights: %.1f MiB as loaded (%s)%s", rep["bytes"] / 2**20,
                     model.config.architecture,
                     f"; routed experts {rep['expert_bytes'] / 2**20:.1f} MiB, "
                     f"{rep['expert_bytes_per_weight']:.4g} bytes per weight"
-                    f" ({model.config.experts_quantization or config.dtype})"
+                    f" ({model.config.experts_quantization or (wq and wq.scheme) or config.dtype})"
                     if rep["expert_weights"] else "")
+        from kdaserve.model.inspect import measure_model
+
+        per = measure_model(model, model.config).bytes_per_weight()
+        logger.info("kdaserve bytes per weight as loaded: %s", ", ".join(
+            f"{part} {b:.3g}" for part, b in sorted(per.items(), key=lambda kv: kv[0])))
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
@@ -273,6 +295,8 @@ class EngineCore:
         are reset (their caches freed, to be recomputed) and then run alone, one per step, so
         the next failure names the one request that causes it; that request ends with an error
         and the others go on. A failure the scheduler itself raises is an engine bug (fatal)."""
+        if self._pipeline is not None:
+            return self._pipeline.step()
         out = self.scheduler.schedule()
         try:
             deltas = self._run(out)
@@ -303,15 +327,21 @@ class EngineCore:
                        "time", type(exc).__name__, exc, len(ids))
         for rid in ids:
             self.scheduler.reset_for_retry(rid)
+            self._messages.forget(rid)   # the runner hears it whole again (its copy may differ)
         return []
 
     def _run(self, out) -> list[RequestDelta]:
-        requests = self.scheduler.requests
         start = time.perf_counter()
-        result = self.executor.execute(self._messages.attach(out, requests))
+        result = self.executor.execute(self._messages.attach(out, self.scheduler.requests))
+        return self._finish(out, result, time.perf_counter() - start)
+
+    def _finish(self, out, result, seconds: float, dispatched: bool = False
+                ) -> list[RequestDelta]:
+        """A step's result into the requests and their deltas. `dispatched`: async scheduling
+        advanced the step's counts when it started (engine/lookahead.py)."""
+        requests = self.scheduler.requests
         policy = self.scheduler.spec_policy
         if policy is not None and not out.is_empty:   # what steps cost: the policy's data
-            seconds = time.perf_counter() - start
             verifies = any(s.num_draft_tokens for s in out.sequences)
             policy.cost.observe(out.num_tokens, len(result.drafts), seconds, verifies=verifies)
             if all(len(s.token_ids) == 1 + s.num_draft_tokens for s in out.sequences):
@@ -324,7 +354,8 @@ class EngineCore:
             if req is not None and seq.context_len < req.num_prompt_tokens:
                 self.stats.prompt_tokens += min(len(seq.token_ids),
                                                 req.num_prompt_tokens - seq.context_len)
-        touched = self.scheduler.update(out, result)
+        touched = (settle_results(self.scheduler, out, result) if dispatched
+                   else self.scheduler.update(out, result))
         deltas = []
         for req in touched:
             why = result.grammar_errors.get(req.request_id)
@@ -355,9 +386,10 @@ class EngineCore:
             self._prompt_lps[tr.parent] = list(prompt_lps)     # for its siblings
         elif tr.shared_prompt and tr.emitted_tokens == 0:
             prompt_lps = self._prompt_lps.get(tr.parent)
-        new_ids = req.output_token_ids[tr.emitted_tokens:]
+        known = req.num_known_outputs         # the rest are in flight (async scheduling)
+        new_ids = req.output_token_ids[tr.emitted_tokens:known]
         new_lps = req.output_logprobs[tr.emitted_tokens:] if req.output_logprobs else None
-        tr.emitted_tokens = len(req.output_token_ids)
+        tr.emitted_tokens = known
         self.stats.generation_tokens += len(new_ids)
         text = ""
         if tr.detok is not None:
@@ -375,7 +407,7 @@ class EngineCore:
             self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         return RequestDelta(tr.parent, tr.index, new_ids, text, finished, reason,
                             req.stop_reason if finished else None, new_lps,
-                            req.num_prompt_tokens, len(req.output_token_ids),
+                            req.num_prompt_tokens, known,
                             req.num_cached_tokens, prompt_logprobs=prompt_lps)
 
     def _grammar_failed(self, rid: str, why: str) -> RequestDelta:

@@ -170,6 +170,8 @@ class EngineLoop:
             spec_verifications=core.scheduler.num_verify_rows,
             spec_draft_tokens=core.scheduler.num_draft_tokens,
             spec_accepted_tokens=core.scheduler.num_accepted_tokens,
+            spec_acceptance_lengths=dict(core.scheduler.acceptance_lengths),
+            spec_accepted_by_position=dict(core.scheduler.accepted_by_position),
             spec_adaptive=(core.scheduler.spec_policy.decisions()
                            if core.scheduler.spec_policy is not None else {}),
             offload=(offload_stats(cache.offload, core.executor.transfer_stats())

@@ -1,24 +1,82 @@
 """Sampling a step's rows: plain rows through the sampler, verify rows (a token and its drafts)
 through the rejection sampler, each with its request's own generator, and the draft
-probabilities a probabilistic proposer left for the next verification."""
+probabilities a probabilistic proposer left for the next verification.
+
+Logits on the host go through the CPU forms (the compiled sampler, rejection.verify); logits
+on a device are sampled there (device_sampling.py, spec/device_rejection.py) and come back
+in one asynchronous copy (readback.py): `sample_async` returns at once, the caller reads the
+tokens from the `PendingSample` when it needs them. The same tokens either way.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
 import torch
 
+from kdaserve.engine.device_sampling import sample_on_device, wanted_logprobs
+from kdaserve.engine.penalties import device_tensor
+from kdaserve.engine.readback import Readback, sampled_tokens
 from kdaserve.engine.sampler import SamplingRow, sample
+from kdaserve.engine.spec.device_rejection import verify_on_device
 from kdaserve.engine.spec.rejection import VerifyRow, verify
 from kdaserve.engine.step_message import RunnerRequest
 from kdaserve.outputs import SampledToken, ScheduledSequence
 
 
+class PendingSample:
+    """A step's sampled tokens on their way to the host; `result()` waits for the copy."""
+
+    def __init__(self, plain: list[SamplingRow], ver: list[VerifyRow],
+                 readback: Readback | None, ready: dict[str, list[SampledToken]] | None = None
+                 ) -> None:
+        self._plain, self._ver, self._readback = plain, ver, readback
+        self._result = ready
+
+    def result(self) -> dict[str, list[SampledToken]]:
+        if self._result is None:
+            self._result = self._unpack(self._readback.wait()) if self._readback else {}
+        return self._result
+
+    def _unpack(self, parts: list[torch.Tensor]) -> dict[str, list[SampledToken]]:
+        """parts: the plain rows' tokens [S] (then chosen logprobs, top values, top ids when
+        a row wants logprobs), then the verify rows' tokens [R, N+1], counts [R] (then the
+        same three at [R, N+1])."""
+        out: dict[str, list[SampledToken]] = {}
+        none = (None, None, None)
+        if self._plain:
+            n = 4 if wanted_logprobs(self._plain) is not None else 1
+            tokens, lp = parts[0].tolist(), [p.tolist() for p in parts[1:n]]
+            parts = parts[n:]
+            for i, (r, t) in enumerate(zip(self._plain, tokens)):
+                chosen, vals, ids = ([x[i]] for x in lp) if lp else none
+                out[r.request_id] = sampled_tokens([t], r.params.logprobs, chosen, vals, ids)
+        if self._ver:
+            n = 5 if wanted_logprobs([v.row for v in self._ver]) is not None else 2
+            tokens, counts = parts[0].tolist(), parts[1].tolist()
+            lp = [p.tolist() for p in parts[2:n]]
+            for i, v in enumerate(self._ver):
+                chosen, vals, ids = (x[i] for x in lp) if lp else none
+                out[v.row.request_id] = sampled_tokens(tokens[i][:counts[i]],
+                                                       v.row.params.logprobs, chosen, vals, ids)
+        return out
+
+
 class RowSampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, on_device: bool | None = None) -> None:
+        """on_device: sample where the logits are (None: on the host for CPU logits, on the
+        device otherwise; True: the device form on CPU tensors too, as the tests run it).
+        KDASERVE_DEVICE_SAMPLING=1 / =0 stands for True / False when it is None."""
+        if on_device is None and os.environ.get("KDASERVE_DEVICE_SAMPLING", "") in ("0", "1"):
+            on_device = os.environ["KDASERVE_DEVICE_SAMPLING"] == "1"
         self._generators: dict[str, torch.Generator] = {}
         self._draft_probs: dict[str, torch.Tensor] = {}
         self._unseeded = torch.Generator().manual_seed(seed)
+        self.on_device = on_device
+        # verify drafted blocks with block verification (--speculative-config
+        # rejection_sample_method "block"; spec/block_verify.py), else token by token
+        self.block_verification = False
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -44,13 +102,9 @@ class RowSampler:
         return SamplingRow(req.request_id, req.sampling_params, req.prompt_token_ids,
                            req.output_token_ids, self._generator(req))
 
-    def sample(self, seqs: Sequence[ScheduledSequence], logits: torch.Tensor,
-               requests: Mapping[str, RunnerRequest],
-               masks: Mapping[str, torch.Tensor] | None = None,
-               ) -> dict[str, list[SampledToken]]:
-        """logits: the wanted rows in forward order (all positions of verify rows).
-        masks: grammar bitmasks [positions, W] of the constrained requests."""
-        masks = masks or {}
+    def _split(self, seqs: Sequence[ScheduledSequence], requests: Mapping[str, RunnerRequest],
+               masks: Mapping[str, torch.Tensor]):
+        """(plain positions, plain rows, verify positions, verify rows) in forward order."""
         plain_idx, plain_rows, ver_idx, ver_rows = [], [], [], []
         at = 0
         for s in seqs:
@@ -62,7 +116,7 @@ class RowSampler:
                     probs = probs[: s.num_draft_tokens]
                 ver_rows.append(VerifyRow(self.row(requests[s.request_id]),
                                           list(s.token_ids[1:]), probs,
-                                          masks.get(s.request_id)))
+                                          masks.get(s.request_id), self.block_verification))
                 at += n
             elif s.sample:
                 plain_idx.append(at)
@@ -70,6 +124,33 @@ class RowSampler:
                 if s.request_id in masks:
                     plain_rows[-1].bitmask = masks[s.request_id][0]
                 at += 1
+        return plain_idx, plain_rows, ver_idx, ver_rows
+
+    def sample(self, seqs: Sequence[ScheduledSequence], logits: torch.Tensor,
+               requests: Mapping[str, RunnerRequest],
+               masks: Mapping[str, torch.Tensor] | None = None,
+               ) -> dict[str, list[SampledToken]]:
+        """logits: the wanted rows in forward order (all positions of verify rows).
+        masks: grammar bitmasks [positions, W] of the constrained requests."""
+        return self.sample_async(seqs, logits, requests, masks).result()
+
+    def sample_async(self, seqs: Sequence[ScheduledSequence], logits: torch.Tensor,
+                     requests: Mapping[str, RunnerRequest],
+                     masks: Mapping[str, torch.Tensor] | None = None) -> PendingSample:
+        """As sample; on the device form nothing waits for the device: the uniforms are drawn
+        on the host, the work is queued, and the results come back in one async copy."""
+        plain_idx, plain_rows, ver_idx, ver_rows = self._split(seqs, requests, masks or {})
+        on_device = (self.on_device if self.on_device is not None
+                     else logits.device.type != "cpu")
+        if on_device:
+            dev = logits.device
+            parts: list[torch.Tensor] = []
+            # plain rows first, then verify rows: the order the host forms draw uniforms in
+            if plain_rows:
+                parts += sample_on_device(logits[_index(plain_idx, dev)], plain_rows).tensors()
+            if ver_rows:
+                parts += verify_on_device(logits[_index(ver_idx, dev)], ver_rows).tensors()
+            return PendingSample(plain_rows, ver_rows, Readback(parts) if parts else None)
         out: dict[str, list[SampledToken]] = {}
         if plain_rows:
             tokens = sample(logits[plain_idx], plain_rows)
@@ -77,4 +158,11 @@ class RowSampler:
         if ver_rows:
             tokens = verify(logits[ver_idx], ver_rows)
             out.update({v.row.request_id: t for v, t in zip(ver_rows, tokens)})
-        return out
+        return PendingSample(plain_rows, ver_rows, None, out)
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor | slice:
+    """Rows of the logits: a slice when contiguous from 0 (no copy), else an index tensor."""
+    if rows == list(range(len(rows))):
+        return slice(0, len(rows))
+    return device_tensor(rows, torch.long, device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +35,7 @@ from kdaserve.model.base import HybridForCausalLM
 from kdaserve.model.hybrid_cache import HybridCache
 from kdaserve.model.kept_states import ForwardKept, FusedKept, KeptStates
 from kdaserve.outputs import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
+from kdaserve.request import PENDING
 
 if TYPE_CHECKING:
     from kdaserve.structured.manager import StructuredOutputs
@@ -120,9 +121,20 @@ class ModelRunner:
     # can run its share: every stage begins and plans, the last one finishes, the others
     # settle speculation once the last one has verified.
     def begin(self, out: SchedulerOutput) -> StepOps:
-        """Take in the message's request data; run the cache operations before the forward."""
+        """Take in the message's request data; run the cache operations before the forward.
+        A PENDING input token (async scheduling: sampled by the step before, whose result the
+        scheduler had not seen) is the one this runner sampled (engine/lookahead.py)."""
         self.requests.apply(out)
+        if any(t == PENDING for s in out.sequences for t in s.token_ids):
+            out.sequences = [self._known(s) for s in out.sequences]
         return self.cache_ops.begin(out.ops)
+
+    def _known(self, seq: ScheduledSequence) -> ScheduledSequence:
+        if PENDING not in seq.token_ids:
+            return seq
+        mine = self.requests[seq.request_id].all_token_ids
+        return replace(seq, token_ids=[mine[seq.context_len + i] if t == PENDING else t
+                                       for i, t in enumerate(seq.token_ids)])
 
     def _forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
@@ -223,7 +235,7 @@ class ModelRunner:
         logits = fwd.logits
         prompt_lps = (score(logits[plan.n_sample:], plan.prompt_rows) if plan.prompt_rows
                       else {})
-        sampled = self.sampler.sample(seqs, logits[:plan.n_sample].cpu(), requests,
+        sampled = self.sampler.sample(seqs, logits[:plan.n_sample], requests,
                                       masks.result() if masks is not None else None)
         if masks is not None and self.proposer is not None:   # drafts are checked at once
             self.structured.advance(sampled)
@@ -238,6 +250,8 @@ class ModelRunner:
                 seqs, valid, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()},
                 requests, fwd.positions, fwd.cache_slots, hidden, rows, draft_limits))
             drafts = self._keep_proposals(props)
+        for rid, toks in sampled.items():    # the next step may name them PENDING
+            requests[rid].output_token_ids.extend(t.token_id for t in toks)
         errors = self.structured.take_failures() if masks is not None else {}
         return ModelRunnerOutput(sampled=sampled, drafts=drafts, prompt_logprobs=prompt_lps,
                                  grammar_errors=errors)

@@ -45,13 +45,22 @@ def prepare_model(config: EngineConfig, device: torch.device,
     set, fused for inference, its MoE backend chosen."""
     chunk = engine_chunk_size(config)
     backend = config.parallel.moe_backend
+    quant = None
+    if config.quantization is not None:
+        from kdaserve.quant_config import from_scheme
+
+        quant = from_scheme(config.quantization, config.quantization_group_size)
     if model is None:
         # a rank's experts are sharded by its backend while loading (shapes depend on it)
         model = load_model(config.model, dtype=config.dtype, device=str(device),
                            chunk_size=chunk, progress=progress, parallel=parallel,
-                           moe_backend=backend)
+                           moe_backend=backend, quantization=quant)
     else:
         model.set_chunk_size(chunk)
+        if quant is not None and model.config.weight_quant is None:
+            from kdaserve.model.quantize import quantize_model
+
+            quantize_model(model, quant)      # a model handed in: quantized in place
     model = model.fuse_for_inference()
     if parallel is None and backend != "auto":    # one process holds every expert
         from kdaserve.model.moe_backends import set_moe_backend
@@ -85,6 +94,9 @@ def build_runner(config: EngineConfig, plan: CachePlan, model: HybridForCausalLM
                          proposer=build_proposer(config, model, device, plan), stores=stores,
                          structured=StructuredOutputs(tokenizer, model.config.vocab_size),
                          graphs=graphs)
+    spec = config.speculative
+    runner.sampler.block_verification = (spec is not None
+                                         and spec.rejection_sample_method == "block")
     if graphs is not None:
         max_len = min(config.scheduler.max_model_len, model.config.max_position_embeddings)
         decode_graphs_log(runner.capture_graphs(config.scheduler.max_num_seqs, max_len))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kdaserve.engine.penalties import Penalties, device_tensor, penalised
 from kdaserve.ops.sample_kernel import sample_rows_kernel
 from kdaserve.outputs import SampledToken
 from kdaserve.request import SamplingParams
@@ -31,90 +32,6 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     bitmask: torch.Tensor | None = None     # [W] int32: the tokens a grammar allows here
-
-
-def penalised(params: SamplingParams) -> bool:
-    return bool(params.presence_penalty or params.frequency_penalty
-                or params.repetition_penalty != 1.0)
-
-
-@dataclass
-class Penalties:
-    """Repetition, frequency and presence penalties of the penalised rows of a logits batch,
-    as [P, V] state: built once from each row's history, then advanced token by token (the
-    drafts of speculative decoding), so that penalising another position costs a few vector
-    ops instead of rebuilding its history. Repetition divides positive logits (multiplies
-    negative ones) of tokens seen in prompt or output; frequency and presence subtract
-    count-proportional and flat amounts for tokens of the output."""
-
-    index: torch.Tensor        # [P] the penalised rows' numbers in the logits batch
-    seen: torch.Tensor         # [P, V] bool
-    counts: torch.Tensor       # [P, V] float32
-    rep: torch.Tensor          # [P, 1]
-    freq: torch.Tensor         # [P, 1]
-    pres: torch.Tensor         # [P, 1]
-
-    @classmethod
-    def build(cls, rows: list[SamplingRow], vocab: int) -> Penalties | None:
-        pen = [i for i, r in enumerate(rows) if penalised(r.params)]
-        if not pen:
-            return None
-        counts = torch.zeros(len(pen), vocab)
-        seen = torch.zeros(len(pen), vocab, dtype=torch.bool)
-        for n, i in enumerate(pen):
-            out = torch.tensor(rows[i].output_token_ids, dtype=torch.long).clamp(max=vocab - 1)
-            counts[n] = torch.bincount(out, minlength=vocab).to(counts)
-            if rows[i].params.repetition_penalty != 1.0:
-                prompt = torch.tensor(rows[i].prompt_token_ids, dtype=torch.long)
-                seen[n, prompt.clamp(max=vocab - 1)] = True
-        seen |= counts > 0
-
-        def col(name: str) -> torch.Tensor:
-            return torch.tensor([[float(getattr(rows[i].params, name))] for i in pen])
-
-        return cls(torch.tensor(pen), seen, counts, col("repetition_penalty"),
-                   col("frequency_penalty"), col("presence_penalty"))
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """A penalised copy of logits [S, V] (float32)."""
-        logits = logits.clone()
-        sub = logits[self.index]
-        sub = torch.where(self.seen, torch.where(sub > 0, sub / self.rep, sub * self.rep), sub)
-        logits[self.index] = sub - (self.freq * self.counts
-                                    + self.pres * (self.counts > 0).to(sub))
-        return logits
-
-    def advance(self, tokens: torch.Tensor) -> None:
-        """Each row of the batch appended tokens[row] to its output."""
-        t = tokens[self.index].clamp(max=self.counts.shape[-1] - 1)
-        rows = torch.arange(len(self.index))
-        self.counts[rows, t] += 1
-        self.seen[rows, t] = True
-
-    def positions(self, drafts: list[list[int]]) -> Penalties:
-        """The state at every verified position: row i becomes len(drafts[i]) + 1 rows, where
-        row j has also seen drafts[i][:j] (positions packed back to back, as in verify)."""
-        starts, pos = [], 0
-        for d in drafts:
-            starts.append(pos)
-            pos += len(d) + 1
-        idx, src, counts, seen = [], [], [], []
-        for n, i in enumerate(self.index.tolist()):
-            d = drafts[i]
-            k = len(d) + 1
-            extra = torch.zeros(k, self.counts.shape[-1])
-            if d:
-                hot = torch.zeros(len(d), self.counts.shape[-1])
-                hot[torch.arange(len(d)), torch.tensor(d).clamp(max=hot.shape[-1] - 1)] = 1
-                extra[1:] = hot.cumsum(0)
-            c = self.counts[n] + extra
-            counts.append(c)
-            seen.append(self.seen[n] | (extra > 0))
-            idx += range(starts[i], starts[i] + k)
-            src += [n] * k
-        s = torch.tensor(src)
-        return Penalties(torch.tensor(idx), torch.cat(seen), torch.cat(counts),
-                         self.rep[s], self.freq[s], self.pres[s])
 
 
 def _penalise(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -215,26 +132,38 @@ def _sample_torch(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
         idx = random_rows
         sub = logits[idx] / temps[idx, None]
         sub = _filter(sub, [rows[i] for i in idx.tolist()])
-        # inverse CDF: one uniform per row from that request's own stream (a draw per vocab
-        # entry, as an exponential race takes, cost ~80 us a row at vocab 4,096)
-        cdf = sub.softmax(-1).cumsum(-1)
         u = torch.tensor([_uniform(rows[i]) for i in idx.tolist()], dtype=torch.float32)
-        x = (1.0 - u)[:, None] * cdf[:, -1:]            # in (0, total]: never a zero-mass token
-        tokens[idx] = torch.searchsorted(cdf, x).clamp(max=cdf.shape[-1] - 1)[:, 0]
+        tokens[idx] = draw_rows(sub.softmax(-1), u)
     return tokens
 
 
-def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """top-k, top-p and min-p, each applied only where set (batched)."""
+def draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [R, V] (weights >= 0, any total) for its uniform u [R] in
+    [0, 1): the inverse CDF at (1 - u) · total, never a zero-mass token. One uniform per
+    draw from the request's own stream (a draw per vocabulary entry, as an exponential race
+    takes, costs ~80 us a row at vocab 4,096)."""
+    cdf = probs.cumsum(-1)
+    x = (1.0 - u)[:, None] * cdf[:, -1:]                # in (0, total]
+    return torch.searchsorted(cdf, x).clamp(max=cdf.shape[-1] - 1)[:, 0]
+
+
+def _filter(logits: torch.Tensor, rows: list[SamplingRow], sort_all: bool = False
+            ) -> torch.Tensor:
+    """top-k, top-p and min-p, each applied only where set (batched). sort_all: the nucleus
+    from one full sort, never reading a tensor back (the device form); else from the best
+    candidates first (exact either way)."""
     V = logits.shape[-1]
-    top_k = torch.tensor([r.params.top_k or V for r in rows])
-    top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
-    min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float32)
-    if bool((top_k < V).any()) or bool((top_p < 1).any()):
-        logits = _top_k_top_p(logits, top_k, top_p)
-    if bool((min_p > 0).any()):
+    ks = [r.params.top_k or V for r in rows]
+    ps = [r.params.top_p for r in rows]
+    mins = [r.params.min_p for r in rows]
+    dev = logits.device
+    if any(k < V for k in ks) or any(p < 1 for p in ps):
+        top_k, top_p = device_tensor(ks, torch.long, dev), device_tensor(ps, torch.float32, dev)
+        logits = (_top_k_top_p_sorted if sort_all else _top_k_top_p)(logits, top_k, top_p)
+    if any(m > 0 for m in mins):
         probs = logits.softmax(-1)
-        limit = probs.max(-1, keepdim=True).values * min_p[:, None]
+        limit = probs.max(-1, keepdim=True).values * device_tensor(mins, torch.float32, dev)[
+            :, None]
         logits = logits.masked_fill(probs < limit, float("-inf"))
     return logits
 
@@ -260,20 +189,38 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
             vals, order = rows.topk(K, -1)
         else:
             vals, order = rows.sort(-1, descending=True)
-        # as softmax computes it (max subtracted, then normalised): boundaries agree with a sort
-        mx = vals[:, :1]
-        probs = (vals - mx).exp() / (rows - mx).exp().sum(-1, keepdim=True)
+        probs = _sorted_probs(rows, vals)
         k, p = top_k[todo], top_p[todo]
         done = (probs.sum(-1) >= p) | (k <= K) if K < V else torch.ones_like(p, dtype=torch.bool)
         if bool(done.any()):
-            drop = torch.arange(K)[None] >= k[done][:, None]
-            pr = probs[done]
-            drop |= pr.cumsum(-1) - pr >= p[done][:, None]          # mass strictly above
-            drop[:, 0] = False
-            kept = torch.full_like(rows[done], float("-inf")).scatter(
-                1, order[done], vals[done].masked_fill(drop, float("-inf")))
-            out[todo[done]] = kept
+            out[todo[done]] = _keep(rows[done], vals[done], order[done], probs[done], k[done],
+                                    p[done])
         todo = todo[~done]
         if not len(todo):
             break
     return out
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                        ) -> torch.Tensor:
+    """The same set as _top_k_top_p from one sort of the whole vocabulary: shapes fixed, no
+    read-back (a GPU sorts 163,840 logits a row quickly)."""
+    vals, order = logits.sort(-1, descending=True)
+    return _keep(logits, vals, order, _sorted_probs(logits, vals), top_k, top_p)
+
+
+def _sorted_probs(rows: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """Probabilities of the sorted values, as softmax computes them (max subtracted, then
+    normalised over the whole row): boundaries agree whatever the number of candidates."""
+    mx = vals[:, :1]
+    return (vals - mx).exp() / (rows - mx).exp().sum(-1, keepdim=True)
+
+
+def _keep(rows: torch.Tensor, vals: torch.Tensor, order: torch.Tensor, probs: torch.Tensor,
+          k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """rows with only the kept candidates: within top k, and mass strictly above < top p."""
+    drop = torch.arange(vals.shape[-1], device=vals.device)[None] >= k[:, None]
+    drop |= probs.cumsum(-1) - probs >= p[:, None]
+    drop[:, 0] = False
+    return torch.full_like(rows, float("-inf")).scatter(
+        1, order, vals.masked_fill(drop, float("-inf")))

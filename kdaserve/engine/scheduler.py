@@ -24,6 +24,7 @@ from kdaserve.cache.ops import CacheOp, FreeRequest, RestoreSnapshot, SettleDraf
 from kdaserve.config import SchedulerConfig
 from kdaserve.engine import prompt_logprobs
 from kdaserve.engine.fairness import fair_share_victim, next_waiting
+from kdaserve.engine.lookahead import may_look_ahead
 from kdaserve.engine.prompt_logprobs import record, wants_prompt_logprobs
 from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
 from kdaserve.engine.stop_conditions import append_tokens
@@ -46,6 +47,10 @@ class Scheduler:
         self.num_verify_rows = 0        # speculative verifications (one request, one step)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # verified blocks by acceptance length (accepted drafts + 1), and how often the draft at
+        # each position of a block was accepted: /metrics' histogram and per-position counts
+        self.acceptance_lengths: Counter[int] = Counter()
+        self.accepted_by_position: Counter[int] = Counter()
         self.num_fair_preemptions = 0
         self.spec_policy: AdaptiveSpeculation | None = None   # set by the engine
         self._draft_plan: dict[str, int] = {}
@@ -122,6 +127,10 @@ class Scheduler:
                 break
             if req.status == RequestStatus.PREEMPTED:     # earlier in this step
                 continue
+            if req.num_pending and not may_look_ahead(
+                    req, self.cache.block_size, self.cache.prefix_caching,
+                    self.config.max_model_len):
+                continue                  # tokens in flight: it runs once they are known
             n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
             if n > 1:
                 n = min(n, budget - self._reserve_for_waiting(budget))
@@ -212,6 +221,8 @@ class Scheduler:
             if not ready:
                 break
             req = next_waiting(ready, counts, self.config.policy)
+            if req.num_pending:           # preempted with a token in flight: next step
+                break
             hit = None
             if req.num_computed_tokens == 0 and not wants_prompt_logprobs(req):
                 hit = self.cache.find_hit(req.all_token_ids, req.extra_keys, req.cache_salt)
@@ -362,6 +373,9 @@ class Scheduler:
                 self.num_verify_rows += 1
                 self.num_draft_tokens += seq.num_draft_tokens
                 self.num_accepted_tokens += len(tokens) - 1
+                self.acceptance_lengths[len(tokens)] += 1
+                for j in range(len(tokens) - 1):
+                    self.accepted_by_position[j] += 1
                 if self.spec_policy is not None:
                     self.spec_policy.record(req.request_id, seq.num_draft_tokens,
                                             len(tokens) - 1)

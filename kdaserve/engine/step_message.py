@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kdaserve.outputs import RequestData, SchedulerOutput
-from kdaserve.request import Request, SamplingParams
+from kdaserve.request import PENDING, Request, SamplingParams
 
 
 class StepMessages:
@@ -83,4 +83,20 @@ class RunnerRequests(dict[str, RunnerRequest]):
             req = self.get(rid)
             if req is None:
                 raise KeyError(f"step message updates request {rid!r} the runner never saw")
-            req.output_token_ids[d.output_start:] = d.output_token_ids
+            merge_outputs(req.output_token_ids, d.output_start, d.output_token_ids)
+
+
+def merge_outputs(outs: list[int], start: int, tail: list[int]) -> None:
+    """The engine's outputs from `start` on, into the runner's copy. The runner appends what it
+    samples itself, so its copy may run ahead of the engine's: the tail overwrites, never
+    truncates, and a PENDING token (sampled by a step still in flight when the message was
+    made: engine/lookahead.py) keeps the runner's own value."""
+    for i, t in enumerate(tail):
+        j = start + i
+        if j < len(outs):
+            if t != PENDING:
+                outs[j] = t
+        elif t == PENDING:
+            raise ValueError("a step message names a pending token this runner never sampled")
+        else:
+            outs.append(t)

@@ -86,6 +86,9 @@ class EngineStatsSnapshot(msgspec.Struct):
     spec_verifications: int = 0    # decode rows that verified drafts
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # verified blocks by acceptance length (accepted drafts + 1); accepted drafts by position
+    spec_acceptance_lengths: dict[int, int] = {}
+    spec_accepted_by_position: dict[int, int] = {}
     # adaptive speculation's decisions (kdaserve.engine.spec.adaptive.decisions); {} when off
     spec_adaptive: dict[str, float] = {}
     # offload tiers: tier name -> counters (see kdaserve.engine.tier_transfer.offload_stats)

@@ -23,7 +23,9 @@ from kdaserve.ops.cpu_linear import available as k_major_available
 from kdaserve.ops.cpu_linear import store_k_major
 
 # Parameters kept in fp32 whatever the model dtype (as transformers does).
-FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "gate.weight", "e_score_correction_bias")
+FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "gate.weight", "e_score_correction_bias",
+                       # INT8/INT4 group scales (kdaserve/ops/int_quant.py)
+                       "weight_scale", "experts_w13_scale", "experts_w2_scale")
 
 
 class DecoderLayer(nn.Module):

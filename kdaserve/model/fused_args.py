@@ -9,11 +9,13 @@ from __future__ import annotations
 import ctypes
 
 import torch
+from torch import nn
 
 from kdaserve.model.base import DecoderLayer, HybridForCausalLM
 from kdaserve.model.kda import KimiDeltaAttention
 from kdaserve.model.layers import MLP
 from kdaserve.model.moe import SparseMoE
+from kdaserve.model.packed_args import Descriptors, has_packed
 from kdaserve.ops.cpu_kernels import activation_args
 
 _I, _F = ctypes.c_int64, ctypes.c_float
@@ -37,6 +39,9 @@ class BlockArgs:
         self.wdtype = model.dtype          # matrices stay in it; vectors are taken in fp32
         self.hidden = model.config.hidden_size
         self.keep: list[torch.Tensor] = []      # tensors whose memory the calls read
+        # packed INT8/INT4 layers: every matrix goes to the blocks' _q copy as a descriptor
+        self.packed = has_packed(model)
+        self._desc = Descriptors(self.keep)
 
     def _t(self, t: torch.Tensor) -> ctypes.c_void_p:
         """A vector (norm weight, bias) or fp32-kept matrix (router), as fp32."""
@@ -54,11 +59,15 @@ class BlockArgs:
         self.keep.append(t)
         return _p(t)
 
-    def _wt(self, t: torch.Tensor) -> ctypes.c_void_p:
-        """A projection weight [out, in] read transposed ([in, out], K-major) in the model's
-        dtype, for the blocks' outer-product products (row_products.h `matmat_t`): in place
-        when the model stores it K-major (fp32 on CPU, kdaserve/ops/cpu_linear.py), else a
-        transposed copy (bf16: the torch forms keep the checkpoint's layout)."""
+    def _wt(self, m: nn.Module | torch.Tensor) -> ctypes.c_void_p:
+        """A projection (a linear layer, or its weight [out, in]) read transposed ([in, out],
+        K-major) in the model's dtype, for the blocks' outer-product products (row_products.h
+        `matmat_t`): in place when the model stores it K-major (fp32 on CPU,
+        kdaserve/ops/cpu_linear.py), else a transposed copy (bf16: the torch forms keep the
+        checkpoint's layout). A model with packed INT layers: a descriptor (packed_args.py)."""
+        if self.packed:
+            return self._desc.matrix(m)
+        t = m.weight if isinstance(m, nn.Module) else m
         return self._w(t.detach().t().to(self.wdtype).contiguous())
 
     def mixer(self, layer: DecoderLayer) -> tuple:
@@ -68,22 +77,25 @@ class BlockArgs:
             H, D = attn.num_heads, attn.head_dim
             lins = attn._input_linears()
             fused = attn._fused
-            w_in = (fused if fused is not None
-                    and [lin.weight.data_ptr() for lin in lins] == attn._fused_ptrs
-                    else torch.cat([lin.weight.detach() for lin in lins], 0))
-            G = lins[4].weight.shape[0]
+            if self.packed and attn._fused_q is not None:
+                w_in = attn._fused_q
+            elif fused is not None and [lin.weight.data_ptr() for lin in lins] == attn._fused_ptrs:
+                w_in = fused
+            else:
+                w_in = torch.cat([lin.weight.detach() for lin in lins], 0)
+            G = lins[4].out_features
             taps = attn.q_conv1d.kernel_size[0]
             lb = attn.gate_lower_bound
             static = dict(
                 head=(_I(hd), _I(H), _I(D), _I(G), _I(taps)),
                 norm=(self._t(norm.weight), _F(norm.eps), self._wt(w_in)),
-                conv=(self._t(attn._conv_weight_t()), self._wt(attn.f_b_proj.weight),
+                conv=(self._t(attn._conv_weight_t()), self._wt(attn.f_b_proj),
                       self._t(attn.dt_bias), self._t(attn.A_log.detach().view(H).exp()),
                       _F(0.0 if lb is None else lb), _I(lb is not None),
-                      self._wt(attn.g_b_proj.weight) if not attn.full_rank_gate
+                      self._wt(attn.g_b_proj) if not attn.full_rank_gate
                       else ctypes.c_void_p(None),
                       self._t(attn.o_norm.weight), _F(attn.o_norm.eps),
-                      self._wt(attn.o_proj.weight), _F(D ** -0.5)),
+                      self._wt(attn.o_proj), _F(D ** -0.5)),
                 index=attn.kda_index)
             P = 3 * H * D + D + G + H
             return ("kda", static, (2 * hd + P + 6 * H * D, 3 * D + 4 * max(hd, H * D, D)))
@@ -91,20 +103,20 @@ class BlockArgs:
         Dc, Vd = attn.kv_lora_rank, attn.v_dim
         if hasattr(attn, "q_proj"):
             q_lora, Qr = (_NULL, _NULL, _F(0.0)), 0
-            w_q = attn.q_proj.weight
+            w_q = attn.q_proj
         else:
             qn = attn.q_a_layernorm
-            q_lora, Qr = (self._wt(attn.q_a_proj.weight), self._t(qn.weight), _F(qn.eps)), \
-                attn.q_a_proj.weight.shape[0]
-            w_q = attn.q_b_proj.weight
-        gate = self._wt(attn.g_proj.weight) if hasattr(attn, "g_proj") else _NULL
+            q_lora, Qr = (self._wt(attn.q_a_proj), self._t(qn.weight), _F(qn.eps)), \
+                attn.q_a_proj.out_features
+            w_q = attn.q_b_proj
+        gate = self._wt(attn.g_proj) if hasattr(attn, "g_proj") else _NULL
         static = dict(
             head=(_I(hd), _I(H), _I(N), _I(R), _I(Dc), _I(Vd)),
             weights=(self._t(norm.weight), _F(norm.eps), *q_lora, _I(Qr), self._wt(w_q),
-                     self._wt(attn.kv_a_proj_with_mqa.weight),
+                     self._wt(attn.kv_a_proj_with_mqa),
                      self._t(attn.kv_a_layernorm.weight), _F(attn.kv_a_layernorm.eps),
-                     self._w(attn.kv_b_proj.weight)),
-            tail=(gate, self._wt(attn.o_proj.weight), _F(attn.scale)),
+                     self._w(attn.kv_b_proj.weight)),       # (dequantized when packed)
+            tail=(gate, self._wt(attn.o_proj), _F(attn.scale)),
             index=attn.mla_index)
         return ("mla", static, (2 * hd + H * (N + R) + Dc + R + 2 * H * Vd + Qr,
                                 H * Dc + Dc + R + 4 * max(hd, H * Vd)))
@@ -114,29 +126,29 @@ class BlockArgs:
         hd = self.hidden
         act = tuple(f(v) for f, v in zip((_I, _F, _F), activation_args(ffn.act)))
         if isinstance(ffn, MLP):
-            i = ffn.gate_proj.weight.shape[0]
+            i = ffn.gate_proj.out_features
             args = (_I(hd), _I(i), None, self._t(norm.weight), _F(norm.eps),
-                    self._wt(ffn.gate_proj.weight), self._wt(ffn.up_proj.weight),
-                    self._wt(ffn.down_proj.weight), *act)
+                    self._wt(ffn.gate_proj), self._wt(ffn.up_proj), self._wt(ffn.down_proj),
+                    *act)
             return ("mlp", args, (3 * hd + 2 * i, 4 * max(hd, i)))
         sh = ffn.shared_experts
-        i_s = sh.gate_proj.weight.shape[0] if sh is not None else 0
+        i_s = sh.gate_proj.out_features if sh is not None else 0
         E, inter, Wd = ffn.num_experts, ffn.intermediate, ffn.width
         r = ffn.gate
         if ffn.is_latent:
             ln = ffn.routed_expert_norm
-            latent = (self._wt(ffn.routed_expert_down_proj.weight),
+            latent = (self._wt(ffn.routed_expert_down_proj),
                       self._t(ln.weight) if ln is not None else _NULL,
                       _F(ln.eps if ln is not None else 0.0),
-                      self._wt(ffn.routed_expert_up_proj.weight))
+                      self._wt(ffn.routed_expert_up_proj))
         else:
             latent = (_NULL, _NULL, _F(0.0), _NULL)
         args = (_I(hd), _I(E), _I(inter), _I(r.top_k), None, self._t(norm.weight), _F(norm.eps),
                 self._t(r.weight), self._t(r.e_score_correction_bias), _I(r.renormalize),
                 _F(r.scaling), *self._experts(ffn),
-                self._wt(sh.gate_proj.weight) if sh is not None else _NULL,
-                self._wt(sh.up_proj.weight) if sh is not None else _NULL,
-                self._wt(sh.down_proj.weight) if sh is not None else _NULL,
+                self._wt(sh.gate_proj) if sh is not None else _NULL,
+                self._wt(sh.up_proj) if sh is not None else _NULL,
+                self._wt(sh.down_proj) if sh is not None else _NULL,
                 _I(i_s), *act, _I(Wd), *latent)
         K = r.top_k
         return ("moe", args, (3 * hd + E + 2 * K + 2 * Wd + K * (Wd + 3 * inter) + 2 * i_s,
@@ -162,11 +174,13 @@ class BlockArgs:
     def head(self) -> tuple:
         m = self.model
         norm = m.model.norm
-        return (_I(self.hidden), _I(m.lm_head.weight.shape[0]), self._t(norm.weight),
-                _F(norm.eps), self._wt(m.lm_head.weight))
+        return (_I(self.hidden), _I(m.lm_head.out_features), self._t(norm.weight),
+                _F(norm.eps), self._wt(m.lm_head))
 
     def _experts(self, ffn: SparseMoE) -> tuple:
         """(w13, w2, transposed): the stacks read in place, in whichever layout they are."""
+        if self.packed:
+            return (*self._desc.experts(ffn), _I(1))
         w13t, w2t = ffn.experts_w13.transpose(1, 2), ffn.experts_w2.transpose(1, 2)
         if w13t.is_contiguous() and w2t.is_contiguous():
             return self._w(w13t), self._w(w2t), _I(1)

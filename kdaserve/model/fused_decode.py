@@ -11,6 +11,9 @@ and cache are fp32, or bf16 (--dtype bfloat16: read as the model keeps them, act
 sums in fp32, so closer to the fp32 model than the torch bf16 forward, which rounds every
 op's output; on the bundled model's test prompts it decodes the fp32 greedy tokens, the torch
 bf16 forward does not).
+A model with packed INT8/INT4 layers (kdaserve/model/quantize.py) runs the blocks' _q copy:
+fp32 activations and cache, each matrix a descriptor the products decode from its packed
+bytes (kdaserve/model/packed_args.py; tests/model/test_fused_decode_quant.py).
 Everything else (prefill, drafts, snapshots, other dtypes or variants) takes the model's
 forward, which stays the reference: tests/model/test_fused_decode.py checks logits and greedy
 tokens against it. `fused_decoder(model)` returns None where the path does not apply;
@@ -41,6 +44,7 @@ from kdaserve.model.kda import KimiDeltaAttention
 from kdaserve.model.layers import MLP
 from kdaserve.model.mla import MultiHeadLatentAttention
 from kdaserve.model.moe import SparseMoE
+from kdaserve.model.packed_args import has_packed
 from kdaserve.ops.cpu_kernels import decode_block_kernels, thread_pool
 
 
@@ -53,7 +57,10 @@ class FusedDecoder:
         args = BlockArgs(model)
         self.wdtype, self.hidden = args.wdtype, args.hidden
         self._keep = args.keep                   # tensors whose memory the calls read
-        self._witness_params = [model.model.embed_tokens.weight, model.lm_head.weight] + [
+        head = model.lm_head       # (a packed head's `weight` is a fresh dequantized tensor)
+        self._witness_params = [model.model.embed_tokens.weight,
+                                head.weight_packed if hasattr(head, "weight_packed")
+                                else head.weight] + [
             layer.input_layernorm.weight for layer in model.model.layers]
         self._witness = self._fingerprint()
         self.layers: list[tuple] = []
@@ -185,7 +192,8 @@ def fused_decoder(model: HybridForCausalLM, cache: HybridCache) -> FusedDecoder 
     """A FusedDecoder for this model and cache, or None where the path does not apply."""
     if os.environ.get("KDASERVE_FUSED_DECODE", "1") == "0" or not supports(model, cache):
         return None
-    kernels = decode_block_kernels("f32" if model.dtype == torch.float32 else "bf16")
+    kernels = decode_block_kernels("q" if has_packed(model) else
+                                   "f32" if model.dtype == torch.float32 else "bf16")
     return FusedDecoder(model, kernels) if kernels is not None else None
 
 
@@ -197,6 +205,8 @@ def supports(model: HybridForCausalLM, cache: HybridCache) -> bool:
             getattr(model, "new_bank", None) is None:
         return False          # a residual scheme the blocks do not know
     dtype = model.dtype
+    if has_packed(model) and dtype != torch.float32:
+        return False          # packed INT layers: fp32 activations and cache (the _q blocks)
     if dtype not in (torch.float32, torch.bfloat16) or \
             model.model.embed_tokens.weight.device.type != "cpu":
         return False
@@ -215,7 +225,8 @@ def supports(model: HybridForCausalLM, cache: HybridCache) -> bool:
             return False
         if isinstance(ffn, SparseMoE):
             r = ffn.gate
-            if (ffn.quantized or r.groups > 1 or r.activation != "sigmoid"
+            if ((ffn.quantized and ffn.int_quant is None) or r.groups > 1
+                    or r.activation != "sigmoid"
                     or (ffn.shared_experts is not None
                         and ffn.shared_experts.act != ffn.act)):
                 return False

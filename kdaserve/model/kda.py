@@ -8,6 +8,7 @@ from torch import nn
 
 from kdaserve.model.batch import ForwardBatch
 from kdaserve.model.layers import GatedRMSNorm
+from kdaserve.model.quant_linear import QuantLinear, fuse_packed
 from kdaserve.model_config import ModelConfig
 from kdaserve.ops.conv import causal_conv1d_packed, conv_input_rows
 from kdaserve.ops.cpu_linear import k_major_weight, linear
@@ -59,6 +60,7 @@ class KimiDeltaAttention(nn.Module):
         self._fused: torch.Tensor | None = None       # see fuse_input_projections
         self._fused_ptrs: list[int] = []
         self._conv_wt: tuple[tuple, torch.Tensor] | None = None  # see _conv_weight_t
+        self._fused_q: QuantLinear | None = None     # packed input projections, fused
 
     def _input_linears(self) -> list[nn.Linear]:
         gate_in = self.g_proj if self.full_rank_gate else self.g_a_proj
@@ -75,7 +77,13 @@ class KimiDeltaAttention(nn.Module):
         its pointer no longer matches and the layer goes back to separate matmuls. k_major:
         that tensor is stored K-major (kdaserve/ops/cpu_linear.py). Returns the layers fused."""
         lins = self._input_linears()
-        if len({lin.weight.dtype for lin in lins}) != 1:
+        if all(isinstance(lin, QuantLinear) for lin in lins):
+            # not a submodule: the layers keep their checkpoint names and their bytes
+            object.__setattr__(self, "_fused_q", fuse_packed(lins))
+            self._fused_ptrs = [lin.weight_packed.data_ptr() for lin in lins]
+            return []
+        if any(type(lin) is not nn.Linear for lin in lins) or \
+                len({lin.weight.dtype for lin in lins}) != 1:
             return []
         fused = torch.cat([lin.weight.detach() for lin in lins], 0)
         if k_major:
@@ -97,6 +105,10 @@ class KimiDeltaAttention(nn.Module):
             hd3 = 3 * self.num_heads * self.head_dim
             return linear(x, self._fused).split([hd3, self.head_dim, lins[4].weight.shape[0],
                                                    self.num_heads], -1)
+        fq = self._fused_q         # packed: one product over the six layers' rows
+        if fq is not None and [lin.weight_packed.data_ptr() for lin in lins] == self._fused_ptrs:
+            return fq(x).split([3 * self.num_heads * self.head_dim, self.head_dim,
+                                lins[4].out_features, self.num_heads], -1)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         return qkv, self.f_a_proj(x), lins[4](x), self.b_proj(x)
 

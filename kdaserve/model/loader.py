@@ -1,10 +1,9 @@
-"""Load and save HF-format checkpoints of the family (safetensors only, never pickles): Kimi
+"""Load HF-format checkpoints of the family (safetensors only, never pickles): Kimi
 Linear's layout and K3's (`language_model.` prefix, sharded, MXFP4-packed routed experts).
 The model class comes from the registry."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -12,14 +11,20 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from kdaserve.model import ct_checkpoint, fp8_checkpoint
 from kdaserve.model.base import FP32_PARAM_SUFFIXES, HybridForCausalLM
 from kdaserve.model.checkpoint_files import CheckpointError, checkpoint_files
-from kdaserve.model.registry import build_model, hf_config, load_config
+from kdaserve.model.expert_names import expert_slice as _expert_slice
+from kdaserve.model.expert_names import expert_target as _expert_target
+from kdaserve.model.quant_linear import QuantLinear
+from kdaserve.model.quantize import quantize_model, quantized_layout
+from kdaserve.model.registry import build_model, load_config, read_config_json
+from kdaserve.model.saver import save_model  # noqa: F401 (importers' name for it)
 from kdaserve.model.vision.hf_layout import HFLayoutConverter, is_hf_layout
 from kdaserve.model.vision.tower import has_vision, vision_config_of
+from kdaserve.quant_config import WeightQuant
 
 log = logging.getLogger("kdaserve")
 
@@ -43,11 +48,6 @@ _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 # Parts of a multimodal or MTP checkpoint a model may not build (logged, not loaded).
 _SKIPPED = re.compile(r"^(vision_tower|vision_model|mm_projector|multi_modal_projector)\.|"
                       r"^(language_model\.)?model\.mtp")
-# Routed experts are stored stacked in the model; the checkpoint names them one by one, as
-# plain weights or as MXFP4 (`weight_packed` + `weight_scale`).
-_EXPERT = re.compile(r"^(.*\.block_sparse_moe)\.experts\.(\d+)\.(w1|w2|w3)\."
-                     r"(weight|weight_packed|weight_scale)$")
-_STACK_SUFFIX = {"weight": "", "weight_packed": "_packed", "weight_scale": "_scale"}
 # tensors whose checkpoint shape differs from the module's only by singleton dims
 _RESHAPEABLE = ("A_log", "dt_bias")
 
@@ -85,23 +85,6 @@ def _held_elsewhere(name: str, foreign: tuple[str, ...]) -> bool:
     return any(n.startswith(foreign) for n in [name] + [p.sub(r, name) for p, r in _ALIASES])
 
 
-def _expert_target(name: str) -> tuple[str, int, str] | None:
-    """`...experts.{e}.w1.weight[_packed|_scale]` -> (stacked tensor name, e, part)."""
-    m = _EXPERT.match(name)
-    if m is None:
-        return None
-    base = "experts_w2" if m.group(3) == "w2" else "experts_w13"
-    return f"{m.group(1)}.{base}{_STACK_SUFFIX[m.group(4)]}", int(m.group(2)), m.group(3)
-
-
-def _expert_slice(t: torch.Tensor, e: int, part: str) -> torch.Tensor:
-    """The view of stacked tensor `t` that holds expert e's `part`."""
-    if part == "w2":
-        return t[e]
-    half = t.shape[1] // 2
-    return t[e, :half] if part == "w1" else t[e, half:]
-
-
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
@@ -135,12 +118,24 @@ def _canonical(name: str, params: dict[str, torch.Tensor]) -> str:
 def load_model(
     path: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str = "cpu",
     chunk_size: int = 16, progress: bool = True, parallel=None, moe_backend: str = "auto",
+    quantization: WeightQuant | None = None,
 ) -> HybridForCausalLM:
     """Build the model from `path/config.json` and fill it from the safetensors files there.
     `parallel` (a kdaserve.distributed ParallelContext): build this rank's share and read
-    only its slices of each tensor."""
+    only its slices of each tensor. `quantization`: quantize the float weights as they load
+    (`--quantization`); a checkpoint stored quantized (compressed-tensors) says so itself."""
     path = Path(path)
     cfg = load_config(path)
+    wq = cfg.weight_quant
+    if (wq is not None or quantization is not None) and parallel is not None:
+        raise CheckpointError("INT8/INT4 weights with tensor, expert or pipeline parallelism "
+                              "are not supported yet")
+    if wq is not None and quantization is not None:
+        raise CheckpointError(f"checkpoint {path} is already quantized ({wq.scheme}); drop "
+                              "--quantization")
+    target = parse_dtype(dtype)
+    block = fp8_checkpoint.block_size(read_config_json(path))
+    fp8 = fp8_checkpoint.FP8Pairs(block) if block is not None else None
     with torch.device("meta"):
         model = build_model(cfg, chunk_size=chunk_size)
         shard = None
@@ -148,7 +143,8 @@ def load_model(
             from kdaserve.distributed.tensor_parallel import shard_model
 
             shard = shard_model(model, parallel, moe_backend)
-    target = parse_dtype(dtype)
+        if wq is not None:
+            quantized_layout(model, wq, target)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     loaded: dict[str, torch.Tensor] = {}
@@ -167,11 +163,18 @@ def load_model(
             continue
         if hf_layout is not None and is_hf_layout(raw_name):
             pieces = hf_layout.feed(raw_name, h.get_tensor(raw_name))
+        elif fp8 is not None:
+            pieces = fp8.feed(raw_name, h)
         else:
             pieces = [(raw_name, None)]
         for name, t in pieces:
+            if name.endswith(ct_checkpoint.SHAPE_SUFFIX):
+                ct_checkpoint.check_shape(name, h.get_tensor(name), params, wq)
+                continue
             skipped += _load_one(name, t if t is not None else h, params, loaded, filled,
-                                 target, device, path, shard)
+                                 target, device, path, shard, wq)
+    if fp8 is not None:
+        fp8.finish()
     if hf_layout is not None:
         try:
             hf_layout.finish()
@@ -188,21 +191,24 @@ def load_model(
                  "not loaded", skipped, path)
     # (a pipeline stage may hold only one of the two)
     head, emb = getattr(model, "lm_head", None), model.model.embed_tokens
-    if cfg.tie_word_embeddings and "lm_head.weight" not in loaded and head is not None:
+    tied = cfg.tie_word_embeddings and not isinstance(head, QuantLinear)
+    if tied and "lm_head.weight" not in loaded and head is not None:
         loaded["lm_head.weight"] = loaded.get("model.embed_tokens.weight")
     missing = sorted(k for k in params if k not in loaded or loaded[k] is None)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {path} lacks tensor(s) {missing[:5]}{more}")
     model.load_state_dict(loaded, strict=True, assign=True)
-    if cfg.tie_word_embeddings and head is not None and emb is not None:
+    if tied and head is not None and emb is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if quantization is not None:
+        quantize_model(model, quantization)
     return model.eval()
 
 
 def _load_one(name: str, src, params: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor],
               filled: dict[str, set[tuple[int, str]]], target: torch.dtype, device: str,
-              path: Path, shard=None) -> int:
+              path: Path, shard=None, wq: WeightQuant | None = None) -> int:
     """Place one checkpoint tensor (`src`: the tensor, or the safetensors handle to read it
     from) into `loaded`; returns 1 when it was skipped as not part of the model. With a
     `shard` (a parallel layout), only this rank's experts and slices are read."""
@@ -230,6 +236,7 @@ def _load_one(name: str, src, params: dict[str, torch.Tensor], loaded: dict[str,
                    lambda: src)
     else:
         t = src
+    t = ct_checkpoint.stored_form(name, t, want_shape[0] if want_shape else None, wq)
     keep32 = key.endswith(FP32_PARAM_SUFFIXES)
     dtype = params[key].dtype if not params[key].is_floating_point() else (
         torch.float32 if keep32 else target)
@@ -274,40 +281,3 @@ def _check_experts(filled: dict[str, set[tuple[int, str]]], params: dict[str, to
                     "weight_scale" if stack.endswith("_scale") else "weight")
             raise CheckpointError(
                 f"checkpoint {path} lacks tensor '{prefix}.experts.{e}.{part}.{kind}'")
-
-
-def save_model(model: HybridForCausalLM, out: str | os.PathLike,
-               dtype: torch.dtype | None = None) -> None:
-    """Write config.json + model.safetensors with the released checkpoint's names."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {}
-    for name, t in model.state_dict().items():
-        if model.config.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        t = t.detach()
-        if dtype is not None and t.is_floating_point() and not name.endswith(FP32_PARAM_SUFFIXES):
-            t = t.to(dtype)
-        for out_name, piece in _checkpoint_pieces(name, t):
-            piece = piece.contiguous().cpu()
-            if piece.untyped_storage().nbytes() != piece.nbytes:  # a view (fused weights)
-                piece = piece.clone()
-            state[out_name] = piece
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    hf = hf_config(model.config)
-    if dtype is not None:
-        hf["dtype"] = str(dtype).removeprefix("torch.")
-    with open(out / "config.json", "w", encoding="utf-8") as f:
-        json.dump(hf, f, indent=2)
-
-
-def _checkpoint_pieces(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """A model tensor under the released checkpoint's names (stacked experts split apart)."""
-    for base, parts in ((".experts_w13", ("w1", "w3")), (".experts_w2", ("w2",))):
-        for kind, stack_suffix in _STACK_SUFFIX.items():
-            suffix = base + stack_suffix
-            if name.endswith(suffix):
-                prefix = name[: -len(suffix)]
-                return [(f"{prefix}.experts.{e}.{p}.{kind}", _expert_slice(t, e, p))
-                        for e in range(t.shape[0]) for p in parts]
-    return [(name, t)]

@@ -9,7 +9,8 @@ from torch import nn
 
 from kdaserve.model.layers import MLP, RMSNorm
 from kdaserve.model_config import ModelConfig
-from kdaserve.ops import cpu_kernels
+from kdaserve.ops import cpu_int_linear, cpu_kernels, gpu
+from kdaserve.ops.int_quant import dequantize
 from kdaserve.ops.mxfp4 import GROUP, dequantize_mxfp4
 
 
@@ -53,7 +54,8 @@ class SparseMoE(nn.Module):
     hold the checkpoint's packed bytes instead (`experts_w13_packed` uint8 [E, 2I, W/2] and
     `experts_w13_scale` [E, 2I, W/32], likewise w2): they are never expanded as a whole; the
     compiled CPU kernel reads them directly, the torch path dequantizes one expert at a time
-    into a reused buffer.
+    into a reused buffer. INT8/INT4 experts (`int_quant`, kdaserve/model/quantize.py) are
+    stored the same way with fp32 group scales (kdaserve/ops/int_quant.py).
 
     Latent MoE (K3, `routed_expert_hidden_size` W): the router and the shared experts read the
     full hidden x; the routed experts run on z = routed_expert_down_proj(x) [T, W], their
@@ -62,7 +64,9 @@ class SparseMoE(nn.Module):
         out = up(norm(sum_k w_k · expert_k(z))) + shared(x).
 
     Slots (token, expert) are grouped by expert, then every active expert's group runs through
-    its fused w13 and w2: on CPU through the compiled ragged-group kernel; elsewhere one matmul
+    its fused w13 and w2: on CUDA with triton through the grouped Triton kernels (sync-free,
+    MXFP4 decoded inside; kdaserve/ops/gpu/moe_grouped.py); on CPU through the compiled
+    ragged-group kernel; elsewhere one matmul
     per expert when groups are large or few (prefill, single-token decode), or one padded
     batched matmul when groups are small (over all experts when most are active, so no weights
     are copied), where padding and gathers cost less than many small calls.
@@ -72,6 +76,8 @@ class SparseMoE(nn.Module):
     # groups at least this large on average, or at most this many experts: per-expert matmuls
     LARGE_GROUP = 32
     FEW_EXPERTS = 4
+    # a WeightQuant when the experts are stored INT8/INT4 (set by kdaserve/model/quantize.py)
+    int_quant = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -108,8 +114,9 @@ class SparseMoE(nn.Module):
     def weight_bytes(self) -> tuple[int, int]:
         """(bytes, logical weights) of the routed experts as stored."""
         names = (("experts_w13_packed", "experts_w13_scale", "experts_w2_packed",
-                  "experts_w2_scale") if self.quantized else ("experts_w13", "experts_w2"))
-        ts = [getattr(self, n) for n in names]
+                  "experts_w2_scale", "experts_w13_zero_point", "experts_w2_zero_point")
+                 if self.quantized else ("experts_w13", "experts_w2"))
+        ts = [t for t in (getattr(self, n, None) for n in names) if t is not None]
         count = self.num_experts * 3 * self.intermediate * self.width
         return sum(t.numel() * t.element_size() for t in ts), count
 
@@ -131,6 +138,8 @@ class SparseMoE(nn.Module):
         if x.device.type != "cpu" or x.dtype != torch.float32:
             return None
         if self.quantized:
+            if self.int_quant is not None:
+                return cpu_int_linear.experts_kernel()
             return cpu_kernels.moe_experts_mxfp4_kernel()
         if torch.is_grad_enabled() and (x.requires_grad or self.experts_w13.requires_grad
                                         or self.experts_w2.requires_grad):
@@ -140,6 +149,24 @@ class SparseMoE(nn.Module):
                 and w13t.dtype == w2t.dtype == torch.float32):
             return None
         return cpu_kernels.moe_experts_kernel()
+
+    def _triton_grouped(self, x: torch.Tensor):
+        """The grouped Triton kernels when they apply: a device they run on, triton importable
+        (KDASERVE_TRITON=0: not), no autograd (they have no backward)."""
+        if not gpu.kernels_for(x.device.type) or self.int_quant is not None:
+            return None        # (INT8/INT4 stacks: the per-expert dequantized form on GPU)
+        if torch.is_grad_enabled() and (x.requires_grad or any(
+                p.requires_grad for p in (getattr(self, "experts_w13", None),
+                                          getattr(self, "experts_w2", None)) if p is not None)):
+            return None
+        from kdaserve.ops.gpu.moe_grouped import ExpertWeights, fused_moe
+
+        if self.quantized:
+            w13 = ExpertWeights(self.experts_w13_packed, self.experts_w13_scale)
+            w2 = ExpertWeights(self.experts_w2_packed, self.experts_w2_scale)
+        else:
+            w13, w2 = ExpertWeights(self.experts_w13), ExpertWeights(self.experts_w2)
+        return lambda x, weights, ids: fused_moe(x, weights, ids, w13, w2, self.act)
 
     def _expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (w13 [2I, W], w2 [W, I]); MXFP4 experts are dequantized into buffers
@@ -153,6 +180,14 @@ class SparseMoE(nn.Module):
             self._dequant = (torch.empty(2 * i, w, dtype=dtype, device=dev),
                              torch.empty(w, i, dtype=dtype, device=dev))
         b13, b2 = self._dequant
+        if self.int_quant is not None:
+            for buf, stack, k in ((b13, "experts_w13", w), (b2, "experts_w2", i)):
+                zero = getattr(self, f"{stack}_zero_point", None)
+                buf.copy_(dequantize(getattr(self, f"{stack}_packed")[e],
+                                     getattr(self, f"{stack}_scale")[e],
+                                     None if zero is None else zero[e], self.int_quant.bits,
+                                     k, self.int_quant.group_size))
+            return b13, b2
         dequantize_mxfp4(self.experts_w13_packed[e], self.experts_w13_scale[e], out=b13)
         dequantize_mxfp4(self.experts_w2_packed[e], self.experts_w2_scale[e], out=b2)
         return b13, b2
@@ -212,11 +247,14 @@ class SparseMoE(nn.Module):
         """sum_k weights[t,k] · expert_{ids[t,k]}(x[t]) for every token: [T,W]."""
         k = ids.shape[1]
         flat = ids.reshape(-1)
-        kernel = self._ragged_kernel(x)
-        if kernel is None and sync_free and not self.quantized:
+        grouped_gpu = self._triton_grouped(x)
+        kernel = None if grouped_gpu is not None else self._ragged_kernel(x)
+        if grouped_gpu is not None or (kernel is None and sync_free and not self.quantized):
             if self.load_counts is not None:     # (bincount on CUDA reads its max back)
                 self.load_counts.index_add_(0, flat, torch.ones_like(flat).to(
                     self.load_counts))
+            if grouped_gpu is not None:
+                return grouped_gpu(x, weights, ids)
             return self._routed_all_experts(x, weights, ids)
         order = flat.argsort(stable=True)                              # slots grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)      # [E]
@@ -232,7 +270,9 @@ class SparseMoE(nn.Module):
             # than per-expert matmuls at every batch size measured (docs/benchmarks.md)
             offsets = torch.zeros(self.num_experts + 1, dtype=torch.long)
             torch.cumsum(counts, 0, out=offsets[1:])
-            if self.quantized:
+            if self.int_quant is not None:
+                kernel(x, token, offsets, slot_w.view(-1), self, out, act=self.act)
+            elif self.quantized:
                 kernel(x, token, offsets, slot_w.view(-1), self.experts_w13_packed,
                        self.experts_w13_scale, self.experts_w2_packed, self.experts_w2_scale,
                        out, act=self.act)

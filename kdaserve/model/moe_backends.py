@@ -1,8 +1,9 @@
 """How a MoE layer runs its routed experts, behind one registry.
 
 - `reference`: a loop over the experts, one matmul pair each (the test oracle);
-- `grouped`: slots grouped by expert and run together (the compiled ragged-group CPU kernel,
-  or per-expert / padded batched matmuls; SparseMoE._routed);
+- `grouped`: slots grouped by expert and run together (on CUDA the grouped Triton GEMMs,
+  kdaserve/ops/gpu/moe_grouped.py; on CPU the compiled ragged-group kernel; else per-expert
+  / padded batched matmuls; SparseMoE._routed);
 - `tp_sharded`: every expert's width split over the tensor-parallel ranks (w1/w3 column-,
   w2 row-parallel), the grouped path on the local shard, the partial sums all-reduced;
 - `ep_all2all`: the experts partitioned over the ranks; each rank dispatches its share of the

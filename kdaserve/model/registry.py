@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from kdaserve.config import ConfigError
 from kdaserve.model.configs import kimi_k3, kimi_k25, kimi_linear
 from kdaserve.model_config import ModelConfig
+from kdaserve.quant_config import is_pack_quantized, parse_compressed_tensors
 
 if TYPE_CHECKING:
     from kdaserve.model.base import HybridForCausalLM
@@ -83,14 +84,31 @@ def entry_for(raw: dict[str, Any], kind: str | None = None) -> ModelEntry:
 
 
 def load_config(source: str | os.PathLike | dict[str, Any]) -> ModelConfig:
-    """The target model's ModelConfig from a directory, a config.json path or a parsed dict."""
+    """The target model's ModelConfig from a directory, a config.json path or a parsed dict.
+    A compressed-tensors pack-quantized (INT8/INT4) quantization_config applies to any
+    family (block-scaled fp8 too: the loader dequantizes it); the family's parser reads the
+    rest."""
     raw = source if isinstance(source, dict) else read_config_json(source)
+    qc = raw.get("quantization_config")
+    if qc and qc.get("quant_method") == "fp8":     # the loader dequantizes fp8 blocks
+        raw = {k: v for k, v in raw.items() if k != "quantization_config"}
+        return entry_for(raw, "target").config.parse(raw)
+    if is_pack_quantized(qc):
+        raw = {k: v for k, v in raw.items() if k != "quantization_config"}
+        cfg = entry_for(raw, "target").config.parse(raw)
+        return replace(cfg, weight_quant=parse_compressed_tensors(qc))
     return entry_for(raw, "target").config.parse(raw)
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """cfg as the config.json of its family (what `load_config` reads back to an equal cfg)."""
-    return entry_for({"model_type": cfg.architecture}, "target").config.to_hf(cfg)
+    hf = entry_for({"model_type": cfg.architecture}, "target").config.to_hf(cfg)
+    if cfg.weight_quant is not None:
+        if cfg.experts_quantization is not None:
+            raise ConfigError("a checkpoint with MXFP4 experts and INT8/INT4 layers cannot be "
+                              "written (one quantization_config)")
+        hf["quantization_config"] = cfg.weight_quant.to_compressed_tensors()
+    return hf
 
 
 def build_model(cfg: ModelConfig, chunk_size: int = 16) -> HybridForCausalLM:

@@ -14,7 +14,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from kdaserve.ops import cpu_kernels
+from kdaserve.ops import cpu_kernels, gpu
 from kdaserve.ops.online_softmax import (
     attention_lse,
     key_mask,
@@ -139,13 +139,25 @@ def _split_attention(qa: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | N
     return merge_partials(o.view(b, s, h, d), lse.view(b, s, h), 1)
 
 
+def triton_paged_decode(device: torch.device) -> bool:
+    """Decode rows read the pages through `mla_decode_split_k` at any context length (the
+    layout builds no dense mask): where a kernel reads the page table in place without a host
+    read, gathering the context first would only cost a copy."""
+    return gpu.kernels_for(device.type)
+
+
 def mla_decode_split_k(
     q_nope: torch.Tensor, q_pe: torch.Tensor, pages: torch.Tensor, blocks: torch.Tensor,
     kv_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """Absorbed decode over paged latents without gathering the whole context: the compiled
-    CPU kernel where it applies (fp32 pages on CPU), else `mla_decode_split_k_torch`. Same
-    arguments and result."""
+    """Absorbed decode over paged latents without gathering the whole context: the Triton
+    kernel on CUDA (`ops/gpu/mla_decode.py`: no host read, capturable in a CUDA graph), the
+    compiled CPU kernel where it applies (fp32 pages on CPU), else `mla_decode_split_k_torch`.
+    Same arguments and result."""
+    if gpu.kernels_for(pages.device.type):
+        from kdaserve.ops.gpu.mla_decode import mla_decode_split_k_triton
+
+        return mla_decode_split_k_triton(q_nope, q_pe, pages, blocks, kv_lens, w_uk, w_uv, scale)
     kernel = _paged_decode_kernel() if pages.device.type == "cpu" else None
     if kernel is None or pages.dtype != torch.float32 or not pages.is_contiguous():
         return mla_decode_split_k_torch(q_nope, q_pe, pages, blocks, kv_lens, w_uk, w_uv, scale)
@@ -159,8 +171,9 @@ def mla_decode_split_k(
 
 def decode_split_k_graph_safe(device: torch.device) -> bool:
     """Whether `mla_decode_split_k` runs on `device` without reading lengths back to the host
-    (a captured CUDA graph needs that). The torch form tiles by the lengths on the host."""
-    return False
+    (a captured CUDA graph needs that): the Triton kernel does; the torch form tiles by the
+    lengths on the host."""
+    return triton_paged_decode(device)
 
 
 @cache

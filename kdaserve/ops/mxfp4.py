@@ -9,6 +9,8 @@ reads the same bytes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 GROUP = 32
@@ -35,7 +37,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor,
     if scale.shape[-1] * GROUP != k or packed.shape[:-1] != scale.shape[:-1]:
         raise ValueError(f"MXFP4 shapes disagree: packed {tuple(packed.shape)}, "
                          f"scale {tuple(scale.shape)} (want K/2 and K/32 of one K)")
-    lut = E2M1_VALUES.to(device=packed.device)
+    lut = _lut(packed.device)
     codes = torch.stack([packed & 0x0F, packed >> 4], -1).reshape(*packed.shape[:-1], k)
     vals = lut[codes.long()]                                                  # [..., K]
     mult = e8m0_to_float(scale)
@@ -43,6 +45,13 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor,
     if out is not None:
         return out.copy_(res)
     return res.to(dtype)
+
+
+@functools.cache
+def _lut(device: torch.device) -> torch.Tensor:
+    """The E2M1 values on `device`, copied there once: a host-to-device copy inside a step
+    would break a CUDA graph capture (engine/decode_graphs.py)."""
+    return E2M1_VALUES.to(device=device)
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,22 +2,25 @@
 
 The torch reference (`kdaserve.ops.kda`) runs everywhere and is what the tests check against
 fla-core's naive functions. On CUDA, when fla-core (and triton) are installed, its Triton KDA
-kernels take the chunked prefill. On CPU, when a C compiler is present, a compiled recurrence
+kernels take the chunked prefill and our Triton kernel (`ops/gpu/kda_decode.py`) the decode rows
+on the state slots. On CPU, when a C compiler is present, a compiled recurrence
 (`ops/cpu_kernels.py`) runs decode rows in place on the state slots and prefill rows too (it
 keeps the chunk-end states the chunked op returns for snapshots): with the state held in L1 it
 is several times faster than the torch chunked form. Set
-KDASERVE_KDA_BACKEND=torch to force the reference everywhere.
+KDASERVE_KDA_BACKEND=torch to force the reference everywhere (KDASERVE_TRITON=0: no Triton
+kernel of ours, fla's prefill stays).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
 
+from kdaserve.ops import gpu
 from kdaserve.ops import kda as kda_ref
 
 
@@ -87,15 +90,42 @@ def _fla_chunk_factory() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torc
     return chunk
 
 
+def _triton_recurrent_slots() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    from kdaserve.ops.gpu.kda_decode import kda_recurrent_slots_triton
+
+    return kda_recurrent_slots_triton
+
+
 @cache
 def _cuda_ops() -> KDAOps:
+    """fla-core's chunked kernel for prefill, our Triton kernel for decode on the slots (sync
+    free, capturable in a CUDA graph); the references where either is missing."""
     if os.environ.get("KDASERVE_KDA_BACKEND", "auto") == "torch":
         return TORCH_KDA
+    decode, name = kda_ref.kda_recurrent_slots, ""
+    if gpu.kernels_for("cuda"):
+        decode, name = _triton_recurrent_slots(), "+triton-decode"
     try:
-        chunk = _fla_chunk_factory()
+        chunk, name = _fla_chunk_factory(), "fla-triton" + name
     except Exception:  # fla-core or triton missing: the reference is always correct
+        chunk, name = kda_ref.kda_chunk, "torch" + name
+    if chunk is kda_ref.kda_chunk and decode is kda_ref.kda_recurrent_slots:
         return TORCH_KDA
-    return KDAOps("fla-triton", chunk, kda_ref.kda_recurrent_slots)
+    return KDAOps(name, chunk, decode)
+
+
+@cache
+def _cuda_grad_ops() -> KDAOps:
+    """Training: our decode kernel has no autograd, the reference's torch ops do."""
+    ops = _cuda_ops()
+    return replace(ops, recurrent_slots=kda_ref.kda_recurrent_slots)
+
+
+@cache
+def _interpreted_ops() -> KDAOps:
+    """CPU under Triton's interpreter (tests/ops/gpu): the CPU prefill, the Triton decode."""
+    cpu = _cpu_ops()
+    return KDAOps(cpu.name + "+triton-decode", cpu.chunk, _triton_recurrent_slots(), cpu.prepare)
 
 
 def kda_ops(device: torch.device, needs_grad: bool = False) -> KDAOps:
@@ -103,4 +133,6 @@ def kda_ops(device: torch.device, needs_grad: bool = False) -> KDAOps:
     (fla's Triton kernels do)."""
     if needs_grad and device.type != "cuda":
         return TORCH_KDA
-    return _cuda_ops() if device.type == "cuda" else _cpu_ops()
+    if device.type == "cuda":
+        return _cuda_grad_ops() if needs_grad else _cuda_ops()
+    return _interpreted_ops() if gpu.kernels_for(device.type) else _cpu_ops()

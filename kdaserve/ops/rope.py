@@ -9,6 +9,7 @@ mscale(factor, mscale) / mscale(factor, mscale_all_dim), mscale(s, m) = 0.1·m·
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -47,6 +48,20 @@ def rope_frequencies(r: int, theta: float, scaling: dict[str, Any] | None = None
     return inv, mult
 
 
+def _key(scaling: dict[str, Any] | None) -> tuple | None:
+    return None if not scaling else tuple(sorted(scaling.items()))     # scalars: hashable
+
+
+@functools.lru_cache(maxsize=64)
+def _frequencies_on(r: int, theta: float, key: tuple | None, device: torch.device
+                    ) -> tuple[torch.Tensor, float]:
+    """rope_frequencies on `device`, made and copied there once per shape: a host-to-device
+    copy inside a step would break a CUDA graph capture (engine/decode_graphs.py)."""
+    scaling = None if key is None else dict(key)
+    inv, mult = rope_frequencies(r, theta, scaling)
+    return inv.to(device), mult
+
+
 def softmax_scale(qk_head_dim: int, scaling: dict[str, Any] | None = None) -> float:
     """Attention softmax scale: qk^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN."""
     scale = qk_head_dim ** -0.5
@@ -60,8 +75,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
                interleaved: bool = False, scaling: dict[str, Any] | None = None) -> torch.Tensor:
     """x [T, ..., R] rotated by position [T]; R must be even."""
     r = x.shape[-1]
-    inv, mult = rope_frequencies(r, theta, scaling)
-    ang = positions.to(torch.float32)[:, None] * inv.to(x.device)[None]   # [T, R/2]
+    inv, mult = _frequencies_on(r, theta, _key(scaling), x.device)
+    ang = positions.to(torch.float32)[:, None] * inv[None]               # [T, R/2]
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (r // 2,)
     cos, sin = (ang.cos() * mult).view(shape), (ang.sin() * mult).view(shape)
     xf = x.float()

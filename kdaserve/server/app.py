@@ -47,7 +47,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_name: str,
               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None,
               public_metrics: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, vision: VisionInput | None = None,
-              image_limits: ImageLimits | None = None) -> FastAPI:
+              image_limits: ImageLimits | None = None,
+              strict_schemas: bool = True) -> FastAPI:
     """`generation_defaults` (SamplingParams names) fill fields a request leaves out. With an
     API key every endpoint but /health needs it; `public_metrics` exempts /metrics too."""
     metrics = metrics or ServerMetrics()
@@ -55,7 +56,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_name: str,
     serving = OpenAIServing(engine, tokenizer, served_model_name, max_model_len,
                             generation_defaults or {}, metrics, limits,
                             tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                            vision=vision, image_limits=image_limits)
+                            vision=vision, image_limits=image_limits,
+                            strict_schemas=strict_schemas)
     app = FastAPI(title="kdaserve", docs_url=None, redoc_url=None)
     app.state.serving = serving
     app.state.metrics = metrics

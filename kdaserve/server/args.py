@@ -86,6 +86,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "required/named tool_choice work without one (default: none)")
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_FORMATS), default=None,
                    help="move thinking text to reasoning_content (default: none)")
+    p.add_argument("--open-json-objects", action="store_true",
+                   help="compile JSON schemas (response_format, guided_json, tool parameters) "
+                        "with JSON Schema's open objects: keys a schema does not declare are "
+                        "allowed unless it says additionalProperties false; by default they are "
+                        "not, unless a request says \"strict\": false "
+                        "(docs/structured-outputs.md)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="log level (default: %(default)s)")
     add_engine_arguments(p.add_argument_group("engine (the same settings as LLM(...))"))

@@ -4,7 +4,7 @@ The detokenized text (special tokens kept, so that markers reach the parsers) go
 the reasoning parser, then the content through the tool parser; special tokens nobody claimed
 (EOS, role markers) are dropped from what the client sees. Streams use eager tool parsers
 (argument deltas as generated); a whole message uses buffered ones (malformed calls come back
-as content text).
+as content text). `max_calls` (1 for `parallel_tool_calls: false`) drops the calls past it.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ class ChatDelta:
 
 class ChatOutput:
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None,
-                 specials: Iterable[str] = ()) -> None:
+                 specials: Iterable[str] = (), max_calls: int | None = None) -> None:
         self.reasoning = reasoning
         self.tools = tools
+        self.max_calls = max_calls
         claimed = set(tools.markers if tools else ())
         drop = [s for s in specials if s not in claimed]
         self._strip_content = MarkerLexer(drop) if drop else None
@@ -62,6 +63,8 @@ class ChatOutput:
                     content.append(e) if isinstance(e, str) else out.calls.append(e)
             out.reasoning += self._strip(self._strip_reasoning, "", flush=True)
         out.content = self._strip(self._strip_content, "".join(content), flush=final)
+        if self.max_calls is not None:
+            out.calls = [c for c in out.calls if c.index < self.max_calls]
         self.num_calls = max([self.num_calls] + [c.index + 1 for c in out.calls])
         return out
 

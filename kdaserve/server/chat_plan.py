@@ -4,7 +4,12 @@ mean for one generation: the template's arguments, the grammar, and how the outp
 - tools + tool_choice "auto" (the default with tools): tools go to the chat template and the
   server's `--tool-call-parser` reads calls from the model's own format; no parser is a 400.
 - "required" or a named function: constrained decoding forces `json_calls`' format, so even a
-  model that never saw tools emits a valid call whose arguments match the schema.
+  model that never saw tools emits a valid call whose arguments match the schema. A
+  response_format in the same request is for the final answer, in a later turn (as OpenAI):
+  this turn's grammar is the calls'.
+- `parallel_tool_calls: false` keeps one call, whatever the tool_choice.
+- JSON schemas (tool parameters, response formats) are strict unless the request or server
+  says otherwise (kdaserve/structured/strict.py).
 - "none" (or no tools): no tools in the prompt, no parsing.
 - A grammar (response_format, guided_*, forced calls) applies from the first token, so thinking
   is switched off in the template unless the request set it (the model cannot think inside a
@@ -29,6 +34,7 @@ from kdaserve.server.reasoning import (
 from kdaserve.server.tool_parsers import TOOL_PARSERS, JsonCallsParser, ToolParser, call_grammar
 from kdaserve.server.tool_parsers.json_calls import NAME_RE
 from kdaserve.structured.spec import GuidedDecoding
+from kdaserve.structured.strict import tool_parameters
 
 MAX_TOOL_SCHEMA_CHARS = 65_536
 
@@ -41,6 +47,7 @@ class ChatPlan:
     forced_name: str | None = None           # a named tool_choice
     reasoning: ReasoningFormat | None = None
     include_reasoning: bool = True
+    max_calls: int | None = None             # 1 when parallel_tool_calls is false
 
     @property
     def forced_calls(self) -> bool:
@@ -55,9 +62,11 @@ class ChatPlan:
     def output(self, prompt_text: str, specials: list[str], eager: bool) -> ChatOutput:
         reasoning = ReasoningParser(self.reasoning, prompt_text) if self.reasoning else None
         tools = self.tool_parser(eager=eager) if self.tool_parser else None
-        return ChatOutput(reasoning, tools, specials if self.keeps_special_tokens else ())
+        return ChatOutput(reasoning, tools, specials if self.keeps_special_tokens else (),
+                          self.max_calls)
 
     def finish_reason(self, reason: str | None, num_calls: int) -> str | None:
+        """A call cut by max_tokens was dropped: the reason stays "length"."""
         if reason == "stop" and num_calls and self.forced_name is None:
             return "tool_calls"
         return reason
@@ -68,13 +77,15 @@ def _bad(param: str, why: str) -> RequestError:
 
 
 def plan_chat(req: ChatCompletionRequest, tool_parser: str | None,
-              reasoning_parser: str | None) -> ChatPlan:
-    """Raises RequestError (a 400) whose `param` is the field it names."""
+              reasoning_parser: str | None, strict: bool = True) -> ChatPlan:
+    """Raises RequestError (a 400) whose `param` is the field it names. `strict`: the
+    server's default for JSON schemas a request does not mark strict or not."""
     plan = ChatPlan(template_kwargs=dict(req.chat_template_kwargs or {}),
-                    include_reasoning=req.include_reasoning)
+                    include_reasoning=req.include_reasoning,
+                    max_calls=None if req.parallel_tool_calls else 1)
     if reasoning_parser:
         plan.reasoning = REASONING_FORMATS[reasoning_parser]
-    guided = req.guided_decoding()
+    guided = req.guided_decoding(strict)
     choice = req.tool_choice
     tools = req.tools or []
     for t in tools:
@@ -91,9 +102,9 @@ def plan_chat(req: ChatCompletionRequest, tool_parser: str | None,
     if choice != "none":
         plan.template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
     if isinstance(choice, NamedToolChoice) or choice == "required":
-        if guided is not None:
-            raise _bad("tool_choice", "cannot be combined with response_format or guided_*")
-        functions = [(t.function.name, t.function.parameters) for t in tools]
+        functions = [(t.function.name, tool_parameters(
+            t.function.parameters, strict if t.function.strict is None else t.function.strict))
+            for t in tools]
         parallel = req.parallel_tool_calls
         if isinstance(choice, NamedToolChoice):
             plan.forced_name = choice.function.name

@@ -123,6 +123,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Toke
                         limits=limits, public_metrics=args.public_metrics,
                         tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser, vision=vision,
+                        strict_schemas=not args.open_json_objects,
                         image_limits=image_limits)
         server = DrainingServer(uvicorn.Config(
             app, host=args.host, port=args.port, log_config=None, lifespan="off",

@@ -17,7 +17,12 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -124,6 +129,7 @@ class _EngineCollector(Collector):
             "kdaserve:spec_decode_acceptance_rate",
             "Accepted / proposed draft tokens since start (0 before any draft).",
             value=float(snap.get("spec_accepted_tokens", 0)) / drafted if drafted else 0.0)
+        yield from _acceptance(snap)
         adaptive = snap.get("spec_adaptive") or {}
         for name, key, doc, counter in _SPEC_METRICS if adaptive else ():
             kind = CounterMetricFamily if counter else GaugeMetricFamily
@@ -136,6 +142,32 @@ class _EngineCollector(Collector):
                 for tier, values in tiers.items():
                     fam.add_metric([tier], float(values.get(key, 0)))
                 yield fam
+
+
+def _acceptance(snap: Mapping[str, Any]) -> Iterator[Metric]:
+    """Tokens per verified block (accepted drafts + 1) as a histogram with a bucket per length,
+    and accepted drafts by their position in the block (0: the first draft)."""
+    lengths = {int(k): int(v) for k, v in (snap.get("spec_acceptance_lengths") or {}).items()}
+    if not lengths:
+        return
+    top = max(lengths)
+    buckets, running = [], 0
+    for le in range(1, top + 1):
+        running += lengths.get(le, 0)
+        buckets.append((str(float(le)), running))
+    buckets.append(("+Inf", running))
+    total = sum(k * v for k, v in lengths.items())
+    fam = HistogramMetricFamily("kdaserve:spec_decode_acceptance_length",
+                                "Tokens each verified block yielded (accepted drafts + 1).")
+    fam.add_metric([], buckets, float(total))
+    yield fam
+    pos = CounterMetricFamily("kdaserve:spec_decode_accepted_by_position",
+                              "Drafts accepted at each position of the verified blocks.",
+                              labels=["position"])
+    for j, n in sorted((int(k), int(v)) for k, v in
+                       (snap.get("spec_accepted_by_position") or {}).items()):
+        pos.add_metric([str(j)], float(n))
+    yield pos
 
 
 class ServerMetrics:

@@ -1,8 +1,10 @@
 """OpenAI-shaped request bodies (pydantic v2); the response bodies are protocol_responses.py.
 
 Requests are validated strictly (no "5" for 5, no true for 1): a wrong type is a 400, not a
-guess. Unknown fields are ignored, as OpenAI clients send extras. Fields beyond OpenAI's
-(top_k, min_p, repetition_penalty, ignore_eos, ...) follow vLLM's names.
+guess. Unknown fields are ignored, as OpenAI clients send extras. `null` means "not set" for
+every field (OpenAI's reference makes nearly all of them nullable, and frameworks send nulls for
+what they leave alone). Fields beyond OpenAI's (top_k, min_p, repetition_penalty, ignore_eos,
+...) follow vLLM's names.
 """
 
 from __future__ import annotations
@@ -19,6 +21,14 @@ from kdaserve.structured.spec import GuidedDecoding, GuidedDecodingError
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        # a required field sent as null is then "missing", still a 400
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -84,9 +94,10 @@ class _SamplingRequest(_Request):
         asked = self._guided_fields()
         return asked[0] if asked else None
 
-    def guided_decoding(self) -> GuidedDecoding | None:
+    def guided_decoding(self, strict: bool = True) -> GuidedDecoding | None:
         """The structured-output spec the request asks for; SamplingParamsError naming the
-        field."""
+        field. `strict`: the server's default for JSON schemas (a json_schema's own `strict`
+        wins)."""
         asked = self._guided_fields()
         rf = self.response_format
         if len(asked) > 1:
@@ -101,10 +112,13 @@ class _SamplingRequest(_Request):
                     return GuidedDecoding("json_object")
                 if rf.json_schema is None or rf.json_schema.schema_ is None:
                     raise GuidedDecodingError("json_schema needs a 'schema'")
-                return GuidedDecoding("json", json.dumps(rf.json_schema.schema_))
+                own = rf.json_schema.strict
+                return GuidedDecoding("json", json.dumps(rf.json_schema.schema_),
+                                      strict=strict if own is None else own)
             if name == "guided_json":
                 spec = self.guided_json
-                return GuidedDecoding("json", spec if isinstance(spec, str) else json.dumps(spec))
+                return GuidedDecoding("json", spec if isinstance(spec, str) else json.dumps(spec),
+                                      strict=strict)
             if name == "guided_regex":
                 return GuidedDecoding("regex", self.guided_regex)
             if name == "guided_choice":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
@@ -110,19 +110,29 @@ class ChatCompletionResponse(_Response):
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
-class DeltaFunctionCall(_Response):
+class _Sparse(_Response):
+    """A stream delta: fields that are not set are left out, not sent as null (OpenAI's
+    shape; the openai SDK's stream helper takes `"type": null` on a later delta of a call for
+    a new, typeless call and fails)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_Sparse):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(_Response):
+class DeltaToolCall(_Sparse):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: DeltaFunctionCall
 
 
-class DeltaMessage(_Response):
+class DeltaMessage(_Sparse):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None

@@ -63,8 +63,9 @@ class ServingBase:
                  max_model_len: int, defaults: Mapping[str, Any], metrics: ServerMetrics,
                  limits: ServerLimits | None = None, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, vision: VisionInput | None = None,
-                 image_limits: ImageLimits | None = None) -> None:
+                 image_limits: ImageLimits | None = None, strict_schemas: bool = True) -> None:
         self.engine = engine
+        self.strict_schemas = strict_schemas    # a JSON schema's objects closed unless it says
         self.vision = vision                    # None: a text-only model
         self.image_limits = image_limits or ImageLimits()
         self.images = ImageDecoder(self.image_limits)   # its own pool, not the tokenizer's
@@ -129,7 +130,8 @@ class ServingBase:
     def _params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
                 logprobs: int | None, plan: ChatPlan | None = None) -> SamplingParams:
         try:
-            guided = plan.guided if plan is not None else req.guided_decoding()
+            guided = (plan.guided if plan is not None
+                      else req.guided_decoding(self.strict_schemas))
             params = req.sampling_params(max_tokens, logprobs, self.defaults, guided)
         except ValueError as exc:
             raise bad_request(exc) from None

@@ -76,7 +76,8 @@ class ChatServing(ServingBase):
         self.check_model(req.model)
         check_sequences(1, req.n, self.limits)
         try:
-            plan = plan_chat(req, self.tool_call_parser, self.reasoning_parser)
+            plan = plan_chat(req, self.tool_call_parser, self.reasoning_parser,
+                             self.strict_schemas)
         except ValueError as exc:
             raise bad_request(exc) from None
         messages, images = await self._chat_images(self.user_messages(req.messages), request)
@@ -139,9 +140,15 @@ class ChatServing(ServingBase):
                                                  d.content + last.content, d.calls + last.calls)
         if d is None or not d:
             return None
-        calls = [DeltaToolCall(index=c.index, id=c.id, type="function" if c.id else None,
-                               function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
-                 for c in d.calls]
+        calls: list[DeltaToolCall] = []
+        for c in d.calls:            # one entry per call in a chunk, as OpenAI sends them
+            if calls and calls[-1].index == c.index and c.id is None:
+                f = calls[-1].function
+                f.arguments = (f.arguments or "") + c.arguments
+                continue
+            calls.append(DeltaToolCall(index=c.index, id=c.id, type="function" if c.id else None,
+                                       function=DeltaFunctionCall(name=c.name,
+                                                                  arguments=c.arguments)))
         reasoning = d.reasoning if plan.include_reasoning else ""
         if not (d.content or reasoning or calls):
             return None

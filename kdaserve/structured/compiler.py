@@ -19,6 +19,7 @@ from collections import OrderedDict
 import llguidance as llg
 
 from kdaserve.structured.spec import GuidedDecoding, GuidedDecodingError
+from kdaserve.structured.strict import close_objects
 
 # Compact JSON unless the request wants free whitespace: what `json.dumps` writes.
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -44,8 +45,10 @@ def grammar_text(g: GuidedDecoding) -> str:
     try:
         if g.kind in ("json", "json_object"):
             options = None if g.whitespace else _COMPACT
-            return llg.LLMatcher.grammar_from_json_schema(
-                g.spec if g.kind == "json" else _ANY_OBJECT, defaults=options)
+            spec = _ANY_OBJECT
+            if g.kind == "json":
+                spec = json.dumps(close_objects(json.loads(g.spec))) if g.strict else g.spec
+            return llg.LLMatcher.grammar_from_json_schema(spec, defaults=options)
         if g.kind == "regex":
             return llg.LLMatcher.grammar_from_regex(g.spec)
         if g.kind == "choice":

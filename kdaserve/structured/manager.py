@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     import llguidance as llg
 
     from kdaserve.structured.compiler import GrammarCache
+    from kdaserve.structured.list_end import ListEnd
     from kdaserve.structured.matcher import RequestGrammar
 
 logger = logging.getLogger("kdaserve")
@@ -56,6 +57,7 @@ class StructuredOutputs:
         self._threads = threads
         self._executor: llg.LLExecutor | None = None    # built with the first masks
         self._failures: dict[str, str] = {}
+        self._crossing: dict[str, dict[int, int]] = {}   # list_end.py's candidates
 
     def _grammar_cache(self) -> GrammarCache:
         with self._cache_lock:
@@ -92,8 +94,19 @@ class StructuredOutputs:
             from kdaserve.structured.matcher import RequestGrammar
 
             st = self._grammars[req.request_id] = RequestGrammar(
-                self._grammar_cache().matcher(g), self._eos)
+                self._grammar_cache().matcher(g), self._eos, self._list_end(g))
         return st
+
+    def _list_end(self, g: GuidedDecoding) -> ListEnd | None:
+        if not g.list_separator:
+            return None
+        from kdaserve.structured.list_end import PROBE_SPAN, ListEnd, crossing_candidates
+
+        lltok = self._grammar_cache().tokenizer
+        head = g.list_separator[:PROBE_SPAN]
+        if head not in self._crossing:      # a walk of the vocabulary, once per separator
+            self._crossing[head] = crossing_candidates(lltok, self.vocab_size, g.list_separator)
+        return ListEnd(lltok, g.list_separator, self._crossing[head])
 
     def forget(self, request_id: str) -> None:
         self._grammars.pop(request_id, None)
@@ -116,8 +129,11 @@ class StructuredOutputs:
                 continue
             out = req.output_token_ids   # no job is running: num_tokens is settled
             drafts = list(s.token_ids[1:]) if s.num_draft_tokens else []
+            # a list end's restriction depends on max_tokens too: such rows are not shared
+            share = ((req.sampling_params.guided.key, len(out))
+                     if not drafts and st.list_end is None else None)
             rows.append(_Row(s.request_id, st, drafts, len(out), out[st.num_tokens:],
-                             (req.sampling_params.guided.key, len(out)) if not drafts else None))
+                             req.sampling_params.max_tokens or 1 << 30, share))
         if not rows:
             return None
         _share(rows, requests)
@@ -140,21 +156,25 @@ class StructuredOutputs:
         plain: list[tuple[llg.LLMatcher, int]] = []
         drafted: list[tuple[llg.LLMatcher, int, list[int]]] = []
         spans: dict[str, tuple[int, int]] = {}
+        ending: list[tuple[RequestGrammar, int, int]] = []
         first_of: dict[tuple, int] = {}     # a shared state's row that computes its mask
         copies: list[tuple[int, int]] = []
         at = 0
         for r in rows:
+            st = r.grammar
             spans[r.request_id] = (at, len(r.drafts) + 1)
-            if r.grammar.done:
+            if st.done:
                 self._eos_only(out[at:at + len(r.drafts) + 1])
             elif r.drafts:
-                drafted.append((r.grammar.matcher, at, r.drafts))
+                drafted.append((st.matcher, at, r.drafts))
             elif r.share is not None and r.share in first_of:
                 copies.append((first_of[r.share], at))
             else:
                 if r.share is not None:
                     first_of[r.share] = at
-                plain.append((r.grammar.matcher, at))
+                plain.append((st.matcher, at))
+                if st.list_end is not None:     # (a verify row's drafts go unrestricted)
+                    ending.append((st, at, r.max_tokens))
             at += len(r.drafts) + 1
         if plain:
             llt.fill_next_token_bitmask_par(self._executor, plain, out)
@@ -163,6 +183,8 @@ class StructuredOutputs:
         if copies:
             src, dst = zip(*copies)
             out[list(dst)] = out[list(src)]
+        for st, row, max_tokens in ending:
+            st.list_end.restrict(st.matcher, out[row], st.num_tokens, max_tokens)
         return {rid: out[a:a + n] for rid, (a, n) in spans.items()}
 
     def take_failures(self) -> dict[str, str]:
@@ -210,6 +232,7 @@ class _Row:
     drafts: list[int]
     num_output: int
     unseen: list[int]
+    max_tokens: int
     share: tuple | None       # rows with equal keys have equal matcher states: one mask
 
 

@@ -13,12 +13,16 @@ from collections.abc import Sequence
 
 import llguidance as llg
 
+from kdaserve.structured.list_end import ListEnd
+
 logger = logging.getLogger("kdaserve")
 
 
 class RequestGrammar:
-    def __init__(self, matcher: llg.LLMatcher, eos_ids: Sequence[int]) -> None:
+    def __init__(self, matcher: llg.LLMatcher, eos_ids: Sequence[int],
+                 list_end: ListEnd | None = None) -> None:
         self.matcher = matcher
+        self.list_end = list_end
         self.eos_ids = list(eos_ids)
         self.num_tokens = 0          # output tokens consumed
         self.done = False            # the grammar finished (EOS taken) or failed: EOS only
@@ -50,6 +54,8 @@ class RequestGrammar:
             if self.matcher.is_stopped():
                 self.done = True
                 return
+            if self.list_end is not None:
+                self.list_end.on_token(self.matcher, t, self.num_tokens - 1)
             if not self.matcher.consume_token(t):
                 self._fail(self.matcher.get_error() or f"token {t} refused")
                 return

@@ -26,12 +26,17 @@ class GuidedDecoding:
     "regex": `spec` is a regular expression; "choice": one of `choices` exactly; "lark": `spec`
     is a Lark grammar (llguidance's dialect). `whitespace`: let JSON carry free whitespace
     (off: the compact `{"a": 1, "b": [2, 3]}` layout, which keeps small models from looping
-    on blanks)."""
+    on blanks). `strict`: a JSON schema's objects take only the properties they declare unless
+    they say otherwise (strict.py; off: JSON Schema's open objects). `list_separator`: for a
+    grammar that is a list of items, the text between two items; the engine then ends the list
+    while max_tokens can still close it (list_end.py)."""
 
     kind: str
     spec: str = ""
     choices: list[str] = field(default_factory=list)
     whitespace: bool = False
+    strict: bool = True
+    list_separator: str = ""
     # the request field that carried the spec (for error messages; not part of the key)
     field: str = ""
 
@@ -62,10 +67,13 @@ class GuidedDecoding:
             if sum(len(c) for c in self.choices) > MAX_CHOICE_CHARS:
                 raise GuidedDecodingError(f"choices total more than {MAX_CHOICE_CHARS} "
                                           "characters")
-        if not isinstance(self.whitespace, bool):
-            raise GuidedDecodingError("whitespace must be a boolean")
+        if not isinstance(self.list_separator, str) or len(self.list_separator) > 128:
+            raise GuidedDecodingError("list_separator must be a string of at most 128 "
+                                      "characters")
+        if not isinstance(self.whitespace, bool) or not isinstance(self.strict, bool):
+            raise GuidedDecodingError("whitespace and strict must be booleans")
 
     @property
     def key(self) -> tuple:
         """Equal keys compile to the same grammar (the compile cache's key)."""
-        return (self.kind, self.spec, tuple(self.choices), self.whitespace)
+        return (self.kind, self.spec, tuple(self.choices), self.whitespace, self.strict)

@@ -16,7 +16,7 @@ def test_bench_spec_prints_greedy_and_sampled_rows(capsys):
     # a fixed k (adaptive speculation decides from wall-clock costs): every row drafts
     assert main(["bench", "spec", "--json", "--max-tokens", "6", "--num-prompts", "2",
                  "--batches", "32", "--k", "3", "--threads", "1", "--repeats", "1",
-                 "--no-adaptive"]) == 0
+                 "--no-adaptive", "--rejection-sample-method", "both"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for mode in ("greedy", "sampled"):
         for batch, requests in (("batch1", 2), ("batch32", 32)):
@@ -43,6 +43,14 @@ def test_bench_spec_prints_greedy_and_sampled_rows(capsys):
     assert "identical" not in out["sampled"]["batch1"]
     assert out["sampling"]["temperature"] == 0.8 and out["sampling"]["top_p"] == 0.95
     assert out["k"] == 3 and out["adaptive"] is False and out["max_tokens"] == 6
+    for mode in ("greedy", "sampled"):          # block verification beside the token rule
+        row = out[mode]["batch1"]
+        blk = row["block"]
+        assert row["acceptance_length"] == row["mean_accepted_tokens"]
+        assert blk["spec_tokens"] == row["spec_tokens"] and blk["verifications"] > 0
+        assert row["block_vs_token_acceptance"] == pytest.approx(
+            blk["acceptance_length"] / row["acceptance_length"], abs=1e-3)
+    assert out["greedy"]["batch1"]["block"]["identical"] is True
 
 
 def test_unseen_prompts_are_not_in_the_training_split():

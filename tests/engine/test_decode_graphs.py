@@ -5,9 +5,15 @@ Real CUDA graphs are checked on a GPU (`kdaserve bench cuda`)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from test_device_resident import no_reads
+from capture_safety import CaptureSafety
+from no_reads import no_reads
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.assets import default_model_path, kimi_linear_demo_path
@@ -55,7 +61,13 @@ def test_graph_replays_give_the_eager_tokens_and_read_nothing_back(model, monkey
 
     def watch(runner):
         assert runner.graphs is not None and sorted(runner.graphs.steps) == [1, 2, 4]
-        forward = runner._forward_graph
+        forward, replay = runner._forward_graph, runner.graphs.replay
+
+        def safe_replay(size):            # what a CUDA graph capture would refuse, in the
+            with CaptureSafety():         # torch forms CUDA runs (the CPU kernels differ)
+                return replay(size)
+        if os.environ.get("KDASERVE_CPU_KERNELS") == "0":
+            runner.graphs.replay = safe_replay
 
         def fwd(plan, capture):
             seen["replays"] += 1
@@ -73,6 +85,20 @@ def test_graph_replays_give_the_eager_tokens_and_read_nothing_back(model, monkey
     assert seen["snapshots"] > 0         # decode rows crossed block boundaries in replays
     assert graphs == _generate(model(), monkeypatch, "0", "0")      # eager, torch forward
     assert graphs == _generate(model(), monkeypatch, "0", "1")      # the CPU path
+
+
+@pytest.mark.skipif(os.environ.get("KDASERVE_CPU_KERNELS") == "0",
+                    reason="already running on the torch forms")
+def test_the_same_in_the_torch_forms_a_capture_accepts():
+    """Without the compiled CPU kernels every op is the torch form CUDA runs: the replays run
+    under CaptureSafety (nothing a CUDA graph capture refuses), in a process of their own."""
+    env = {**os.environ, "KDASERVE_CPU_KERNELS": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+         "-k", "replays"], env=env, cwd=Path(__file__).parents[2],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "2 passed" in done.stdout
 
 
 def test_enforce_eager_captures_nothing(monkeypatch):
@@ -122,3 +148,15 @@ def test_sizes_and_fixed_buffers():
     seq = ScheduledSequence("r", [1], 40, [0, 1, 2], 0, True)
     with pytest.raises(ValueError, match="fixed decode buffers"):
         inputs.fill([seq])
+
+
+def test_capture_safety_refuses_what_a_capture_refuses():
+    x = torch.arange(6.0)
+    for bad in (lambda: x.sum().item(), lambda: x[x > 2], lambda: torch.tensor([1, 2]),
+                lambda: torch.nonzero(x), lambda: x.repeat_interleave(x.long()),
+                lambda: torch.arange(3) + x[:3]):
+        with pytest.raises(AssertionError), CaptureSafety():
+            bad()
+    with CaptureSafety():          # fixed shapes, device-side values: fine
+        n = torch.arange(3, device=x.device)
+        x.index_select(0, n) * 2 + x[:3].repeat_interleave(n, output_size=3).sum()

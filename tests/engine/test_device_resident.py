@@ -5,7 +5,6 @@ The CUDA path runs the same code; CUDA graphs and the GPU kernels are checked on
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -13,30 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from no_reads import no_reads
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.assets import default_model_path, kimi_linear_demo_path
-
-READS = ("item", "tolist", "__int__", "__bool__", "__index__")
-
-
-@contextlib.contextmanager
-def no_reads():
-    """Every way Python reads a tensor's value raises while inside."""
-    saved = {name: getattr(torch.Tensor, name) for name in READS}
-
-    def refuse(name):
-        def method(self, *a, **k):
-            raise AssertionError(f"Tensor.{name} read a tensor back during a decode step")
-        return method
-
-    try:
-        for name in READS:
-            setattr(torch.Tensor, name, refuse(name))
-        yield
-    finally:
-        for name, m in saved.items():
-            setattr(torch.Tensor, name, m)
 
 
 def _prompts(vocab: int) -> list[list[int]]:

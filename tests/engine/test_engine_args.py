@@ -139,3 +139,13 @@ def test_serve_defaults_repeated_without_imports_agree():
     assert parse_size(server_args.DEFAULT_MAX_BODY_SIZE) == DEFAULT_MAX_BODY_BYTES
     assert server_args.DEFAULT_MAX_WAITING == DEFAULT_MAX_WAITING
     assert server_args.DEFAULT_MAX_QUEUED_TOKENS == DEFAULT_MAX_QUEUED_TOKENS
+
+
+def test_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu():
+    from kdaserve.engine.args import EngineArgs
+
+    assert EngineArgs().dtype == "auto"
+    assert EngineArgs().to_engine_config().dtype == "float32"
+    assert EngineArgs(device="cuda").to_engine_config().dtype == "bfloat16"
+    assert EngineArgs(device="cuda:1").to_engine_config().dtype == "bfloat16"
+    assert EngineArgs(device="cuda", dtype="float32").to_engine_config().dtype == "float32"

@@ -46,7 +46,8 @@ def test_kernel_tests_pass_on_each_variant(variant):
     env = {**os.environ, "KDASERVE_CPU_ISA": variant}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-         "tests/ops/test_cpu_kernels.py", "tests/ops/test_cpu_linear.py"],
+         "tests/ops/test_cpu_kernels.py", "tests/ops/test_cpu_linear.py",
+         "tests/ops/test_cpu_int_linear.py", "tests/ops/test_moe_int_kernel.py"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]

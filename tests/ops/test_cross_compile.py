@@ -1,6 +1,7 @@
 """The compiled CPU kernels build for aarch64 too (NEON through the same vector extensions;
 SVE where the target has it), with Debian's cross compiler when it is installed
-(`apt-get install gcc-aarch64-linux-gnu`). Running them there is for an ARM machine."""
+(`apt-get install gcc-aarch64-linux-gnu`). tests/ops/test_aarch64_qemu.py runs them under
+qemu-user against the torch references."""
 
 from __future__ import annotations
 

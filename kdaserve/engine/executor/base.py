@@ -4,6 +4,7 @@ takes a self-contained `SchedulerOutput` and returns the `ModelRunnerOutput` of 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 
 from kdaserve.cache.ops import CacheOp, CacheOutcome
 from kdaserve.outputs import ModelRunnerOutput, SchedulerOutput
@@ -20,6 +21,16 @@ class Executor(ABC):
 
     @abstractmethod
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def submit(self, out: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Start a step; its result comes through the future. Here it runs before this
+        returns; the in-process executor runs it on its runner thread (async scheduling)."""
+        fut: Future[ModelRunnerOutput] = Future()
+        try:
+            fut.set_result(self.execute(out))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the step
+            fut.set_exception(exc)
+        return fut
 
     @abstractmethod
     def run_cache_ops(self, ops: list[CacheOp]) -> CacheOutcome:

@@ -3,6 +3,8 @@ message object itself is handed over, nothing is copied or serialized)."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 from kdaserve.cache.ops import CacheOp, CacheOutcome
 from kdaserve.engine.executor.base import Executor
 from kdaserve.engine.runner import ModelRunner
@@ -13,9 +15,22 @@ from kdaserve.structured.spec import GuidedDecoding
 class UniProcExecutor(Executor):
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self._thread: ThreadPoolExecutor | None = None
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
+
+    def submit(self, out: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """On one runner thread, in order: the runner's state is only ever touched there
+        while steps are in flight (async scheduling, engine/lookahead.py)."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="kdaserve-runner")
+        return self._thread.submit(self.runner.execute, out)
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
 
     def run_cache_ops(self, ops: list[CacheOp]) -> CacheOutcome:
         return self.runner.cache_ops.run(ops)

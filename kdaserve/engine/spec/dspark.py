@@ -21,6 +21,7 @@ from kdaserve.model.registry import load_draft
 
 class DSparkProposer:
     MAX_PENDING = 512        # context rows held before they are projected anyway
+    greedy_drafts = False    # --speculative-config draft_sample_method "greedy"
 
     def __init__(self, draft: nn.Module, target: HybridForCausalLM, num_tokens: int,
                  num_blocks: int, block_size: int, device: torch.device) -> None:
@@ -55,7 +56,10 @@ class DSparkProposer:
             raise ValueError(f"draft {path} does not fit the target (hidden/vocab size differ)")
         if max(draft.config.target_layer_ids) >= target.config.num_hidden_layers:
             raise ValueError(f"draft {path} reads target layers the target does not have")
-        return cls(draft, target, spec.num_speculative_tokens, num_blocks, block_size, device)
+        proposer = cls(draft, target, spec.num_speculative_tokens, num_blocks, block_size,
+                       device)
+        proposer.greedy_drafts = spec.draft_sample_method == "greedy"
+        return proposer
 
     @torch.inference_mode()
     def propose(self, inp: ProposalInput) -> dict[str, Proposal]:
@@ -159,7 +163,9 @@ class DSparkProposer:
         the history and the drafts so far, temperature, top-k/top-p/min-p), so the rejection
         sampler compares like with like."""
         B, k, _ = logits.shape
-        random = [i for i, r in enumerate(rows) if r.params.temperature > 0]
+        # greedy drafting: the argmax, verified as a point mass (no q)
+        random = ([] if self.greedy_drafts else
+                  [i for i, r in enumerate(rows) if r.params.temperature > 0])
         tokens = torch.empty(B, k, dtype=torch.long)
         probs = torch.empty(len(random), k, logits.shape[-1]) if random else None
         prev = prev.cpu()

@@ -1,4 +1,5 @@
-"""Verification of drafts against the target: exact match when greedy, rejection sampling else.
+"""Verification of drafts against the target: exact match when greedy, rejection sampling else
+(token by token, below, or the whole block at once: spec/block_verify.py).
 
 For a draft d_j proposed with probability q_j(d_j) and target probability p_j (after penalties,
 temperature, top-k/top-p/min-p), d_j is accepted with probability min(1, p_j(d_j) / q_j(d_j)).
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from kdaserve.engine.sampler import (Penalties, SamplingRow, _constrain, _filter,
-                                     _top_logprobs)
+                                     _top_logprobs, draw_rows)
+from kdaserve.engine.spec.block_verify import block_accept
 from kdaserve.outputs import SampledToken
 
 
@@ -30,6 +32,7 @@ class VerifyRow:
     drafts: list[int]
     draft_probs: torch.Tensor | None = None
     bitmasks: torch.Tensor | None = None    # [len(drafts) + 1, W]: the grammar's masks
+    block: bool = False          # block verification (spec/block_verify.py), else token by token
 
 
 def target_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -39,10 +42,10 @@ def target_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from probs [V] by the exponential race (a draw per vocabulary entry; the
-    sampler's plain steps take one uniform and the inverse CDF instead)."""
-    noise = torch.empty(probs.shape[-1]).exponential_(1.0, generator=generator)
-    return int((probs / noise).argmax())
+    """One token from probs [V] (any total): one uniform from the request's stream and the
+    inverse CDF, as the sampler's plain steps draw, so the device form (spec/
+    device_rejection.py) draws the same token from the same stream."""
+    return int(draw_rows(probs[None], torch.rand(1, generator=generator))[0])
 
 
 def verify(logits: torch.Tensor, rows: list[VerifyRow]) -> list[list[SampledToken]]:
@@ -98,6 +101,13 @@ def _accept_random(p: list[torch.Tensor], v: VerifyRow) -> list[int]:
     """p: the target distribution at each of the len(drafts) + 1 positions."""
     n = len(v.drafts)
     gen = v.row.generator
+    if n and v.block:
+        q = (v.draft_probs[:n].float() if v.draft_probs is not None else
+             torch.nn.functional.one_hot(torch.tensor(v.drafts), p[0].shape[-1]).float())
+        eta = torch.rand(n, generator=gen)
+        tau, last = block_accept(torch.stack(p)[None], q[None], torch.tensor([v.drafts]),
+                                 torch.tensor([n]), eta[None], torch.rand(1, generator=gen))
+        return v.drafts[:int(tau[0])] + [int(last[0])]
     if n:
         d = torch.tensor(v.drafts)
         p_d = torch.stack([p[j][v.drafts[j]] for j in range(n)])

@@ -100,7 +100,8 @@ def mla_layout(rows: PackedRows, seq_lens: list[int], context_lens: list[int],
         # index_select: advanced indexing with a trailing slice takes a slow path that
         # costs milliseconds at 1M-token page tables
         lay.decode_ctx_blocks = bt[:, :wd].index_select(0, rows.seq_of[:Td])
-        lay.decode_blockwise = Td * wd * bs > mla_ops.DENSE_MAX_DECODE_KEYS
+        lay.decode_blockwise = (Td * wd * bs > mla_ops.DENSE_MAX_DECODE_KEYS
+                                or mla_ops.triton_paged_decode(device))
         if not lay.decode_blockwise:
             lay.decode_ctx_mask = arange(wd * bs, device)[None] < lay.decode_kv_lens[:, None]
     if Bp:

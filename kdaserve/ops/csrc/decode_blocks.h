@@ -9,7 +9,33 @@
 #define CAT(a, b) CAT_(a, b)
 #define NAME(f) CAT(f, SFX)
 
+#ifdef QMATS
+/* Packed weights (the _q copy): every matrix argument is a `const qmat *` (int_rows.h) passed
+ * as a WT pointer, its rows [out, in] decoded inside the product; W_AT picks expert e's. */
+static void NAME(matmat_t)(const WT *W, const float *X, int64_t ldx, float *Y, int64_t ldy,
+                           int64_t N, int64_t K, int64_t B) {
+    int64_t threads = 1;
+#ifdef _OPENMP
+    threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+#endif
+    q_matmat((const qmat *)(const void *)W, X, ldx, Y, ldy, N, K, B, threads);
+}
+static void NAME(matmat)(const WT *W, const float *X, int64_t ldx, float *Y, int64_t ldy,
+                         int64_t N, int64_t K, int64_t B) {
+    NAME(matmat_t)(W, X, ldx, Y, ldy, N, K, B);     /* a descriptor says its own layout */
+}
+/* MLA's absorbed kv_b stays a plain fp32 array: the fp32 copy's products */
+static void NAME(vecmat)(const float *x, const WT *W, float *y, int64_t K, int64_t N) {
+    vecmat_f32(x, W, y, K, N);
+}
+static void NAME(matvec)(const WT *W, const float *x, float *y, int64_t N, int64_t K) {
+    matvec_f32(W, x, y, N, K);
+}
+#define W_AT(w, e, rows, cols) ((const WT *)(const void *)((const qmat *)(const void *)(w) + (e)))
+#else
 #include "row_products.h"
+#define W_AT(w, e, rows, cols) ((w) + (e) * (rows) * (cols))
+#endif
 
 /* Row norms of B rows of x [B, Hd] into h [B, Hd]. */
 static void NAME(norm_rows)(const float *x, const float *w, float eps, int64_t Hd, int64_t B,
@@ -282,6 +308,7 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
         if (!n) continue;
         /* ask for all of this expert's weights at once: the products read them in several
          * strided passes, each waiting on its misses one stream at a time */
+#ifndef QMATS
         {
             const char *p13 = (const char *)(w13 + e * Wd * 2 * I);
             const char *p2 = (const char *)(w2 + e * I * Wd);
@@ -289,17 +316,18 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
             for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p13 + off, 0, 2);
             for (int64_t off = 0; off < bytes / 2; off += 64) __builtin_prefetch(p2 + off, 0, 2);
         }
+#endif
         float *xe = malloc(sizeof(float) * (size_t)(n * (Wd + 3 * I)));
         float *gu = xe + n * Wd, *a = gu + n * 2 * I;
         for (int64_t r = 0; r < n; ++r)
             memcpy(xe + r * Wd, z + (slot[r] / K) * Wd, sizeof(float) * Wd);
-        if (transposed) NAME(matmat_t)(w13 + e * Wd * 2 * I, xe, Wd, gu, 2 * I, 2 * I, Wd, n);
+        if (transposed) NAME(matmat_t)(W_AT(w13, e, Wd, 2 * I), xe, Wd, gu, 2 * I, 2 * I, Wd, n);
         else NAME(matmat)(w13 + e * 2 * I * Wd, xe, Wd, gu, 2 * I, 2 * I, Wd, n);
         for (int64_t r = 0; r < n; ++r)
             glu_span(act, beta, lbeta, gu + r * 2 * I, gu + r * 2 * I + I, a + r * I, I);
         /* outputs land at their (row, slot) place in de [S, Wd] */
         float *out = xe;                             /* xe is free again: [n, Wd] */
-        if (transposed) NAME(matmat_t)(w2 + e * I * Wd, a, I, out, Wd, Wd, I, n);
+        if (transposed) NAME(matmat_t)(W_AT(w2, e, I, Wd), a, I, out, Wd, Wd, I, n);
         else NAME(matmat)(w2 + e * Wd * I, a, I, out, Wd, Wd, I, n);
         for (int64_t r = 0; r < n; ++r) memcpy(de + slot[r] * Wd, out + r * Wd, sizeof(float) * Wd);
         free(xe);
@@ -345,4 +373,7 @@ void NAME(head_block)(int64_t B, int64_t Hd, int64_t V, const float *x, const fl
 #undef SFX
 #undef WIDEN
 #undef LDW8
+#undef LDW8P
 #undef LDW16
+#undef W_AT
+#undef LDWV

@@ -100,6 +100,19 @@ static inline v16f ld16bf16(const uint16_t *p) {
     return f;
 }
 
+/* VREG_LANES bf16 weights widened (vec16.h's register of the outer products) */
+typedef uint16_t vregh __attribute__((vector_size(2 * VREG_LANES), aligned(2)));
+typedef uint32_t vregu __attribute__((vector_size(4 * VREG_LANES), aligned(4)));
+
+static inline vregf ldvbf16(const uint16_t *p) {
+    vregh h;
+    memcpy(&h, p, sizeof h);
+    const vregu u = __builtin_convertvector(h, vregu) << 16;
+    vregf f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 /* s + lane 0 + lane 1 + ... + lane 7, in that order */
 static inline float lanes_sum(v8f a, float s) {
     for (int l = 0; l < 8; ++l) s += a[l];
@@ -114,6 +127,53 @@ static inline float hsum8(v8f a) {
     const v4f hi = __builtin_shufflevector(a, a, 4, 5, 6, 7);
     const v4f t = lo + hi;
     return (t[0] + t[2]) + (t[1] + t[3]);
+}
+
+/* An 8-lane sum as registers hold it, for mla_attend.h: one v8f on x86; two 4-lane NEON
+ * registers on aarch64, where GCC 12 keeps a 32-byte generic vector in memory (a store and a
+ * reload around every add). Part p holds lanes 4p..4p+3. */
+#if defined(__aarch64__)
+#define V8_PARTS 2
+#else
+#define V8_PARTS 1
+#endif
+#define V8_LANES (8 / V8_PARTS)
+typedef float v8p __attribute__((vector_size(4 * V8_LANES), aligned(4)));
+typedef uint16_t v8ph __attribute__((vector_size(2 * V8_LANES), aligned(2)));
+typedef uint32_t v8pu __attribute__((vector_size(4 * V8_LANES), aligned(4)));
+
+static inline v8p ld8p(const float *p) {
+    v8p v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void st8p(float *p, v8p v) { memcpy(p, &v, sizeof v); }
+
+static inline v8p ld8pbf16(const uint16_t *p) {
+    v8ph h;
+    memcpy(&h, p, sizeof h);
+    const v8pu u = __builtin_convertvector(h, v8pu) << 16;
+    v8p f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* lanes_sum of the sum held in parts a[0..V8_PARTS): s + its lanes in order */
+static inline float lanes_sum8p(const v8p *a, float s) {
+    for (int p = 0; p < V8_PARTS; ++p)
+        for (int l = 0; l < V8_LANES; ++l) s += a[p][l];
+    return s;
+}
+
+/* hsum8 of the sum held in parts a[0..V8_PARTS): the same tree */
+static inline float hsum8p(const v8p *a) {
+#if V8_PARTS == 1
+    return hsum8(a[0]);
+#else
+    const v8p t = a[0] + a[1];        /* lanes l + (l + 4) */
+    return (t[0] + t[2]) + (t[1] + t[3]);
+#endif
 }
 
 /* With OpenMP (built with -fopenmp; it then shares torch's libgomp, loaded first under the
@@ -176,7 +236,9 @@ void attn_res_mix_rows(int64_t B, int64_t Hd, int64_t S, const float *bank, int6
 #define CT float
 #define LDW(v) (v)
 #define LDW8(p) ld8f(p)
+#define LDW8P(p) ld8p(p)
 #define LDW16(p) ld16f(p)
+#define LDWV(p) ldvf(p)
 #define LDC(v) (v)
 #define STC(v) (v)
 #define SFX _f32
@@ -188,9 +250,28 @@ void attn_res_mix_rows(int64_t B, int64_t Hd, int64_t S, const float *bank, int6
 #define CT uint16_t
 #define LDW(v) bf16_to_f32(v)
 #define LDW8(p) ld8bf16(p)
+#define LDW8P(p) ld8pbf16(p)
 #define LDW16(p) ld16bf16(p)
+#define LDWV(p) ldvbf16(p)
 #define LDC(v) bf16_to_f32(v)
 #define STC(v) f32_to_bf16(v)
 #define SFX _bf16
 #define WIDEN 1
 #include "decode_blocks.h"
+
+/* packed INT8/INT4 matrices (fp32 cache, activations and sums; the router and MLA's kv_b as
+ * fp32 arrays): each matrix argument is a descriptor (int_rows.h; bits 32: a plain fp32 row-
+ * major matrix, for layers a checkpoint left unquantized) */
+#include "int_rows.h"
+#define WT float
+#define CT float
+#define LDW(v) (v)
+#define LDW8(p) ld8f(p)
+#define LDW16(p) ld16f(p)
+#define LDC(v) (v)
+#define STC(v) (v)
+#define SFX _q
+#define WIDEN 0
+#define QMATS 1
+#include "decode_blocks.h"
+#undef QMATS

@@ -15,41 +15,54 @@
  * summed in the same order, so the result is bit-identical. The columns of S are independent
  * (the decay scales rows, every other operation is per column), so V splits into blocks that
  * fit the registers: the whole 64 or 128 with AVX-512 (32 registers), 32 columns with AVX2,
- * where NV 8 takes 32 of its 16 registers (kv, delta and out of 128 columns) and spills. */
+ * where NV 8 takes 32 of its 16 registers (kv, delta and out of 128 columns) and spills.
+ * NEON (32 registers of 4 lanes, vec16.h's VREGS16 = 4 per 16 columns): KDA_STEP_COLS 16 on
+ * aarch64. 32 columns hold 8 registers of delta and 8 of out in the second sweep, and each
+ * unfused product a register until its add (16 more), so GCC 12 spilled them every i; 16
+ * columns hold 4 + 4 + 8. Not measured: no ARM machine here. */
 #define KDA_STEP_REGS(NV)                                                                       \
     static inline void kda_step_##NV(float *restrict S, const float *q, const float *k,         \
                                      const float *v, const float *decay, float beta,            \
                                      float *out, int64_t K, int64_t ld) {                       \
-        v16f acc[NV], dl[NV];                                                                   \
-        for (int c = 0; c < NV; ++c) acc[c] = (v16f){0};                                        \
+        enum { P = NV * VREGS16 };                                                              \
+        vregf acc[P], dl[P];                                                                    \
+        for (int c = 0; c < P; ++c) acc[c] = (vregf){0};                                        \
         for (int64_t i = 0; i < K; ++i) {                                                       \
             float *row = S + i * ld;                                                            \
             const float e = decay[i], ki = k[i];                                                \
-            for (int c = 0; c < NV; ++c) {                                                      \
-                const v16f r = ld16f(row + 16 * c) * e;                                         \
-                st16f(row + 16 * c, r);                                                         \
+            for (int c = 0; c < P; ++c) {                                                       \
+                const vregf r = ldvf(row + VREG_LANES * c) * e;                                 \
+                stvf(row + VREG_LANES * c, r);                                                  \
                 acc[c] += ki * r;                                                               \
             }                                                                                   \
         }                                                                                       \
-        for (int c = 0; c < NV; ++c) {                                                          \
-            dl[c] = (ld16f(v + 16 * c) - acc[c]) * beta;                                        \
-            acc[c] = (v16f){0};                                                                 \
+        for (int c = 0; c < P; ++c) {                                                           \
+            dl[c] = (ldvf(v + VREG_LANES * c) - acc[c]) * beta;                                 \
+            acc[c] = (vregf){0};                                                                \
         }                                                                                       \
         for (int64_t i = 0; i < K; ++i) {                                                       \
             float *row = S + i * ld;                                                            \
             const float ki = k[i], qi = q[i];                                                   \
-            for (int c = 0; c < NV; ++c) {                                                      \
-                const v16f r = ld16f(row + 16 * c) + ki * dl[c];                                \
-                st16f(row + 16 * c, r);                                                         \
+            for (int c = 0; c < P; ++c) {                                                       \
+                const vregf r = ldvf(row + VREG_LANES * c) + ki * dl[c];                        \
+                stvf(row + VREG_LANES * c, r);                                                  \
                 acc[c] += qi * r;                                                               \
             }                                                                                   \
         }                                                                                       \
-        for (int c = 0; c < NV; ++c) st16f(out + 16 * c, acc[c]);                               \
+        for (int c = 0; c < P; ++c) stvf(out + VREG_LANES * c, acc[c]);                         \
     }
+KDA_STEP_REGS(1)
 KDA_STEP_REGS(2)
 KDA_STEP_REGS(4)
 KDA_STEP_REGS(8)
 #undef KDA_STEP_REGS
+
+/* columns per register block where V is not one block (64 or 128) with AVX-512 */
+#if defined(__aarch64__)
+#define KDA_STEP_COLS 16
+#else
+#define KDA_STEP_COLS 32
+#endif
 
 static inline void kda_step(float *S, const float *q, const float *k, const float *v,
                             const float *g, float beta, float *out, int64_t K, int64_t V,
@@ -59,6 +72,9 @@ static inline void kda_step(float *S, const float *q, const float *k, const floa
 #if defined(__AVX512F__)
         if (V == 64) kda_step_4(S, q, k, v, decay, beta, out, K, V);
         else kda_step_8(S, q, k, v, decay, beta, out, K, V);
+#elif KDA_STEP_COLS == 16
+        for (int64_t c = 0; c < V; c += 16)
+            kda_step_1(S + c, q, k, v + c, decay, beta, out + c, K, V);
 #else
         for (int64_t c = 0; c < V; c += 32)
             kda_step_2(S + c, q, k, v + c, decay, beta, out + c, K, V);

@@ -5,9 +5,13 @@
  * within a page; a row's positions split into work items over the threads (split-K), merged
  * per row. The torch split-K form (kdaserve/ops/mla.py) is the oracle. */
 
+/* The 8-lane sums below are V8_PARTS registers each (decode_cpu.c's v8p): one v8f on x86,
+ * two NEON registers on aarch64, where GCC 12 keeps a v8f in memory. A part's lanes are the
+ * v8f's lanes in order, and hsum8p reduces them in hsum8's tree: the same bits either way. */
+
 /* s[h * stride] = scale * (q[h] . lat) for H query rows q [H, LD] and one latent row lat
  * [LD]: the latent is read once for all heads (it is shared by them: MLA is MQA in the latent
- * space). */
+ * space). On NEON: 8 registers of sums, 2 of latent, 8 of queries, 8 of products: 26 of 32. */
 static inline void NAME(mla_scores)(const float *restrict q, const CT *restrict lat,
                                     int64_t H, int64_t LD, float scale, float *restrict s,
                                     int64_t stride) {
@@ -15,39 +19,45 @@ static inline void NAME(mla_scores)(const float *restrict q, const CT *restrict 
     int64_t h = 0;
     for (; h + 4 <= H; h += 4) {
         const float *q0 = q + h * LD, *q1 = q0 + LD, *q2 = q1 + LD, *q3 = q2 + LD;
-        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int64_t i = 0; i < L8; i += 8) {
-            const v8f v = LDW8(lat + i);
-            a0 += ld8f(q0 + i) * v; a1 += ld8f(q1 + i) * v;
-            a2 += ld8f(q2 + i) * v; a3 += ld8f(q3 + i) * v;
-        }
+        v8p a0[V8_PARTS] = {0}, a1[V8_PARTS] = {0}, a2[V8_PARTS] = {0}, a3[V8_PARTS] = {0};
+        for (int64_t i = 0; i < L8; i += 8)
+            for (int p = 0; p < V8_PARTS; ++p) {
+                const int64_t at = i + V8_LANES * p;
+                const v8p v = LDW8P(lat + at);
+                a0[p] += ld8p(q0 + at) * v; a1[p] += ld8p(q1 + at) * v;
+                a2[p] += ld8p(q2 + at) * v; a3[p] += ld8p(q3 + at) * v;
+            }
         float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
         for (int64_t i = L8; i < LD; ++i) {
             const float v = LDC(lat[i]);
             t0 += q0[i] * v; t1 += q1[i] * v; t2 += q2[i] * v; t3 += q3[i] * v;
         }
-        s[h * stride] = scale * (hsum8(a0) + t0);
-        s[(h + 1) * stride] = scale * (hsum8(a1) + t1);
-        s[(h + 2) * stride] = scale * (hsum8(a2) + t2);
-        s[(h + 3) * stride] = scale * (hsum8(a3) + t3);
+        s[h * stride] = scale * (hsum8p(a0) + t0);
+        s[(h + 1) * stride] = scale * (hsum8p(a1) + t1);
+        s[(h + 2) * stride] = scale * (hsum8p(a2) + t2);
+        s[(h + 3) * stride] = scale * (hsum8p(a3) + t3);
     }
     for (; h < H; ++h) {
         const float *q0 = q + h * LD;
-        v8f a0 = {0};
-        for (int64_t i = 0; i < L8; i += 8) a0 += ld8f(q0 + i) * LDW8(lat + i);
+        v8p a0[V8_PARTS] = {0};
+        for (int64_t i = 0; i < L8; i += 8)
+            for (int p = 0; p < V8_PARTS; ++p)
+                a0[p] += ld8p(q0 + i + V8_LANES * p) * LDW8P(lat + i + V8_LANES * p);
         float t0 = 0.0f;
         for (int64_t i = L8; i < LD; ++i) t0 += q0[i] * LDC(lat[i]);
-        s[h * stride] = scale * (hsum8(a0) + t0);
+        s[h * stride] = scale * (hsum8p(a0) + t0);
     }
 }
 
 /* mla_scores for two consecutive latent rows (lat, lat + LD): each query vector is loaded
- * once for both (eight independent sums per group of four heads). */
+ * once for both (eight independent sums per group of four heads). On NEON that would be 16
+ * registers of sums, 16 of unfused products, 4 of latents and 8 of queries, 44 of 32: there
+ * it is mla_scores twice (the same sums). */
 static inline void NAME(mla_scores2)(const float *restrict q, const CT *restrict lat,
                                      int64_t H, int64_t LD, float scale, float *restrict s,
                                      int64_t stride) {
     const int64_t L8 = LD - LD % 8;
-    if (L8 != LD || H % 4) {
+    if (L8 != LD || H % 4 || V8_PARTS > 1) {
         NAME(mla_scores)(q, lat, H, LD, scale, s, stride);
         NAME(mla_scores)(q, lat + LD, H, LD, scale, s + 1, stride);
         return;
@@ -124,22 +134,22 @@ static void NAME(mla_span)(const float *q, int64_t H, int64_t Dc, int64_t LD, co
              * independent sums (one chain would wait on each add's latency) */
             int64_t i = 0;
             for (; i + 32 <= D8; i += 32) {
-                v8f a0 = ld8f(ah + i) * c, a1 = ld8f(ah + i + 8) * c;
-                v8f a2 = ld8f(ah + i + 16) * c, a3 = ld8f(ah + i + 24) * c;
+                v8p a[4 * V8_PARTS];          /* 32 values: four v8f, or eight NEON registers */
+                for (int k = 0; k < 4 * V8_PARTS; ++k) a[k] = ld8p(ah + i + V8_LANES * k) * c;
                 for (int64_t j = 0; j < n; ++j) {
                     const CT *lj = lat0 + j * LD + i;
                     const float w = sh[j];
-                    a0 += w * LDW8(lj); a1 += w * LDW8(lj + 8);
-                    a2 += w * LDW8(lj + 16); a3 += w * LDW8(lj + 24);
+                    for (int k = 0; k < 4 * V8_PARTS; ++k) a[k] += w * LDW8P(lj + V8_LANES * k);
                 }
-                memcpy(ah + i, &a0, sizeof a0); memcpy(ah + i + 8, &a1, sizeof a1);
-                memcpy(ah + i + 16, &a2, sizeof a2); memcpy(ah + i + 24, &a3, sizeof a3);
+                for (int k = 0; k < 4 * V8_PARTS; ++k) st8p(ah + i + V8_LANES * k, a[k]);
             }
-            for (; i < D8; i += 8) {
-                v8f a = ld8f(ah + i) * c;
-                for (int64_t j = 0; j < n; ++j) a += sh[j] * LDW8(lat0 + j * LD + i);
-                memcpy(ah + i, &a, sizeof a);
-            }
+            for (; i < D8; i += 8)
+                for (int p = 0; p < V8_PARTS; ++p) {
+                    v8p a = ld8p(ah + i + V8_LANES * p) * c;
+                    for (int64_t j = 0; j < n; ++j)
+                        a += sh[j] * LDW8P(lat0 + j * LD + i + V8_LANES * p);
+                    st8p(ah + i + V8_LANES * p, a);
+                }
             for (int64_t i = D8; i < Dc; ++i) {
                 float a = ah[i] * c;
                 for (int64_t j = 0; j < n; ++j) a += sh[j] * LDC(lat0[j * LD + i]);

@@ -29,13 +29,21 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#ifdef __aarch64__
+#include <arm_neon.h>
+#endif
 
 #include "fastmath.h"
 #include "threads.h"
 
+/* Up to MAX_ROWS sums of VW lanes, one register each: 16 lanes with AVX-512; 8 with AVX2;
+ * 4 on aarch64, one NEON register (GCC 12 keeps a wider generic vector in memory there, every
+ * add a store and a reload): 8 sums, 8 products in flight and the weights, 17 of 32. */
 #define MAX_ROWS 8
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
 #define VW 16
+#elif defined(__aarch64__)
+#define VW 4
 #else
 #define VW 8
 #endif
@@ -177,6 +185,8 @@ static inline v8f v8load(const float *p) {
     return v;
 }
 
+/* fused wherever the target has it (x86-64-v3 and up; aarch64 in mx_dots below), so the dot
+ * products round the same on each: the ISO C build contracts nothing by itself */
 static inline v8f v8fma(v8f a, v8f b, v8f c) {
 #if defined(__AVX2__) && defined(__FMA__)
     return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
@@ -228,6 +238,47 @@ static inline void mx_decode_row(const uint8_t *q, const uint8_t *sc, int64_t K,
 #endif
 }
 
+/* y[b] = a . wb[b K : (b+1) K) for b < MX_NB: two 8-lane sums over alternate 8-element
+ * chunks, fused steps, then (a + b) reduced as v8sum does. On aarch64 each 8-lane sum is two
+ * NEON registers (GCC keeps a v8f in memory there: every step a store and a reload): the same
+ * operations lane for lane, so the same bits. */
+static inline void mx_dots(const float *ar, const float *wb, int64_t K, float *y) {
+#if defined(__aarch64__)
+    float32x4_t acc[MX_NB][4];       /* lanes 0-3, 4-7 of the first sum, then the second's */
+    for (int b = 0; b < MX_NB; ++b)
+        for (int h = 0; h < 4; ++h) acc[b][h] = vdupq_n_f32(0.0f);
+    for (int64_t k = 0; k < K; k += 16) {
+        const float32x4_t a0 = vld1q_f32(ar + k), a1 = vld1q_f32(ar + k + 4);
+        const float32x4_t a2 = vld1q_f32(ar + k + 8), a3 = vld1q_f32(ar + k + 12);
+        for (int b = 0; b < MX_NB; ++b) {
+            const float *w = wb + b * K + k;
+            acc[b][0] = vfmaq_f32(acc[b][0], a0, vld1q_f32(w));
+            acc[b][1] = vfmaq_f32(acc[b][1], a1, vld1q_f32(w + 4));
+            acc[b][2] = vfmaq_f32(acc[b][2], a2, vld1q_f32(w + 8));
+            acc[b][3] = vfmaq_f32(acc[b][3], a3, vld1q_f32(w + 12));
+        }
+    }
+    for (int b = 0; b < MX_NB; ++b) {
+        /* t[j] = v[j] + v[j + 4] of v = first + second */
+        const float32x4_t t = vaddq_f32(vaddq_f32(acc[b][0], acc[b][2]),
+                                        vaddq_f32(acc[b][1], acc[b][3]));
+        y[b] = (vgetq_lane_f32(t, 0) + vgetq_lane_f32(t, 2))
+               + (vgetq_lane_f32(t, 1) + vgetq_lane_f32(t, 3));
+    }
+#else
+    v8f acc[MX_NB][2];
+    for (int b = 0; b < MX_NB; ++b) acc[b][0] = acc[b][1] = (v8f){0};
+    for (int64_t k = 0; k < K; k += 16) {
+        const v8f a0 = v8load(ar + k), a1 = v8load(ar + k + 8);
+        for (int b = 0; b < MX_NB; ++b) {
+            acc[b][0] = v8fma(a0, v8load(wb + b * K + k), acc[b][0]);
+            acc[b][1] = v8fma(a1, v8load(wb + b * K + k + 8), acc[b][1]);
+        }
+    }
+    for (int b = 0; b < MX_NB; ++b) y[b] = v8sum(acc[b][0] + acc[b][1]);
+#endif
+}
+
 /* y[r][0:N) = W a[r] for R rows, W [N, K] MXFP4 (N % MX_NB == 0, K % 32 == 0); wb holds
  * MX_NB * K floats. */
 static void mx_rows_times_matrix(int R, const float *const *a, int64_t K, const uint8_t *wq,
@@ -235,19 +286,7 @@ static void mx_rows_times_matrix(int R, const float *const *a, int64_t K, const 
     for (int64_t n0 = 0; n0 < N; n0 += MX_NB) {
         for (int b = 0; b < MX_NB; ++b)
             mx_decode_row(wq + (n0 + b) * (K / 2), ws + (n0 + b) * (K / 32), K, wb + b * K);
-        for (int r = 0; r < R; ++r) {
-            const float *ar = a[r];
-            v8f acc[MX_NB][2];
-            for (int b = 0; b < MX_NB; ++b) acc[b][0] = acc[b][1] = (v8f){0};
-            for (int64_t k = 0; k < K; k += 16) {
-                const v8f a0 = v8load(ar + k), a1 = v8load(ar + k + 8);
-                for (int b = 0; b < MX_NB; ++b) {
-                    acc[b][0] = v8fma(a0, v8load(wb + b * K + k), acc[b][0]);
-                    acc[b][1] = v8fma(a1, v8load(wb + b * K + k + 8), acc[b][1]);
-                }
-            }
-            for (int b = 0; b < MX_NB; ++b) y[r][n0 + b] = v8sum(acc[b][0] + acc[b][1]);
-        }
+        for (int r = 0; r < R; ++r) mx_dots(a[r], wb, K, y[r] + n0);
     }
 }
 
@@ -313,3 +352,6 @@ void moe_experts_mxfp4_rows(int64_t t_begin, int64_t t_end, int64_t nthreads, in
                                   w13_scale, w2_packed, w2_scale, out, act_kind, beta,
                                   linear_beta))
 }
+
+/* INT8/INT4 experts (the same groups and activation, packed weights) */
+#include "moe_int.h"

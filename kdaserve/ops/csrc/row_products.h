@@ -1,14 +1,17 @@
 /* Products of a weight matrix with the B rows of a step, for decode_blocks.h (included once
- * per weight type: WT, LDW, LDW8, LDW16, WIDEN and NAME() come from the includer). Each output
- * sums its products in one fixed order whatever B, so a row's result does not depend on its
- * batch. */
+ * per weight type: WT, LDW, LDW8, LDW8P, LDW16, LDWV, WIDEN and NAME() come from the
+ * includer). Each output sums its products in one fixed order whatever B, so a row's result
+ * does not depend on its batch. */
 
 /* Y[b, n] = W[n, :] . X[b, :] for b < B: W [N, K] row-major, X rows ldx apart, Y rows ldy
  * apart. Tiles of four weight rows by four input rows (then two, then one), eight lanes per
  * vector (GCC/Clang vector extensions: the compiler's own vectorisation of the scalar form ran
  * at a fifth of this), so each weight row is read from memory once per step for all B rows.
  * Every (b, n) sums lane l over i = l, l+8, ..., then the tail, then the lanes in order: the
- * same order for any B and for one row, so a row's result does not depend on its batch. */
+ * same order for any B and for one row, so a row's result does not depend on its batch.
+ * On aarch64 each 8-lane sum is two NEON registers (decode_cpu.c's v8p; GCC keeps a v8f in
+ * memory there) and rows go one at a time: four weight rows' sums (8), weights (8), products
+ * (8) and the input (2) fit the 32 registers, a second row's would not. */
 static void NAME(matmat)(const WT *restrict W, const float *restrict X, int64_t ldx,
                          float *restrict Y, int64_t ldy, int64_t N, int64_t K, int64_t B) {
     const int64_t K8 = K - K % 8, N4 = N - N % 4;
@@ -16,6 +19,7 @@ static void NAME(matmat)(const WT *restrict W, const float *restrict X, int64_t 
     for (int64_t n = 0; n < N4; n += 4) {
         const WT *w0 = W + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
         int64_t b = 0;
+#if V8_PARTS == 1
         /* four input rows at a time: 16 accumulators, 8 loads a step for 16 multiply-adds
          * (the 4 x 2 tile below spends 6 loads on 8) */
         for (; b + 4 <= B; b += 4) {
@@ -73,33 +77,38 @@ static void NAME(matmat)(const WT *restrict W, const float *restrict X, int64_t 
             y1[0] = lanes_sum(a10, t10); y1[1] = lanes_sum(a11, t11);
             y1[2] = lanes_sum(a12, t12); y1[3] = lanes_sum(a13, t13);
         }
+#endif
         for (; b < B; ++b) {
             const float *x0 = X + b * ldx;
-            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int64_t i = 0; i < K8; i += 8) {
-                const v8f xa = ld8f(x0 + i);
-                a0 += LDW8(w0 + i) * xa; a1 += LDW8(w1 + i) * xa;
-                a2 += LDW8(w2 + i) * xa; a3 += LDW8(w3 + i) * xa;
-            }
+            v8p a0[V8_PARTS] = {0}, a1[V8_PARTS] = {0}, a2[V8_PARTS] = {0}, a3[V8_PARTS] = {0};
+            for (int64_t i = 0; i < K8; i += 8)
+                for (int p = 0; p < V8_PARTS; ++p) {
+                    const int64_t at = i + V8_LANES * p;
+                    const v8p xa = ld8p(x0 + at);
+                    a0[p] += LDW8P(w0 + at) * xa; a1[p] += LDW8P(w1 + at) * xa;
+                    a2[p] += LDW8P(w2 + at) * xa; a3[p] += LDW8P(w3 + at) * xa;
+                }
             float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
             for (int64_t i = K8; i < K; ++i) {
                 t0 += LDW(w0[i]) * x0[i]; t1 += LDW(w1[i]) * x0[i];
                 t2 += LDW(w2[i]) * x0[i]; t3 += LDW(w3[i]) * x0[i];
             }
             float *y0 = Y + b * ldy + n;
-            y0[0] = lanes_sum(a0, t0); y0[1] = lanes_sum(a1, t1);
-            y0[2] = lanes_sum(a2, t2); y0[3] = lanes_sum(a3, t3);
+            y0[0] = lanes_sum8p(a0, t0); y0[1] = lanes_sum8p(a1, t1);
+            y0[2] = lanes_sum8p(a2, t2); y0[3] = lanes_sum8p(a3, t3);
         }
     }
     for (int64_t n = N4; n < N; ++n) {
         const WT *w = W + n * K;
         for (int64_t b = 0; b < B; ++b) {
             const float *x0 = X + b * ldx;
-            v8f a = {0};
-            for (int64_t i = 0; i < K8; i += 8) a += LDW8(w + i) * ld8f(x0 + i);
+            v8p a[V8_PARTS] = {0};
+            for (int64_t i = 0; i < K8; i += 8)
+                for (int p = 0; p < V8_PARTS; ++p)
+                    a[p] += LDW8P(w + i + V8_LANES * p) * ld8p(x0 + i + V8_LANES * p);
             float t = 0.0f;
             for (int64_t i = K8; i < K; ++i) t += LDW(w[i]) * x0[i];
-            Y[b * ldy + n] = lanes_sum(a, t);
+            Y[b * ldy + n] = lanes_sum8p(a, t);
         }
     }
 }
@@ -127,17 +136,39 @@ static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *r
  * (12 registers of sums, 2 of weights, 1 of input): 2.0 -> 7 GFLOPS a thread at 6-256 rows
  * of a [2304 x 2304] product on an AVX2 EPYC. A lone row keeps 128 outputs on both (on AVX2
  * the 64-output form with no spill read the weights in shorter runs: 6.2 -> 3.7 GFLOPS).
- * Each output still sums in K order: the results are the same bits with either tiling. */
+ * NEON (aarch64): 32 registers of 4 lanes, a 16-lane sum is four (vec16.h's VREGS16), and
+ * the ISO C build does not fuse a multiply-add, so each product takes a register until its
+ * add: GCC 12 issues a step's products before its adds. A lone row keeps 64 outputs: 16
+ * registers of sums and 16 of products, no spill (96 or 128 outputs spilled sums to the stack
+ * every step, by the compiler's output). The 6 x 16 tile (24 sums + 24 products + 4 weights)
+ * spills about 13 products a step to L1, which the FP pipes' 48 operations a step hide
+ * on paper; a 3-row tile would fit (31 registers) but read each weight tile from L2 twice as
+ * often. Neither is measured: no ARM machine here (docs/benchmarks.md).
+ * Each output still sums in K order: the results are the same bits with any tiling. */
 #ifndef KDASERVE_ROW_PRODUCTS_TILES
 #define KDASERVE_ROW_PRODUCTS_TILES
 #if defined(__AVX512F__)
 #define TILE_COLS 2        /* 16-lane sums per tile row: 32 outputs */
 #else
-#define TILE_COLS 1
+#define TILE_COLS 1        /* AVX2, NEON */
 #endif
-#define WIDE_SUMS 8        /* 16-lane sums of a lone row: 128 outputs */
+#if defined(__aarch64__)
+#define WIDE_SUMS 4        /* 16-lane sums of a lone row: 64 outputs */
+#else
+#define WIDE_SUMS 8        /* 128 outputs */
+#endif
 #define WIDE_OUT (16 * WIDE_SUMS)
 #define TILE_OUT (16 * TILE_COLS)
+#endif
+
+/* VREG_LANES weights as floats: the includer's LDWV, else the first lanes of LDW16 */
+#ifndef LDWV
+#if VREG_LANES == 16
+#define LDWV(p) LDW16(p)
+#else
+#define LDWV(p) (__extension__({ const v16f w16_ = LDW16(p); vregf w_; \
+                                 memcpy(&w_, &w16_, sizeof w_); w_; }))
+#endif
 #endif
 
 /* Y[b, n] = X[b, :] . W[:, n] for b < B: W [K, N] row-major (a projection stored transposed,
@@ -152,27 +183,28 @@ static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *r
 static inline __attribute__((always_inline)) void NAME(outer_tile)(
         const WT *restrict W, const float *restrict X, int64_t ldx, float *restrict Y,
         int64_t ldy, int64_t N, int64_t K, int64_t n, int64_t b, const int R, const int C) {
-    v16f acc[6][2];
+    const int CV = C * VREGS16;       /* registers per tile row */
+    vregf acc[6][2 * VREGS16];
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-        for (int c = 0; c < C; ++c) acc[r][c] = (v16f){0};
+#pragma GCC unroll 8
+        for (int c = 0; c < CV; ++c) acc[r][c] = (vregf){0};
     for (int64_t i = 0; i < K; ++i) {
         const WT *w = W + i * N + n;
-        v16f wv[2];
-#pragma GCC unroll 2
-        for (int c = 0; c < C; ++c) wv[c] = LDW16(w + 16 * c);
+        vregf wv[2 * VREGS16];
+#pragma GCC unroll 8
+        for (int c = 0; c < CV; ++c) wv[c] = LDWV(w + VREG_LANES * c);
 #pragma GCC unroll 6
         for (int r = 0; r < R; ++r) {
             const float x = X[(b + r) * ldx + i];
-#pragma GCC unroll 2
-            for (int c = 0; c < C; ++c) acc[r][c] += wv[c] * x;
+#pragma GCC unroll 8
+            for (int c = 0; c < CV; ++c) acc[r][c] += wv[c] * x;
         }
     }
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-        for (int c = 0; c < C; ++c) st16f(Y + (b + r) * ldy + n + 16 * c, acc[r][c]);
+#pragma GCC unroll 8
+        for (int c = 0; c < CV; ++c) stvf(Y + (b + r) * ldy + n + VREG_LANES * c, acc[r][c]);
 }
 
 /* One row, WIDE_OUT outputs: WIDE_SUMS independent sums in flight (a 32-output tile of one
@@ -180,17 +212,17 @@ static inline __attribute__((always_inline)) void NAME(outer_tile)(
  * order. */
 static void NAME(outer_row_wide)(const WT *restrict W, const float *restrict x,
                                  float *restrict y, int64_t N, int64_t K, int64_t n) {
-    v16f acc[WIDE_SUMS];
-#pragma GCC unroll 8
-    for (int c = 0; c < WIDE_SUMS; ++c) acc[c] = (v16f){0};
+    vregf acc[WIDE_SUMS * VREGS16];
+#pragma GCC unroll 32
+    for (int c = 0; c < WIDE_SUMS * VREGS16; ++c) acc[c] = (vregf){0};
     for (int64_t i = 0; i < K; ++i) {
         const WT *w = W + i * N + n;
         const float xi = x[i];
-#pragma GCC unroll 8
-        for (int c = 0; c < WIDE_SUMS; ++c) acc[c] += LDW16(w + 16 * c) * xi;
+#pragma GCC unroll 32
+        for (int c = 0; c < WIDE_SUMS * VREGS16; ++c) acc[c] += LDWV(w + VREG_LANES * c) * xi;
     }
-#pragma GCC unroll 8
-    for (int c = 0; c < WIDE_SUMS; ++c) st16f(y + n + 16 * c, acc[c]);
+#pragma GCC unroll 32
+    for (int c = 0; c < WIDE_SUMS * VREGS16; ++c) stvf(y + n + VREG_LANES * c, acc[c]);
 }
 
 static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_t ldx,

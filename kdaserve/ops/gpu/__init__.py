@@ -28,3 +28,12 @@ def triton_available() -> bool:
 def interpreting() -> bool:
     """Triton runs its kernels in the interpreter (on CPU tensors): launch grids stay small."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernels_for(device_type: str) -> bool:
+    """Whether ops on tensors of this device type take the Triton kernels: on CUDA when triton
+    imports, and on CPU only under the interpreter (how CPU CI drives the CUDA dispatch through
+    a whole model: tests/ops/gpu). Callers look it up as `gpu.kernels_for` at call time."""
+    if not triton_available():
+        return False
+    return device_type == "cuda" or (device_type == "cpu" and interpreting())

@@ -6,8 +6,13 @@ The grammar (Lark with inline JSON schemas) forces, whatever the model:
 
 one call for a named function or when parallel_tool_calls is false, one or more otherwise;
 each call's arguments match its function's `parameters` schema. Compact separators (", ",
-": ") are part of the grammar, so the streaming parser below can find the name and the
-arguments' end by scanning, and stream the arguments' text as it is generated.
+": ") are part of the grammar, so the parser below can find the name and the arguments' end by
+scanning.
+
+A call is released, streamed or not, only once its arguments have closed: max_tokens can cut a
+call anywhere, and a client must never see (or run) a call whose arguments do not parse. A cut
+call is dropped, not turned into content (the finish reason, "length", says the output was
+cut); the complete calls before it stay.
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ def call_grammar(functions: Sequence[tuple[str, Any]], parallel: bool) -> Guided
         alts.append(f"call_{i}")
     calls = 'call ("," " " call)*' if parallel else "call"
     lark = "\n".join([f'start: "[" {calls} "]"', "call: " + " | ".join(alts), *rules])
-    return GuidedDecoding("lark", lark)
+    # the engine ends the list while max_tokens can close it (structured/list_end.py)
+    separator = ', {"name": "' + functions[0][0] + '", "arguments": ' if parallel else ""
+    return GuidedDecoding("lark", lark, list_separator=separator)
 
 
 class JsonCallsParser(ToolParser):
@@ -53,7 +60,7 @@ class JsonCallsParser(ToolParser):
         super().__init__(eager)
         self._buf = ""
         self._state = "start"        # start, head, args, after
-        self._index = -1
+        self._text_sent = False
         self._depth = 0
         self._in_str = False
         self._escape = False
@@ -69,12 +76,10 @@ class JsonCallsParser(ToolParser):
 
     def finish(self) -> list:
         self._scan()
-        if self._state != "done":
+        if self._state == "text":            # not the forced format at all: the text it was
             if not self.eager:
                 self._events = [self._all] if self._all else []
-            elif self._state in ("start", "head"):
-                self.content(self._buf)
-        elif self._buf.strip():
+        elif self._state == "done" and self._buf.strip():
             self.content(self._buf)
         return self._take()
 
@@ -98,20 +103,14 @@ class JsonCallsParser(ToolParser):
                 self._name = m.group(1)
                 self._buf, self._state, self._args = self._buf[m.end():], "args", ""
                 self._depth, self._in_str, self._escape = 0, False, False
-                if self.eager:
-                    self._index = self.call_start(new_call_id(), self._name)
             elif self._state == "args":
                 end = self._args_end()
-                piece = self._buf if end < 0 else self._buf[:end]
-                self._args += piece
-                if self.eager:
-                    self.args(self._index, piece)
+                self._args += self._buf if end < 0 else self._buf[:end]
                 if end < 0:
                     self._buf = ""
                     return
                 self._buf, self._state = self._buf[end:], "after"
-                if not self.eager:
-                    self.args(self.call_start(new_call_id(), self._name), self._args)
+                self.args(self.call_start(new_call_id(), self._name), self._args)
             elif self._state == "after":
                 if self._buf.startswith("}, "):
                     self._buf, self._state = self._buf[3:], "head"
@@ -125,7 +124,9 @@ class JsonCallsParser(ToolParser):
                 return
             else:                        # "text": not the forced format
                 if self.eager:
-                    self.content(self._buf)
+                    self.content(self._all if self.num_calls == 0 and not self._text_sent
+                                 else self._buf)
+                    self._text_sent = True
                 self._buf = ""
                 return
 

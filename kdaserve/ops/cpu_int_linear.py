@@ -1,0 +1,114 @@
+"""Products over packed INT8/INT4 weights on the CPU: linear layers (kdaserve/model/
+quant_linear.py) and routed experts (SparseMoE with int_quant, csrc/moe_int.h). For a layer:
+the product reads the packed bytes and group scales in place (csrc/int_rows.h), so a decode
+step reads a quarter (INT8) or an eighth (INT4) of an fp32 weight's bytes.
+
+Each pass decodes a few weight rows to fp32 exactly as the oracle dequantizes them and runs
+every input row's dot products against them, each in one fixed order: a row's output does not
+depend on the other rows of its call. Many rows (a prefill) amortise a whole dequantized
+weight instead, so they take the oracle, dequantize-then-matmul, whose product torch runs at
+its full speed. Everything else (other dtypes and devices, autograd) takes the oracle too."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import TYPE_CHECKING
+
+import torch
+
+from kdaserve.ops.cpu_kernels import (
+    _F32,
+    _I64,
+    _PTR,
+    _c_function,
+    _ptr,
+    activation_args,
+    parallel_rows,
+)
+
+if TYPE_CHECKING:
+    from kdaserve.ops.activation import GLUActivation
+
+# rows from which the dequantized weight's product beats decoding in the product (one
+# dequantization of N*K weights against N*K*rows multiply-adds)
+MAX_ROWS = 64
+
+
+@cache
+def _kernel():
+    return _c_function("int_linear_cpu.c", "int_linear_rows",
+                       [_I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
+                        _PTR, _I64, _I64])
+
+
+def available() -> bool:
+    return _kernel() is not None
+
+
+def applies(x: torch.Tensor, layer) -> bool:
+    """Whether `layer`(x) takes the compiled product."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu"
+            and x.numel() <= MAX_ROWS * layer.in_features
+            and not (torch.is_grad_enabled() and x.requires_grad)
+            and layer.weight_packed.device.type == "cpu" and _kernel() is not None)
+
+
+def linear(x: torch.Tensor, layer) -> torch.Tensor:
+    """x [..., K] fp32 -> [..., N] through the compiled product over layer's packed weight
+    (a QuantLinear: weight_packed, weight_scale, weight_zero_point, bits, group)."""
+    return rows_product(x, layer.weight_packed, layer.weight_scale, layer.weight_zero_point,
+                        layer.bits, layer.group, layer.out_features)
+
+
+def rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                 zero: torch.Tensor | None, bits: int, group: int, n: int) -> torch.Tensor:
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
+        rows = rows.contiguous()
+    for t in (packed, scale) + (() if zero is None else (zero,)):
+        if not t.is_contiguous():
+            raise ValueError("packed weights must be contiguous")
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    if rows.shape[0]:
+        _kernel()(rows.shape[0], n, k, rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                  packed.shape[-1], scale.data_ptr(), None if zero is None else zero.data_ptr(),
+                  scale.shape[-1], min(group, k), bits, out.data_ptr(), n,
+                  torch.get_num_threads())
+    return out.view(*x.shape[:-1], n)
+
+
+@cache
+def _experts_kernel():
+    return _c_function("moe_cpu.c", "moe_experts_int_rows",
+                       [_I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
+                        _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64,
+                        _I64, _I64, _PTR, _I64, _F32, _F32])
+
+
+def experts_kernel():
+    """The compiled routed-expert MLPs over INT8/INT4 stacks (csrc/moe_int.h), or None."""
+    return None if _experts_kernel() is None else experts
+
+
+def experts(x: torch.Tensor, token: torch.Tensor, offsets: torch.Tensor,
+            slot_w: torch.Tensor, moe, out: torch.Tensor,
+            act: GLUActivation | None = None) -> torch.Tensor:
+    """As cpu_kernels.moe_experts_kernel's run, over `moe`'s INT stacks (a SparseMoE with
+    int_quant: experts_w13_packed [E,2I,rb], _scale/_zero_point [E,2I,G], likewise w2)."""
+    wq = moe.int_quant
+    E, H, I = moe.num_experts, moe.width, moe.intermediate
+    x, token, offsets, slot_w = (t.contiguous() for t in (x, token, offsets, slot_w))
+    stacks = []
+    for name in ("experts_w13", "experts_w2"):
+        packed, scale = getattr(moe, f"{name}_packed"), getattr(moe, f"{name}_scale")
+        zero = getattr(moe, f"{name}_zero_point", None)
+        assert all(t is None or t.is_contiguous() for t in (packed, scale, zero))
+        stacks += [_ptr(packed), _ptr(scale), _ptr(zero), packed.shape[-1], scale.shape[-1]]
+    assert all(t.dtype == torch.float32 for t in (x, slot_w, out)) and out.is_contiguous()
+    assert token.dtype == offsets.dtype == torch.int64 and offsets.numel() == E + 1
+    assert x.dim() == 2 and x.shape[1] == H == out.shape[1]
+    parallel_rows("moe_cpu.c", _experts_kernel(), x.shape[0], token.numel() * 2 * I, E, H, I,
+                  _ptr(x), _ptr(token), _ptr(offsets), _ptr(slot_w), *stacks, wq.group_size,
+                  wq.bits, _ptr(out), *activation_args(act), pool=False)
+    return out

@@ -1,0 +1,115 @@
+/* Products over packed INT8/INT4 weights with group-wise scales, read in place
+ * (kdaserve/ops/int_quant.py has the layout and the torch oracle):
+ * packed uint8 [N, row_bytes], an integer q offset to unsigned (q + 128 for INT8 one a byte;
+ * q + 8 for INT4 two a byte, the even column in the low nibble); scale fp32 [N, G], one per
+ * `group` consecutive columns (the last group may be shorter); zero int8 [N, G] or NULL.
+ *
+ * Each pass decodes QB weight rows once into a small fp32 buffer, w = (q - zero) * scale
+ * (one rounding: the oracle's dequantized weight, bit for bit), and every input row takes its
+ * dot products with them, so the packed bytes are read once per call for all rows. A dot
+ * product always runs the same way (two 8-lane sums over alternate 8-column chunks, the tail
+ * in column order, a fixed reduction), so a row's result does not depend on how many rows
+ * share the call, nor on the thread that computed it. */
+#ifndef KDASERVE_INT_ROWS_H
+#define KDASERVE_INT_ROWS_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "threads.h"
+
+#define QB 4
+
+typedef float qv8f __attribute__((vector_size(8 * sizeof(float))));
+
+typedef struct {
+    const uint8_t *packed;
+    const float *scale;
+    const int8_t *zero;       /* NULL: symmetric */
+    int64_t row_bytes, groups, group, bits;
+} qmat;
+
+static inline qv8f q_ld8(const float *p) {
+    qv8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* w[0:K) = weight row n decoded. */
+static inline void q_decode_row(const qmat *m, int64_t n, int64_t K, float *restrict w) {
+    const uint8_t *q = m->packed + n * m->row_bytes;
+    if (m->bits == 32) {          /* a plain fp32 row (a layer left unquantized) */
+        memcpy(w, q, sizeof(float) * (size_t)K);
+        return;
+    }
+    const float *s = m->scale + n * m->groups;
+    const int8_t *z = m->zero ? m->zero + n * m->groups : NULL;
+    for (int64_t g = 0; g < m->groups; ++g) {
+        const int64_t k0 = g * m->group, k1 = k0 + m->group < K ? k0 + m->group : K;
+        const float sg = s[g];
+        const int32_t off = (m->bits == 8 ? 128 : 8) + (z ? z[g] : 0);
+        if (m->bits == 8) {
+            for (int64_t k = k0; k < k1; ++k) w[k] = (float)((int32_t)q[k] - off) * sg;
+        } else if (!(k0 & 1) && !(k1 & 1)) {
+            for (int64_t j = k0 / 2; j < k1 / 2; ++j) {
+                const int32_t b = q[j];
+                w[2 * j] = (float)((b & 15) - off) * sg;
+                w[2 * j + 1] = (float)((b >> 4) - off) * sg;
+            }
+        } else {
+            for (int64_t k = k0; k < k1; ++k) {
+                const int32_t b = q[k >> 1];
+                w[k] = (float)(((k & 1) ? b >> 4 : b & 15) - off) * sg;
+            }
+        }
+    }
+}
+
+static inline float q_dot(const float *restrict a, const float *restrict w, int64_t K) {
+    const int64_t K16 = K - K % 16;
+    qv8f s0 = {0}, s1 = {0};
+    for (int64_t k = 0; k < K16; k += 16) {
+        s0 += q_ld8(a + k) * q_ld8(w + k);
+        s1 += q_ld8(a + k + 8) * q_ld8(w + k + 8);
+    }
+    float t = 0.0f;
+    for (int64_t k = K16; k < K; ++k) t += a[k] * w[k];
+    const qv8f v = s0 + s1;
+    return (((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))) + t;
+}
+
+/* Y[b, n] = W[n, :] . X[b, :] for rows b < B, outputs [n0, n1): X rows ldx apart, Y rows ldy
+ * apart; wb holds QB * K floats. */
+static void q_rows(const qmat *m, const float *X, int64_t ldx, float *Y, int64_t ldy,
+                   int64_t n0, int64_t n1, int64_t K, int64_t B, float *wb) {
+    for (int64_t n = n0; n < n1; n += QB) {
+        const int nb = (int)(n1 - n < QB ? n1 - n : QB);
+        for (int r = 0; r < nb; ++r) q_decode_row(m, n + r, K, wb + r * K);
+        for (int64_t b = 0; b < B; ++b)
+            for (int r = 0; r < nb; ++r) Y[b * ldy + n + r] = q_dot(X + b * ldx, wb + r * K, K);
+    }
+}
+
+/* q_rows over all N outputs, blocks of them split over `nthreads` (OpenMP; each output is
+ * computed whole by one thread, so the split changes nothing). */
+static void q_matmat(const qmat *m, const float *X, int64_t ldx, float *Y, int64_t ldy,
+                     int64_t N, int64_t K, int64_t B, int64_t nthreads) {
+    (void)nthreads;
+    const int64_t blocks = (N + QB - 1) / QB;
+#pragma omp parallel num_threads((int)nthreads) if (nthreads > 1 && N * K * B >= 32768)
+    {
+        int64_t lo, hi;
+        thread_share(0, blocks, &lo, &hi);
+        if (lo < hi) {
+            float *wb = malloc(sizeof(float) * QB * K);
+            if (wb) {
+                const int64_t n1 = hi * QB < N ? hi * QB : N;
+                q_rows(m, X, ldx, Y, ldy, lo * QB, n1, K, B, wb);
+                free(wb);
+            }
+        }
+    }
+}
+
+#endif

@@ -1,0 +1,1 @@
+"""`kdaserve plan`: a deployment's fit, speed and cost on paper (docs/deployment.md)."""

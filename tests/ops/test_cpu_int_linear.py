@@ -1,0 +1,85 @@
+"""The compiled products over packed INT8/INT4 weights (kdaserve.ops.cpu_int_linear) against
+the oracle, dequantize-then-matmul: the weights they multiply by are the oracle's bit for bit,
+the sums within fp32 rounding of the exact product, and each row independent of its batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from compiled_kernels import needs_kernels, require
+
+from kdaserve.model.quant_linear import QuantLinear, reference
+from kdaserve.ops import cpu_int_linear
+from kdaserve.ops.cpu_int_linear import rows_product
+
+pytestmark = needs_kernels
+
+# (outputs, inputs, group, symmetric): ragged last groups, odd widths, zero points
+SHAPES = [(37, 64, 32, True), (16, 48, 32, False), (9, 100, 16, True), (5, 7, 4, False),
+          (130, 256, 128, True), (4, 33, 8, True)]
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    require(cpu_int_linear._kernel(), "the packed INT product (csrc/int_rows.h)")
+
+
+def _layer(bits: int, n: int, k: int, group: int, symmetric: bool) -> QuantLinear:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * k + bits))
+    return QuantLinear.from_weight(w, bits, group, symmetric)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n,k,group,symmetric", SHAPES)
+def test_decoded_weights_are_the_oracles(bits, n, k, group, symmetric) -> None:
+    """Unit input rows pick single weights out: the product's weights, bit for bit."""
+    layer = _layer(bits, n, k, group, symmetric)
+    eye = torch.eye(k)
+    got = rows_product(eye, layer.weight_packed, layer.weight_scale, layer.weight_zero_point,
+                       bits, layer.group, n)
+    assert torch.equal(got, layer.dequantized().t())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n,k,group,symmetric", SHAPES)
+def test_product_within_fp32_rounding_of_the_oracle(bits, n, k, group, symmetric) -> None:
+    layer = _layer(bits, n, k, group, symmetric)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(k))
+    with torch.no_grad():
+        assert cpu_int_linear.applies(x, layer)
+        y = layer(x)
+        w = layer.dequantized()
+        exact = (x.double() @ w.double().t())
+        # a sum of k products in fp32: within k * 2^-24 of the sum of magnitudes (the oracle,
+        # F.linear, sums in another order and is bounded the same way)
+        bound = (k + 2) * 2.0 ** -24 * (x.abs().double() @ w.abs().double().t())
+        assert ((y.double() - exact).abs() <= bound).all()
+        assert ((reference(x, layer).double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_do_not_depend_on_their_batch(bits, threads) -> None:
+    layer = _layer(bits, 300, 256, 64, bits == 4)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(bits))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            batch = layer(x)
+            alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+            odd = torch.cat([layer(x[:7]), layer(x[7:30]), layer(x[30:])])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(batch, alone) and torch.equal(batch, odd)
+
+
+def test_many_rows_and_autograd_take_the_oracle() -> None:
+    layer = _layer(8, 16, 32, 32, True)
+    x = torch.randn(cpu_int_linear.MAX_ROWS + 1, 32)
+    assert not cpu_int_linear.applies(x, layer)
+    assert torch.equal(layer(x), reference(x, layer))
+    xg = torch.randn(2, 32, requires_grad=True)
+    assert not cpu_int_linear.applies(xg, layer)
+    layer(xg).sum().backward()
+    assert xg.grad is not None
