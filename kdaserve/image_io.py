@@ -33,6 +33,8 @@ class ImageLimits:
     allow_remote: bool = False             # fetch http(s) URLs at all
     allowed_hosts: tuple[str, ...] = field(default=())   # hosts (or ".suffix") that may be fetched
     fetch_timeout_s: float = 10.0
+    max_request_pixels: int = 40_000_000   # all images of one request together
+    max_aspect_ratio: float = 200.0        # a 1 x 39,999,999 strip costs seconds and GBs
 
 
 def check_count(n: int, limits: ImageLimits) -> None:
@@ -43,6 +45,14 @@ def check_count(n: int, limits: ImageLimits) -> None:
 
 def load_image(url: object, limits: ImageLimits) -> Image.Image:
     """An image_url's `url` (or the {"url": ...} object) -> a decoded RGB-able PIL image."""
+    img = open_image(url, limits)
+    finish_decode(img)
+    return img
+
+
+def open_image(url: object, limits: ImageLimits) -> Image.Image:
+    """The image's header only (its size known, its pixels not decoded): what the checks
+    that decide whether decoding is worth it need."""
     if isinstance(url, dict):
         url = url.get("url")
     if not isinstance(url, str) or not url:
@@ -54,10 +64,16 @@ def load_image(url: object, limits: ImageLimits) -> Image.Image:
     else:
         raise ImageError("image_url must be a data URL (data:image/png;base64,...) or, where "
                          "the server allows it, an http(s) URL")
-    return decode(data, limits)
+    return open_bytes(data, limits)
 
 
 def decode(data: bytes, limits: ImageLimits) -> Image.Image:
+    img = open_bytes(data, limits)
+    finish_decode(img)
+    return img
+
+
+def open_bytes(data: bytes, limits: ImageLimits) -> Image.Image:
     if len(data) > limits.max_bytes:
         raise ImageError(f"the image is {len(data)} bytes; the limit is {limits.max_bytes} "
                          "bytes per image (--max-image-bytes)")
@@ -72,11 +88,23 @@ def decode(data: bytes, limits: ImageLimits) -> Image.Image:
         raise ImageError(_too_many_pixels((w, h), limits))
     if w < 1 or h < 1:
         raise ImageError("the image is empty")
+    if max(w, h) > limits.max_aspect_ratio * min(w, h):
+        raise ImageError(f"the image is {w}x{h} pixels; its aspect ratio is over "
+                         f"{limits.max_aspect_ratio:g}:1")
+    return img
+
+
+def finish_decode(img: Image.Image) -> None:
     try:
         img.load()
     except Exception as exc:        # truncated or corrupt data
         raise ImageError(f"the image data is corrupt or truncated ({exc})") from None
-    return img
+
+
+def decoded_bytes(img: Image.Image) -> int:
+    """What decoding the image holds in memory (4 bytes a pixel: RGBA at worst)."""
+    w, h = img.size
+    return 4 * w * h
 
 
 def _too_many_pixels(size: tuple[int, int] | None, limits: ImageLimits) -> str:

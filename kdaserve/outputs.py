@@ -95,6 +95,8 @@ class ModelRunnerOutput:
     cache: CacheOutcome = field(default_factory=CacheOutcome)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
     # requests asking for prompt logprobs: (first prompt position scored, its entries)
+    grammar_errors: dict[str, str] = field(default_factory=dict)
+    # requests whose grammar matcher failed: they end with an error, not unconstrained
 
 
 @dataclass

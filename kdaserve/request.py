@@ -203,6 +203,9 @@ class Request:
     extra_keys: tuple = ()
     media: tuple = ()               # MediaItems (kdaserve/media.py): images in the prompt
     group: str = ""                 # fairness unit: all sequences of one client request
+    # a sibling that computes the prompt (and its logprobs) for this one: it is admitted
+    # once that prompt is computed, and takes it as a prefix hit (engine/prompt_logprobs.py)
+    prompt_leader: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

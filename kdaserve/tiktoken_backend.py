@@ -120,8 +120,8 @@ class TiktokenBackend:
     def raw(self) -> tiktoken.Encoding:
         return self._enc
 
-    def encode(self, text: str) -> list[int]:
-        if self._special_re is None:
+    def encode(self, text: str, specials: bool = True) -> list[int]:
+        if self._special_re is None or not specials:
             return self._encode_ordinary(text)
         ids: list[int] = []
         pos = 0

@@ -22,6 +22,7 @@ from kdaserve.special_tokens import (
     token_content,
 )
 from kdaserve.tiktoken_backend import TiktokenBackend
+from kdaserve.user_text import segments
 
 __all__ = ["HFBackend", "Tokenizer", "TokenizerBackend"]
 
@@ -34,7 +35,7 @@ class TokenizerBackend(Protocol):
 
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, specials: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -50,18 +51,25 @@ class HFBackend:
 
     def __init__(self, path: Path) -> None:
         self._tok = tokenizers.Tokenizer.from_file(str(path))
+        self._literal: tokenizers.Tokenizer | None = None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     @property
     def raw(self) -> tokenizers.Tokenizer:
         return self._tok
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, specials: bool = True) -> list[int]:
+        tok = self._tok
+        if not specials:            # special tokens' text encoded as its characters
+            tok = self._literal
+            if tok is None:
+                tok = self._literal = tokenizers.Tokenizer.from_str(self._tok.to_str())
+                tok.encode_special_tokens = True
         # encode_batch releases the GIL (encode does not), so a long text tokenized in a worker
         # thread leaves the server's event loop running
         if len(text) > 4096:
-            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
-        return self._tok.encode(text, add_special_tokens=False).ids
+            return tok.encode_batch([text], add_special_tokens=False)[0].ids
+        return tok.encode(text, add_special_tokens=False).ids
 
     def max_token_bytes(self) -> int:
         return max((len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True)),
@@ -111,6 +119,7 @@ class Tokenizer:
             i for i in named if i is not None
         }
         self._chat_renderer = ChatTemplateRenderer()
+        self._special_words = frozenset(backend.decode([i]) for i in self.special_token_ids)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -147,8 +156,16 @@ class Tokenizer:
         fn = getattr(self._backend, "max_token_bytes", None)
         return int(fn()) if fn is not None else 64
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = self._backend.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = False, specials: bool = True,
+               marked: bool = False) -> list[int]:
+        """specials=False: special tokens' text is encoded as text, never as control ids (user
+        text). marked: a rendered chat whose user strings went through
+        kdaserve/user_text.py's SpecialTextGuard.mark: the marked spans are text."""
+        if marked:
+            ids = [t for piece, literal in segments(text, self._special_words)
+                   for t in self._backend.encode(piece, specials=specials and not literal)]
+        else:
+            ids = self._backend.encode(text, specials=specials)
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids

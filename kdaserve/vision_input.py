@@ -19,7 +19,11 @@ from typing import Any
 from PIL import Image
 
 from kdaserve.media import MediaItem, expand_placeholders
-from kdaserve.model.vision.processor import ImageProcessorConfig, preprocess
+from kdaserve.model.vision.processor import (
+    ImageProcessorConfig,
+    num_image_tokens,
+    preprocess,
+)
 
 _WRAP = ("<|media_begin|>", "<|media_content|>", "<|media_end|>")
 
@@ -61,6 +65,10 @@ class VisionInput:
                 ("max_side", size.get("max_height") if isinstance(size, Mapping) else None),
             ) if v is not None})
         return cls(pid, text, marker, ImageProcessorConfig(**proc))
+
+    def num_tokens(self, h: int, w: int) -> int:
+        """Prompt tokens an image of h x w pixels becomes (from its header, before decoding)."""
+        return num_image_tokens(h, w, self.processor)
 
     def expand(self, ids: Sequence[int], images: Sequence[Image.Image]
                ) -> tuple[list[int], list[MediaItem]]:

@@ -47,6 +47,7 @@ class TierCounters:
     hit_tokens: int = 0            # tokens of those hits
     load_failures: int = 0         # corrupt, truncated or missing entries found on load
     store_failures: int = 0        # writes that failed (disk full, unwritable)
+    scan_dropped: int = 0          # unreadable entries the startup scan removed
 
 
 class Offload:

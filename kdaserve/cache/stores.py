@@ -18,19 +18,22 @@ Disk layout: DIR/<identity hex>/<kind>/<2 hex>/<key hex>, identity = model + cac
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import os
 import shutil
+import stat
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import xxhash
 
-from kdaserve.cache.ops import BLOCK, KINDS, SNAPSHOT
+from kdaserve.cache.ops import KINDS, SNAPSHOT
 
 logger = logging.getLogger("kdaserve")
 
@@ -93,17 +96,29 @@ class HostStore:
 
 
 class DiskStore:
+    """One file per entry. Nothing here may block or stop a start: only regular files are
+    opened (lstat before, fstat after, O_NONBLOCK so a FIFO planted in place of an entry cannot
+    hang the open), an entry's size is checked against its header and the layout before its
+    payload is read, and whatever fails is removed (directories included) and counted in
+    `dropped`, never raised out of a scan."""
+
     persistent = True
 
     def __init__(self, directory: str | Path, identity: bytes, describe: dict,
-                 min_free_bytes: int, name: str = "disk") -> None:
+                 min_free_bytes: int, name: str = "disk",
+                 payload_bytes: dict[str, int] | None = None) -> None:
         self.name = name
         self.identity = identity
         self.root = Path(directory) / identity.hex()
+        # the payload size of each kind in this layout; None accepts any (tests of the store)
+        self.payload_bytes = payload_bytes or {}
+        self.dropped = 0               # entries the scans removed as unreadable
         self._tmp_ids = itertools.count()
         try:
             for kind in KINDS:
+                _clear_unless(self.root / kind, stat.S_ISDIR)
                 (self.root / kind).mkdir(parents=True, exist_ok=True)
+            _clear_unless(self.root / "identity.json", stat.S_ISREG)
             self._write(self.root / "identity.json",
                         json.dumps(describe, indent=1, sort_keys=True).encode())
         except OSError as exc:
@@ -132,53 +147,82 @@ class DiskStore:
         self._write(path, head, payload)
 
     def get(self, kind: str, key: bytes) -> memoryview:
-        with open(self.path(kind, key), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            buf = bytearray(size)
-            if f.readinto(buf) != size:
+        with self._open(self.path(kind, key)) as (f, size):
+            _, _, _, _, n, digest = self._read_head(f, size, kind, key)
+            buf = bytearray(n)
+            if f.readinto(buf) != n:
                 raise EntryCorrupt("short read")
-        view = memoryview(buf)
-        _, position, chain, start, n, digest = self._parse(view, kind, key)
-        if start + n != size:
-            raise EntryCorrupt(f"{size} bytes on disk, header says {start + n}")
-        payload = view[start:]
+        payload = memoryview(buf)
         if xxhash.xxh3_64_intdigest(payload) != digest:
             raise EntryCorrupt("checksum mismatch")
         return payload
 
     def drop(self, kind: str, key: bytes) -> None:
-        self.path(kind, key).unlink(missing_ok=True)
+        _remove(self.path(kind, key))
 
     def scan(self) -> list[ScannedEntry]:
         """Every entry a previous run left, oldest first. Leftover temporary files (a crash
-        mid-write) and snapshots whose header does not verify are deleted."""
+        mid-write), and entries whose header does not verify or whose size disagrees with it,
+        are removed; so is anything that is not a regular file where an entry belongs."""
         found = []
         for kind in KINDS:
-            for path in (self.root / kind).glob("*/*"):
-                try:
-                    st = path.stat()
-                    if _TMP in path.name:
-                        path.unlink()
+            for shard in _listdir(self.root / kind):
+                if not stat.S_ISDIR(shard.stat(follow_symlinks=False).st_mode):
+                    self._discard(Path(shard.path), "not a directory")
+                    continue
+                for entry in _listdir(Path(shard.path)):
+                    path = Path(entry.path)
+                    if _TMP in entry.name:
+                        _remove(path)
                         continue
-                    key = bytes.fromhex(path.name)
-                    if kind == BLOCK:
-                        found.append(ScannedEntry(kind, key, st.st_size, st.st_mtime))
-                        continue
-                    with open(path, "rb") as f:
-                        head = f.read(_HEAD.size)
-                        (n_chain,) = struct.unpack_from("<I", head, 12) if len(head) >= 16 \
-                            else (0,)
-                        head += f.read(16 * n_chain + _SUM.size)
-                    _, position, chain, _, _, _ = self._parse(memoryview(head), kind, key)
-                    found.append(ScannedEntry(kind, key, st.st_size, st.st_mtime, position,
-                                              chain))
-                except (ValueError, EntryCorrupt, OSError) as exc:
-                    logger.warning("offload: dropping unreadable entry %s (%s)", path, exc)
-                    path.unlink(missing_ok=True)
+                    try:
+                        key = bytes.fromhex(entry.name)
+                        with self._open(path) as (f, size):
+                            _, position, chain, _, _, _ = self._read_head(f, size, kind, key)
+                            mtime = os.fstat(f.fileno()).st_mtime
+                        found.append(ScannedEntry(kind, key, size, mtime, position, chain))
+                    except (ValueError, EntryCorrupt, OSError) as exc:
+                        self._discard(path, str(exc))
         found.sort(key=lambda e: e.mtime)
         return found
 
     # ---- helpers ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _open(self, path: Path) -> Iterator[tuple[BinaryIO, int]]:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise EntryCorrupt("not a regular file")
+        # O_NONBLOCK: a FIFO swapped in after the lstat opens at once instead of waiting for a
+        # writer, and then fails the fstat check
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise EntryCorrupt("not a regular file")
+            yield f, st.st_size     # type: ignore[misc]
+
+    def _read_head(self, f: BinaryIO, size: int, kind: str, key: bytes
+                   ) -> tuple[int, int, tuple[bytes, ...], int, int, int]:
+        """Reads and verifies the header; checks the file's size against it (and the payload
+        size against the layout) before anyone allocates a payload buffer."""
+        head = f.read(_HEAD.size)
+        (n_chain,) = struct.unpack_from("<I", head, 12) if len(head) >= 16 else (0,)
+        if _HEAD.size + 16 * n_chain + _SUM.size > size:
+            raise EntryCorrupt("truncated header")
+        head += f.read(16 * n_chain + _SUM.size)
+        parsed = self._parse(memoryview(head), kind, key)
+        start, n = parsed[3], parsed[4]
+        want = self.payload_bytes.get(kind)
+        if want is not None and n != want:
+            raise EntryCorrupt(f"header says a payload of {n} bytes, the layout needs {want}")
+        if start + n != size:
+            raise EntryCorrupt(f"{size} bytes on disk, header says {start + n}")
+        return parsed
+
+    def _discard(self, path: Path, why: str) -> None:
+        logger.warning("offload: dropping unreadable entry %s (%s)", path, why)
+        self.dropped += 1
+        _remove(path)
+
     def _parse(self, view: memoryview, kind: str, key: bytes
                ) -> tuple[int, int, tuple[bytes, ...], int, int, int]:
         if len(view) < _HEAD.size + _SUM.size:
@@ -206,3 +250,38 @@ class DiskStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+
+
+def _listdir(path: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except OSError as exc:
+        logger.warning("offload: cannot list %s (%s)", path, exc)
+        return []
+
+
+def _clear_unless(path: Path, is_kind: Callable[[int], bool]) -> None:
+    """Removes what sits at `path` unless it is of the wanted kind (a file where the layout
+    needs a directory would otherwise stop every start)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not is_kind(mode):
+        logger.warning("offload: removing %s, which is in the tier's way", path)
+        _remove(path)
+
+
+def _remove(path: Path) -> None:
+    """Removes a file, link, FIFO or directory tree; logs instead of raising (a removal that
+    fails must not stop a start or a step)."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("offload: cannot remove %s (%s)", path, exc)

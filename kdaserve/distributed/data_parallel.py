@@ -90,6 +90,7 @@ def merge(outs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
         merged.drafts.update(o.drafts)
         merged.cache.extend(o.cache)
         merged.prompt_logprobs.update(o.prompt_logprobs)
+        merged.grammar_errors.update(o.grammar_errors)
     return merged
 
 

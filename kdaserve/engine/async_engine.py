@@ -183,6 +183,10 @@ class AsyncEngine:
             except EngineError:
                 pass
             await self._wait_exit(timeout_s)
+            if self._exited is not None and self._exited.done():
+                # the sentinel fires when the child closes its descriptors, a moment before
+                # its exit status exists: is_alive() then still says True
+                await asyncio.to_thread(proc.join, timeout_s)
             if proc.is_alive():         # it ignores SIGTERM (see engine_process_main)
                 logger.warning("the engine did not stop within %.0f s; killing it", timeout_s)
                 proc.kill()

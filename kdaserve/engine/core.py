@@ -54,6 +54,7 @@ class _Tracked:
     detok: IncrementalDetokenizer | None
     emitted_tokens: int = 0
     stop_string: str | None = None
+    shared_prompt: bool = False     # its prompt logprobs are its leader's (prompt_logprobs.py)
 
 
 @dataclass
@@ -156,6 +157,7 @@ class EngineCore:
         self.eos_ids = frozenset(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}
         self._children: dict[str, list[str]] = {}
+        self._prompt_lps: dict[str, list] = {}     # parent -> its leader's prompt logprobs
         self.stats = EngineStats()
         logger.info("kdaserve cache: %s", self.plan.describe())
 
@@ -184,17 +186,22 @@ class EngineCore:
         if params.guided is not None:    # compiled (and cached) now: a bad spec is a 400
             self.executor.validate_guided(params.guided)
         children = []
+        leader = None               # the child that scores the prompt for all n (i > 0 wait)
         for i in range(params.n):
             child_params = params
+            cid = request_id if params.n == 1 else f"{request_id}#{i}"
             if params.n > 1:
                 seed = None if params.seed is None else child_seed(params.seed, i)
-                child_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
-            cid = request_id if params.n == 1 else f"{request_id}#{i}"
+                shared = {"prompt_logprobs": None} if leader is not None else {}
+                child_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed,
+                                                 **shared})
+                if params.prompt_logprobs is not None and leader is None:
+                    leader = cid
             req = Request(cid, list(prompt_token_ids), child_params, eos_token_ids=self.eos_ids,
                           priority=priority, arrival_time=arrival_time or time.monotonic(),
                           cache_salt=cache_salt, extra_keys=tuple(extra_keys),
-                          media=tuple(media),
-                          group=group or request_id)
+                          media=tuple(media), group=group or request_id,
+                          prompt_leader=leader if leader != cid else None)
             self.scheduler.add_request(req)  # validates; the first failure raises before any
             children.append(cid)
             detok = None
@@ -203,7 +210,8 @@ class EngineCore:
                     self.tokenizer, prompt_token_ids, child_params.skip_special_tokens,
                     child_params.stop, child_params.include_stop_str_in_output,
                     defer=not stream_text)
-            self._tracked[cid] = _Tracked(request_id, i, detok)
+            self._tracked[cid] = _Tracked(request_id, i, detok,
+                                          shared_prompt=leader is not None and leader != cid)
         self._children[request_id] = children
 
     @property
@@ -218,6 +226,7 @@ class EngineCore:
                     self._vision.merge_size)
 
     def abort(self, request_id: str) -> None:
+        self._prompt_lps.pop(request_id, None)
         for cid in self._children.pop(request_id, []):
             self.scheduler.abort(cid)
             self._tracked.pop(cid, None)
@@ -349,6 +358,10 @@ class EngineCore:
                    else self.scheduler.update(out, result))
         deltas = []
         for req in touched:
+            why = result.grammar_errors.get(req.request_id)
+            if why is not None and req.request_id in self._tracked:
+                deltas.append(self._grammar_failed(req.request_id, why))
+                continue
             try:
                 deltas.append(self._delta(req))
             except Exception as exc:    # e.g. detokenizing: this request's alone
@@ -369,6 +382,10 @@ class EngineCore:
         tr = self._tracked[req.request_id]
         prompt_lps = (req.prompt_logprobs or [None]) if tr.emitted_tokens == 0 and \
             req.sampling_params.prompt_logprobs is not None else None
+        if prompt_lps is not None and len(self._children.get(tr.parent, ())) > 1:
+            self._prompt_lps[tr.parent] = list(prompt_lps)     # for its siblings
+        elif tr.shared_prompt and tr.emitted_tokens == 0:
+            prompt_lps = self._prompt_lps.get(tr.parent)
         known = req.num_known_outputs         # the rest are in flight (async scheduling)
         new_ids = req.output_token_ids[tr.emitted_tokens:known]
         new_lps = req.output_logprobs[tr.emitted_tokens:] if req.output_logprobs else None
@@ -393,6 +410,13 @@ class EngineCore:
                             req.num_prompt_tokens, known,
                             req.num_cached_tokens, prompt_logprobs=prompt_lps)
 
+    def _grammar_failed(self, rid: str, why: str) -> RequestDelta:
+        # its last token was sampled under an EOS-only mask: never report it as a "stop"
+        if rid in self.scheduler.requests:
+            self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
+        self.stats.failed += 1
+        return self._final_delta(rid, "error", error=f"the output grammar failed: {why}")
+
     def _final_delta(self, rid: str, reason: str, error: str | None = None) -> RequestDelta:
         tr = self._tracked[rid]
         text = ""
@@ -408,3 +432,4 @@ class EngineCore:
         kids = self._children.get(tr.parent)
         if kids is not None and all(k not in self._tracked for k in kids):
             del self._children[tr.parent]
+            self._prompt_lps.pop(tr.parent, None)

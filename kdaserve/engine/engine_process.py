@@ -99,6 +99,7 @@ class EngineLoop:
                 logger.warning("the server process is gone; the engine exits")
                 return
             if time.monotonic() - self._last_sent >= HEARTBEAT_S:
+                self.core.executor.check_alive()     # a dead rank: no more heartbeats
                 self._send(Heartbeat())
             if not self.core.has_unfinished() and not self.cmds.poll(_IDLE_POLL_MS):
                 continue

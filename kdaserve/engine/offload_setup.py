@@ -65,7 +65,8 @@ def open_stores(config: EngineConfig, identity: tuple[bytes, dict] | None, block
                 raise OffloadError("the disk tier needs a directory and a model identity")
             one_entry = max(block_bytes, snapshot_bytes) + (1 << 20)
             stores[name] = DiskStore(config.cache.offload_dir, identity[0], identity[1],
-                                     one_entry)
+                                     one_entry, payload_bytes={BLOCK: block_bytes,
+                                                               SNAPSHOT: snapshot_bytes})
         else:
             raise OffloadError(f"unknown offload tier {name!r}")
     return stores
@@ -85,6 +86,7 @@ def open_offload(config: EngineConfig, rank_stores: list[dict[str, Store]], bloc
         if not stores[0].persistent:
             continue
         scans = [store.scan() for store in stores]
+        off.counters[tier.name].scan_dropped += sum(getattr(s, "dropped", 0) for s in stores)
         everywhere = set.intersection(*({(e.kind, e.key) for e in scan} for scan in scans))
         for store, scan in zip(stores[1:], scans[1:]):
             for e in scan:

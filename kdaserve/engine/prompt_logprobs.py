@@ -16,9 +16,32 @@ from __future__ import annotations
 
 from kdaserve.request import Request
 
+# Prompt tokens scored per step, all requests together: each costs a logits row (vocab wide,
+# plus its top-k), so without a cap a few echo requests of long prompts fill every step with
+# scoring while the others' tokens wait. Chunks of such prompts are cut to what is left.
+TOKENS_PER_STEP = 512
+
 
 def wants_prompt_logprobs(req: Request) -> bool:
     return req.sampling_params.prompt_logprobs is not None
+
+
+def leader_done(req: Request, requests: dict[str, Request]) -> bool:
+    """Whether req may start: its prompt leader (if any) has computed the prompt, or is
+    gone. A request's n sequences score their common prompt once, in the first one."""
+    leader = requests.get(req.prompt_leader) if req.prompt_leader else None
+    return leader is None or leader.num_computed_tokens >= leader.num_prompt_tokens
+
+
+def chunk(req: Request, n: int, left: list[int]) -> int:
+    """The tokens of req's next chunk given this step's scoring room `left` ([tokens], taken
+    from as chunks are planned); 0: it waits for the next step. A request that scores no
+    prompt tokens (or only decodes) is not cut."""
+    if n <= 1 or not wants_prompt_logprobs(req):
+        return n
+    n = min(n, left[0])
+    left[0] -= n
+    return n
 
 
 def record(req: Request, first: int, entries: list[dict]) -> None:

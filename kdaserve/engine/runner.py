@@ -252,7 +252,9 @@ class ModelRunner:
             drafts = self._keep_proposals(props)
         for rid, toks in sampled.items():    # the next step may name them PENDING
             requests[rid].output_token_ids.extend(t.token_id for t in toks)
-        return ModelRunnerOutput(sampled=sampled, drafts=drafts, prompt_logprobs=prompt_lps)
+        errors = self.structured.take_failures() if masks is not None else {}
+        return ModelRunnerOutput(sampled=sampled, drafts=drafts, prompt_logprobs=prompt_lps,
+                                 grammar_errors=errors)
 
     def settle(self, plan: StepPlan, ops: StepOps, kept: KeptStates | None,
                sampled: Mapping[str, list[SampledToken]]) -> list[int]:

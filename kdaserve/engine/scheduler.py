@@ -22,6 +22,7 @@ from collections import Counter, deque
 from kdaserve.cache.manager import CacheManager
 from kdaserve.cache.ops import CacheOp, FreeRequest, RestoreSnapshot, SettleDrafts, TakeSnapshot
 from kdaserve.config import SchedulerConfig
+from kdaserve.engine import prompt_logprobs
 from kdaserve.engine.fairness import fair_share_victim, next_waiting
 from kdaserve.engine.lookahead import may_look_ahead
 from kdaserve.engine.prompt_logprobs import record, wants_prompt_logprobs
@@ -33,6 +34,7 @@ from kdaserve.request import Request, RequestStatus
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheManager) -> None:
+        self._scoring_left = [prompt_logprobs.TOKENS_PER_STEP]   # this step's (schedule())
         self.config = config
         self.cache = cache
         self.waiting: deque[Request] = deque()
@@ -112,6 +114,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunk_cap = self.config.long_prefill_token_threshold or budget
         scheduled: list[tuple[Request, int]] = []
+        self._scoring_left = [prompt_logprobs.TOKENS_PER_STEP]
         preempted: list[str] = self._fair_share()
         self._plan_drafts()
         drafts: dict[str, int] = {}
@@ -131,6 +134,9 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
             if n > 1:
                 n = min(n, budget - self._reserve_for_waiting(budget))
+            n = prompt_logprobs.chunk(req, n, self._scoring_left)
+            if n == 0:
+                continue
             if n == 1 and req.spec_token_ids:
                 d = self._num_drafts(req, budget)
                 if d:
@@ -211,14 +217,20 @@ class Scheduler:
     def _admit(self, scheduled: list[tuple[Request, int]], budget: int, chunk_cap: int) -> None:
         counts = Counter(r.group for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = next_waiting(self.waiting, counts, self.config.policy)
+            ready = [r for r in self.waiting if prompt_logprobs.leader_done(r, self.requests)]
+            if not ready:
+                break
+            req = next_waiting(ready, counts, self.config.policy)
             if req.num_pending:           # preempted with a token in flight: next step
                 break
             hit = None
             if req.num_computed_tokens == 0 and not wants_prompt_logprobs(req):
                 hit = self.cache.find_hit(req.all_token_ids, req.extra_keys, req.cache_salt)
             computed = hit.num_tokens if hit is not None else req.num_computed_tokens
-            n = min(req.num_tokens - computed, budget, chunk_cap)
+            n = prompt_logprobs.chunk(req, min(req.num_tokens - computed, budget, chunk_cap),
+                                      self._scoring_left)
+            if n == 0:
+                break
             if not self.cache.allocate(req.request_id, computed + n, hit):
                 if not self.running and not scheduled:
                     # Alone and still too big: it can never fit; end it instead of spinning.

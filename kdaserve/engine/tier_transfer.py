@@ -243,5 +243,6 @@ def offload_stats(offload: Offload | None,
                        "evictions": t.evictions, "queries": c.queries, "hits": c.hits,
                        "hit_rate": c.hits / c.queries if c.queries else 0.0,
                        "hit_tokens": c.hit_tokens, "load_failures": c.load_failures,
-                       "store_failures": c.store_failures, **asdict(moved)}
+                       "store_failures": c.store_failures, "scan_dropped": c.scan_dropped,
+                       **asdict(moved)}
     return out

@@ -51,6 +51,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--health-timeout", type=float, default=10.0,
                    help="/health turns 503 when the engine has not reported for this many "
                         "seconds (default: %(default)s)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's headers")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request's body may stall between reads")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running streams get to finish before they are "
                         "ended with an error event (default: %(default)s)")
@@ -69,6 +73,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set; "
                         "/health stays open)")
+    p.add_argument("--allow-special-tokens-in-prompt", action="store_true",
+                   help="encode special tokens typed in prompts and messages as control tokens "
+                        "(default: as text, so a user cannot forge chat turns)")
     p.add_argument("--public-metrics", action="store_true",
                    help="with --api-key, leave /metrics open too")
     p.add_argument("--max-body-size", type=arg_types.parse_size, default=DEFAULT_MAX_BODY_SIZE,

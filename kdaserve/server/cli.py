@@ -22,13 +22,14 @@ from kdaserve.config import EngineConfig
 from kdaserve.engine.args import EngineArgs
 from kdaserve.engine.async_engine import AsyncEngine, EngineStartupError
 from kdaserve.generation_defaults import generation_defaults
-from kdaserve.model.registry import load_config
 from kdaserve.image_io import ImageLimits
+from kdaserve.model.registry import load_config
 from kdaserve.request import SamplingParams
 from kdaserve.server.app import build_app
 from kdaserve.server.args import API_KEY_ENV, DEMO_MODEL_NAME, add_serve_arguments
 from kdaserve.server.guards import ServerLimits
 from kdaserve.server.lifecycle import DrainingServer
+from kdaserve.server.read_timeouts import timed_protocol
 from kdaserve.tokenizer import Tokenizer
 from kdaserve.vision_input import VisionInput
 
@@ -106,7 +107,8 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Toke
             default_max_tokens=args.default_max_tokens,
             request_timeout_s=args.request_timeout or None,
             health_timeout_s=args.health_timeout, shutdown_timeout_s=args.shutdown_timeout,
-            max_token_bytes=tokenizer.max_token_bytes())
+            max_token_bytes=tokenizer.max_token_bytes(),
+            allow_special_tokens=args.allow_special_tokens_in_prompt)
         hosts = tuple(h.strip() for h in (args.allow_image_urls or "").split(",") if h.strip())
         image_limits = ImageLimits(
             max_bytes=args.max_image_bytes, max_pixels=args.max_image_pixels,
@@ -125,7 +127,8 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Toke
                         image_limits=image_limits)
         server = DrainingServer(uvicorn.Config(
             app, host=args.host, port=args.port, log_config=None, lifespan="off",
-            log_level=args.log_level, timeout_graceful_shutdown=5),
+            log_level=args.log_level, timeout_graceful_shutdown=5,
+            http=timed_protocol(args.header_timeout, args.body_timeout)),
             app.state.serving, args.shutdown_timeout)
         logger.info("serving %r on http://%s:%d/v1", name, args.host, args.port)
         # uvicorn handles the signals while serving and re-raises them once it has stopped; the

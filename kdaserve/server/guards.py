@@ -27,6 +27,7 @@ class ServerLimits:
     shutdown_timeout_s: float = 30.0       # SIGTERM: time running streams get to finish
     retry_after_s: int = 1                 # Retry-After of 503 answers
     max_token_bytes: int = DEFAULT_MAX_TOKEN_BYTES
+    allow_special_tokens: bool = False     # special tokens typed in prompts stay control ids
 
 
 def check_text(text: str, param: str, max_model_len: int, limits: ServerLimits) -> None:

@@ -80,6 +80,9 @@ _TIER_METRICS = (
      "Loads that failed verification (corrupt, truncated, missing): recomputed.", True),
     ("kdaserve:offload_store_failures", "store_failures",
      "Writes that failed (disk full, unwritable): the entry is dropped.", True),
+    ("kdaserve:offload_scan_dropped", "scan_dropped",
+     "Unreadable entries (bad header or size, not a regular file) the startup scan removed.",
+     True),
 )
 
 # Adaptive speculation's decisions: (metric name, key, help, counter?)

@@ -124,7 +124,7 @@ class _SamplingRequest(_Request):
             if name == "guided_choice":
                 return GuidedDecoding("choice", choices=list(self.guided_choice))
             return GuidedDecoding("lark", self.guided_grammar)
-        except GuidedDecodingError as exc:
+        except (GuidedDecodingError, RecursionError) as exc:   # json.dumps of a deep object
             raise SamplingParamsError(f"{name}: {exc}", name) from None
 
     def logit_bias_ids(self) -> dict[int, float] | None:

@@ -28,6 +28,7 @@ from kdaserve.request import SamplingParams
 from kdaserve.server.chat_plan import ChatPlan
 from kdaserve.server.errors import APIError, ServerDrainingError, bad_request, engine_error
 from kdaserve.server.guards import ServerLimits, check_sequences, check_text, check_token_ids
+from kdaserve.server.image_decoding import ImageDecoder
 from kdaserve.server.metrics import ServerMetrics
 from kdaserve.server.prompt_logprobs import format_prompt_logprobs
 from kdaserve.server.protocol import (
@@ -48,6 +49,7 @@ from kdaserve.server.runs import (
 )
 from kdaserve.structured.compiler import validate as validate_grammar
 from kdaserve.tokenizer import Tokenizer
+from kdaserve.user_text import SpecialTextGuard
 from kdaserve.vision_input import VisionInput
 
 logger = logging.getLogger("kdaserve")
@@ -66,6 +68,7 @@ class ServingBase:
         self.strict_schemas = strict_schemas    # a JSON schema's objects closed unless it says
         self.vision = vision                    # None: a text-only model
         self.image_limits = image_limits or ImageLimits()
+        self.images = ImageDecoder(self.image_limits)   # its own pool, not the tokenizer's
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         # special tokens' text: dropped from what parsers leave (they need them kept to see
@@ -78,6 +81,8 @@ class ServingBase:
         self.defaults = dict(defaults)
         self.metrics = metrics
         self.limits = limits or ServerLimits()
+        # special tokens typed in user text stay text (kdaserve/user_text.py)
+        self.guard = None if self.limits.allow_special_tokens else SpecialTextGuard(self.specials)
         self.draining = False
         self.active: set[str] = set()          # engine request ids of runs in flight
         self._token_text: dict[int, str] = {}
@@ -89,10 +94,21 @@ class ServingBase:
         return await asyncio.get_running_loop().run_in_executor(
             self._pool, functools.partial(fn, *args, **kwargs))
 
-    async def encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+    async def encode(self, text: str, param: str, add_special_tokens: bool,
+                     rendered: bool = False) -> list[int]:
+        """rendered: a chat template's output (its control tokens are real; the user strings
+        in it were marked by `user_messages`); otherwise user text."""
         check_text(text, param, self.max_model_len, self.limits)
+        guarded = self.guard is not None
         return await self._off_loop(self.tokenizer.encode, text,
-                                    add_special_tokens=add_special_tokens)
+                                    add_special_tokens=add_special_tokens,
+                                    specials=rendered or not guarded,
+                                    marked=rendered and guarded)
+
+    def user_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Messages with special tokens' text marked, before anything (image markers, the
+        template) adds real ones."""
+        return self.guard.mark(messages) if self.guard is not None else messages
 
     async def render_chat(self, messages: list[dict[str, Any]],
                           add_generation_prompt: bool, **template_kwargs: Any) -> str:
@@ -120,11 +136,11 @@ class ServingBase:
         except ValueError as exc:
             raise bad_request(exc) from None
         if guided is not None:        # grammar errors the engine would find, answered here
+            guided.field = ("tools" if plan and plan.forced_calls else req.guided_field()) or ""
             try:
                 validate_grammar(guided)
             except ValueError as exc:
-                raise APIError(400, str(exc), param="tools" if plan and plan.forced_calls
-                               else req.guided_field()) from None
+                raise APIError(400, str(exc), param=guided.field or None) from None
         if plan is not None and plan.keeps_special_tokens:
             params.skip_special_tokens = False
         vocab = self.engine.info.vocab_size if self.engine.info else self.tokenizer.vocab_size
@@ -157,7 +173,11 @@ class ServingBase:
         except BaseException as exc:
             await self._close(runs)
             if isinstance(exc, (ValueError, EngineError)):
-                raise engine_error(exc) from None
+                err = engine_error(exc)
+                field = params.guided.field if params.guided is not None else ""
+                if field and err.status == 400 and str(exc).startswith(f"{field}: "):
+                    err.param = field           # the grammar's budget, checked in the engine
+                raise err from None
             raise
         return runs
 
@@ -218,8 +238,9 @@ class ServingBase:
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.check_model(req.model)
         if req.messages is not None:
-            text = await self.render_chat(req.messages, req.add_generation_prompt)
-            ids = await self.encode(text, "messages", add_special_tokens=False)
+            text = await self.render_chat(self.user_messages(req.messages),
+                                          req.add_generation_prompt)
+            ids = await self.encode(text, "messages", add_special_tokens=False, rendered=True)
         else:
             ids = await self.encode(req.prompt or "", "prompt", req.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_model_len)

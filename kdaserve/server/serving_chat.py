@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from kdaserve.image_io import ImageError, check_count, load_image
+from kdaserve.image_io import ImageError, check_count
 from kdaserve.server.chat_output import ChatDelta, ChatOutput
 from kdaserve.server.chat_plan import ChatPlan, plan_chat
 from kdaserve.server.errors import APIError, bad_request
@@ -33,16 +33,16 @@ from kdaserve.server.protocol_responses import (
     TopLogprob,
     UsageInfo,
 )
-from kdaserve.server.runs import DONE, Prompt, Run, json_response, sse
+from kdaserve.server.runs import DONE, Prompt, Run, json_response, sse, unless_disconnected
 from kdaserve.server.serving import ServingBase
 from kdaserve.vision_input import split_chat_images
 
 
 class ChatServing(ServingBase):
-    async def _chat_images(self, messages: list[dict[str, Any]]
+    async def _chat_images(self, messages: list[dict[str, Any]], request: Request
                            ) -> tuple[list[dict[str, Any]], list[Any]]:
         """image_url parts -> the model's image marker in the text, and the decoded images
-        (each refusal a 400 that names the limit)."""
+        (each refusal a 400 that names the limit; kdaserve/server/image_decoding.py)."""
         try:
             messages, refs = split_chat_images(
                 messages, self.vision.marker if self.vision is not None else None)
@@ -51,13 +51,12 @@ class ChatServing(ServingBase):
             check_count(len(refs), self.image_limits)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        images = []
-        for i, j, url in refs:
-            try:
-                images.append(await self._off_loop(load_image, url, self.image_limits))
-            except ImageError as exc:
-                raise APIError(400, f"messages[{i}].content[{j}]: {exc}",
-                               param="messages", code="invalid_image") from None
+        tokens_of = self.vision.num_tokens if self.vision is not None else None
+        try:
+            images = await unless_disconnected(
+                request, self.images.load(refs, tokens_of, self.max_model_len - 1))
+        except ImageError as exc:
+            raise APIError(400, str(exc), param="messages", code="invalid_image") from None
         return messages, images
 
     def _chat_logprobs(self, token_ids: list[int], lps: list[dict[int, float]], k: int,
@@ -81,10 +80,11 @@ class ChatServing(ServingBase):
                              self.strict_schemas)
         except ValueError as exc:
             raise bad_request(exc) from None
-        messages, images = await self._chat_images(req.messages)
+        messages, images = await self._chat_images(self.user_messages(req.messages), request)
         text = await self.render_chat(messages, req.add_generation_prompt,
                                       **plan.template_kwargs)
-        prompt = Prompt(await self.encode(text, "messages", add_special_tokens=False), text)
+        prompt = Prompt(await self.encode(text, "messages", add_special_tokens=False,
+                                          rendered=True), text)
         if images:
             try:
                 ids, media = await self._off_loop(self.vision.expand, prompt.token_ids, images)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections import OrderedDict
 
 import llguidance as llg
@@ -25,9 +26,18 @@ _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator
 _ANY_OBJECT = '{"type": "object"}'
 
 
+# What one request's grammar may cost the engine. llguidance's default lexer fuel lets a
+# regex like (a{1000}){1000} spend seconds on its first mask (measured: 3-5 s at the demo's
+# vocabulary, ~0.2 s with this fuel, while a 30-property JSON schema needs ~0.02 s). A first
+# mask over the budget, or a matcher out of fuel, is a 400 at admission; one that runs out
+# later ends its request with an error (manager.py).
+INITIAL_LEXER_FUEL = 100_000
+FIRST_MASK_BUDGET_S = 1.0
+
+
 def _limits() -> llg.LLParserLimits:
     # verbose errors would put grammar internals in messages that go back to clients
-    return llg.LLParserLimits(verbose_errors=False)
+    return llg.LLParserLimits(verbose_errors=False, initial_lexer_fuel=INITIAL_LEXER_FUEL)
 
 
 def grammar_text(g: GuidedDecoding) -> str:
@@ -44,8 +54,9 @@ def grammar_text(g: GuidedDecoding) -> str:
         if g.kind == "choice":
             return llg.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in g.choices))
         return llg.LLMatcher.grammar_from_lark(g.spec)
-    except (ValueError, TypeError) as exc:
-        raise GuidedDecodingError(f"the {g.kind} spec cannot be compiled: {exc}") from None
+    except (ValueError, TypeError, RecursionError, OverflowError) as exc:
+        raise GuidedDecodingError(f"the {g.kind} spec cannot be compiled: {_clean(str(exc))}"
+                                  ) from None
 
 
 def validate(g: GuidedDecoding, tokenizer: llg.LLTokenizer | None = None) -> str:
@@ -61,7 +72,8 @@ def validate(g: GuidedDecoding, tokenizer: llg.LLTokenizer | None = None) -> str
 
 
 def _clean(message: str) -> str:
-    text = " ".join(line.strip() for line in message.splitlines() if line.strip())
+    text = " ".join(line.strip() for line in message.splitlines()
+                    if line.strip() and line.strip() != "<non-verbose/>")
     return text[:500] or "unknown error"
 
 
@@ -69,10 +81,13 @@ class GrammarCache:
     """Grammars checked against the tokenizer, by spec (LRU). A matcher is cheap to make from
     a cached grammar text (~1 ms); the validation against the vocabulary is what is saved."""
 
-    def __init__(self, tokenizer: llg.LLTokenizer, capacity: int = 256) -> None:
+    def __init__(self, tokenizer: llg.LLTokenizer, capacity: int = 256,
+                 first_mask_budget_s: float = FIRST_MASK_BUDGET_S) -> None:
         self.tokenizer = tokenizer
         self.capacity = capacity
-        self._cache: OrderedDict[tuple, str] = OrderedDict()
+        self.first_mask_budget_s = first_mask_budget_s
+        # refusals are kept too: a client repeating a costly spec pays its price once
+        self._cache: OrderedDict[tuple, str | GuidedDecodingError] = OrderedDict()
         self.hits = self.misses = 0
 
     def get(self, g: GuidedDecoding) -> str:
@@ -81,13 +96,41 @@ class GrammarCache:
         if text is not None:
             self._cache.move_to_end(key)
             self.hits += 1
-            return text
-        self.misses += 1
-        text = validate(g, self.tokenizer)
-        self._cache[key] = text
-        if len(self._cache) > self.capacity:
-            self._cache.popitem(last=False)
+        else:
+            self.misses += 1
+            try:
+                text = validate(g, self.tokenizer)
+                self._first_mask(g, text)
+            except GuidedDecodingError as exc:
+                text = exc
+            self._cache[key] = text
+            if len(self._cache) > self.capacity:
+                self._cache.popitem(last=False)
+        if isinstance(text, GuidedDecodingError):
+            raise GuidedDecodingError(str(text))
         return text
+
+    def _first_mask(self, g: GuidedDecoding, text: str) -> None:
+        """Computes a first mask under the limits and the time budget: the cost every request
+        with this spec would put on the engine's step."""
+        m = llg.LLMatcher(self.tokenizer, text, log_level=0, limits=_limits())
+        start = time.perf_counter()
+        if not m.is_error():
+            mask = m.compute_bitmask()
+            # and one step along it: a lexer that runs out of fuel on its first token (the
+            # (a{1000}){1000} kind) is refused here, not after the request was admitted
+            first = _first_allowed(mask)
+            if first is not None and not m.is_stopped() and m.consume_token(first) \
+                    and not m.is_stopped():
+                m.compute_bitmask()
+        took = time.perf_counter() - start
+        if m.is_error():
+            raise GuidedDecodingError(f"the {g.kind} spec is too complex to follow: "
+                                      f"{_clean(m.get_error())}")
+        if took > self.first_mask_budget_s:
+            raise GuidedDecodingError(
+                f"the {g.kind} spec is too costly to follow: its first token mask took "
+                f"{took:.2f} s, over the budget of {self.first_mask_budget_s:g} s")
 
     def matcher(self, g: GuidedDecoding) -> llg.LLMatcher:
         m = llg.LLMatcher(self.tokenizer, self.get(g), log_level=0, limits=_limits())
@@ -95,6 +138,13 @@ class GrammarCache:
             raise GuidedDecodingError(f"the {g.kind} spec cannot be compiled: "
                                       f"{_clean(m.get_error())}")
         return m
+
+
+def _first_allowed(mask: bytes) -> int | None:
+    for i, byte in enumerate(mask):     # little-endian bits: token id 8 * i + bit
+        if byte:
+            return 8 * i + (byte & -byte).bit_length() - 1
+    return None
 
 
 def json_schema_of(g: GuidedDecoding) -> dict | bool | None:

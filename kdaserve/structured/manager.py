@@ -23,6 +23,7 @@ import logging
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,6 +56,7 @@ class StructuredOutputs:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdaserve-grammar")
         self._threads = threads
         self._executor: llg.LLExecutor | None = None    # built with the first masks
+        self._failures: dict[str, str] = {}
         self._crossing: dict[str, dict[int, int]] = {}   # list_end.py's candidates
 
     def _grammar_cache(self) -> GrammarCache:
@@ -76,8 +78,12 @@ class StructuredOutputs:
 
     # ---- requests ---------------------------------------------------------------------------
     def validate(self, g: GuidedDecoding) -> None:
-        """Compile (or find cached) the request's grammar; GuidedDecodingError says why not."""
-        self._grammar_cache().get(g)
+        """Compile (or find cached) the request's grammar; GuidedDecodingError says why not
+        (prefixed with the request field that carried it)."""
+        try:
+            self._grammar_cache().get(g)
+        except GuidedDecodingError as exc:
+            raise GuidedDecodingError(f"{g.field}: {exc}" if g.field else str(exc)) from None
 
     def _state(self, req: Request) -> RequestGrammar | None:
         g = req.sampling_params.guided
@@ -104,6 +110,7 @@ class StructuredOutputs:
 
     def forget(self, request_id: str) -> None:
         self._grammars.pop(request_id, None)
+        self._failures.pop(request_id, None)
 
     # ---- one step ---------------------------------------------------------------------------
     def prepare(self, seqs: Sequence[ScheduledSequence], requests: Mapping[str, Request],
@@ -112,8 +119,7 @@ class StructuredOutputs:
         if self._pending is not None:      # a failed step may have left one running
             self._pending.exception()
             self._pending = None
-        rows: list[tuple[str, RequestGrammar, list[int], int]] = []
-        syncs: list[tuple[RequestGrammar, int, list[int]]] = []
+        rows: list[_Row] = []
         for s in seqs:
             req = requests.get(s.request_id)
             if req is None or not (s.sample or s.num_draft_tokens):
@@ -122,48 +128,70 @@ class StructuredOutputs:
             if st is None:
                 continue
             out = req.output_token_ids   # no job is running: num_tokens is settled
-            syncs.append((st, len(out), out[st.num_tokens:]))
-            rows.append((s.request_id, st, list(s.token_ids[1:]) if s.num_draft_tokens else [],
-                         req.sampling_params.max_tokens or 1 << 30))
+            drafts = list(s.token_ids[1:]) if s.num_draft_tokens else []
+            # a list end's restriction depends on max_tokens too: such rows are not shared
+            share = ((req.sampling_params.guided.key, len(out))
+                     if not drafts and st.list_end is None else None)
+            rows.append(_Row(s.request_id, st, drafts, len(out), out[st.num_tokens:],
+                             req.sampling_params.max_tokens or 1 << 30, share))
         if not rows:
             return None
-        self._pending = self._pool.submit(self._masks, rows, syncs)
+        _share(rows, requests)
+        self._pending = self._pool.submit(self._masks, rows)
         return self._pending
 
-    def _masks(self, rows: list[tuple[str, RequestGrammar, list[int], int]],
-               syncs: list[tuple[RequestGrammar, int, list[int]]] = ()) -> dict[str, torch.Tensor]:
+    def _masks(self, rows: list[_Row]) -> dict[str, torch.Tensor]:
         import llguidance as llg
         import llguidance.torch as llt
 
         if self._executor is None:     # only this pool's one thread gets here: no lock
             self._executor = llg.LLExecutor(num_threads=self._threads)
-        for st, n, unseen in syncs:
-            st.sync_to(n, unseen)
-        total = sum(len(d) + 1 for _, _, d, _ in rows)
+        for r in rows:
+            failed = r.grammar.error
+            r.grammar.sync_to(r.num_output, r.unseen)
+            if r.grammar.error is not None and failed is None:
+                self._failures[r.request_id] = r.grammar.error
+        total = sum(len(r.drafts) + 1 for r in rows)
         out = bitmask.allocate(total, self.vocab_size)          # [sum P, W], all allowed
         plain: list[tuple[llg.LLMatcher, int]] = []
         drafted: list[tuple[llg.LLMatcher, int, list[int]]] = []
         spans: dict[str, tuple[int, int]] = {}
         ending: list[tuple[RequestGrammar, int, int]] = []
+        first_of: dict[tuple, int] = {}     # a shared state's row that computes its mask
+        copies: list[tuple[int, int]] = []
         at = 0
-        for rid, st, drafts, max_tokens in rows:
-            spans[rid] = (at, len(drafts) + 1)
+        for r in rows:
+            st = r.grammar
+            spans[r.request_id] = (at, len(r.drafts) + 1)
             if st.done:
-                self._eos_only(out[at:at + len(drafts) + 1])
-            elif drafts:
-                drafted.append((st.matcher, at, drafts))
+                self._eos_only(out[at:at + len(r.drafts) + 1])
+            elif r.drafts:
+                drafted.append((st.matcher, at, r.drafts))
+            elif r.share is not None and r.share in first_of:
+                copies.append((first_of[r.share], at))
             else:
+                if r.share is not None:
+                    first_of[r.share] = at
                 plain.append((st.matcher, at))
                 if st.list_end is not None:     # (a verify row's drafts go unrestricted)
-                    ending.append((st, at, max_tokens))
-            at += len(drafts) + 1
+                    ending.append((st, at, r.max_tokens))
+            at += len(r.drafts) + 1
         if plain:
             llt.fill_next_token_bitmask_par(self._executor, plain, out)
         if drafted:
             llt.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, out)
+        if copies:
+            src, dst = zip(*copies)
+            out[list(dst)] = out[list(src)]
         for st, row, max_tokens in ending:
             st.list_end.restrict(st.matcher, out[row], st.num_tokens, max_tokens)
         return {rid: out[a:a + n] for rid, (a, n) in spans.items()}
+
+    def take_failures(self) -> dict[str, str]:
+        """Requests whose matcher failed since the last call (after the step's masks): the
+        engine ends them with an error rather than let them finish unconstrained."""
+        failed, self._failures = self._failures, {}
+        return failed
 
     def _eos_only(self, rows: torch.Tensor) -> None:
         rows.zero_()
@@ -178,8 +206,10 @@ class StructuredOutputs:
         path."""
         for rid, tokens in sampled.items():
             st = self._grammars.get(rid)
-            if st is not None:
+            if st is not None and st.error is None:
                 st.accept([t.token_id for t in tokens])
+                if st.error is not None:
+                    self._failures[rid] = st.error
 
     def trim_drafts(self, request_id: str, drafts: list[int]) -> list[int]:
         """Drop drafts from the first one the grammar refuses (they could only be rejected)."""
@@ -190,3 +220,34 @@ class StructuredOutputs:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class _Row:
+    """One sampling row of a step, with what its grammar has not consumed yet (a copy taken
+    on the engine thread, so the mask job may run on another)."""
+
+    request_id: str
+    grammar: RequestGrammar
+    drafts: list[int]
+    num_output: int
+    unseen: list[int]
+    max_tokens: int
+    share: tuple | None       # rows with equal keys have equal matcher states: one mask
+
+
+def _share(rows: list[_Row], requests: Mapping[str, Request]) -> None:
+    """A matcher's state is its grammar and the tokens it consumed, nothing else: rows whose
+    grammar and output agree (a request's n sequences before they diverge, or requests with
+    a common schema at their first token) get one mask. The outputs are compared only
+    within a (grammar, length) bucket of more than one row."""
+    buckets: dict[tuple, list[_Row]] = {}
+    for r in rows:
+        if r.share is not None:
+            buckets.setdefault(r.share, []).append(r)
+    for key, group in buckets.items():
+        if len(group) == 1:
+            group[0].share = None
+            continue
+        for r in group:
+            r.share = (key, tuple(requests[r.request_id].output_token_ids))

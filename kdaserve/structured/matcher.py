@@ -26,6 +26,7 @@ class RequestGrammar:
         self.eos_ids = list(eos_ids)
         self.num_tokens = 0          # output tokens consumed
         self.done = False            # the grammar finished (EOS taken) or failed: EOS only
+        self.error: str | None = None  # why the matcher failed (the request ends with it)
 
     def sync(self, output_ids: Sequence[int]) -> None:
         self.sync_to(len(output_ids), output_ids[self.num_tokens:])
@@ -73,5 +74,6 @@ class RequestGrammar:
         return int(self.matcher.validate_tokens(list(drafts)))
 
     def _fail(self, why: str) -> None:
-        logger.warning("grammar matcher stopped constraining a request: %s", why)
+        logger.warning("grammar matcher failed; its request ends with an error: %s", why)
         self.done = True
+        self.error = why

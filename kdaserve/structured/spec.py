@@ -37,6 +37,8 @@ class GuidedDecoding:
     whitespace: bool = False
     strict: bool = True
     list_separator: str = ""
+    # the request field that carried the spec (for error messages; not part of the key)
+    field: str = ""
 
     def __post_init__(self) -> None:
         self.check()
@@ -53,7 +55,7 @@ class GuidedDecoding:
         if self.kind == "json":
             try:
                 schema = json.loads(self.spec)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:   # "[" * 2000: nested past the limit
                 raise GuidedDecodingError(f"the JSON schema is not valid JSON: {exc}") from None
             if not isinstance(schema, (dict, bool)):
                 raise GuidedDecodingError("the JSON schema must be an object or a boolean")

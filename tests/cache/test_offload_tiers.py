@@ -4,6 +4,8 @@ order; the tier's eviction policy; checksums, crash leftovers and restart scans.
 from __future__ import annotations
 
 import os
+import shutil
+import threading
 
 import pytest
 
@@ -229,3 +231,80 @@ def test_restart_seed_trims_to_the_cap_keeping_what_leads_to_snapshots():
     assert set(t.blocks) == {b"a", b"b", b"late"} and set(t.snapshots) == {b"s"}
     assert t.bytes_held == 300
     assert off.take_ops() == []                    # the caller deletes what was dropped
+
+
+def _fault(path, fault: str, good: bytes) -> None:
+    """Puts a damaged entry where a good one was: the disk-tier probes of issue 35."""
+    path.unlink(missing_ok=True)
+    if fault == "fifo":
+        os.mkfifo(path)
+    elif fault == "directory":
+        path.mkdir()
+        (path / "inner").write_bytes(good)
+    elif fault == "oversized":                      # a valid entry, then junk
+        path.write_bytes(good + b"\0" * 4096)
+    elif fault == "sparse":                         # a valid header, then a huge hole
+        path.write_bytes(good[:200])
+        os.truncate(path, 1 << 40)
+    else:
+        raise AssertionError(fault)
+
+
+@pytest.mark.parametrize("fault", ["fifo", "directory", "oversized", "sparse"])
+def test_disk_store_damaged_entries_are_misses_and_scans_remove_them(tmp_path, fault):
+    ident, sizes = b"i" * 16, {BLOCK: 60, SNAPSHOT: 500}
+    s = DiskStore(tmp_path, ident, {}, min_free_bytes=1, payload_bytes=sizes)
+    keys = {BLOCK: b"b" * 16, SNAPSHOT: b"s" * 16}
+    s.put(SNAPSHOT, keys[SNAPSHOT], memoryview(b"state" * 100), position=8,
+          chain=(b"b" * 16,))
+    s.put(BLOCK, keys[BLOCK], memoryview(b"latent" * 10))
+    for kind, key in keys.items():
+        path = s.path(kind, key)
+        good = path.read_bytes()
+        _fault(path, fault, good)
+        # the load is a miss, at once: a FIFO must not wait for a writer
+        errors: list[BaseException] = []
+
+        def load(kind=kind, key=key, errors=errors):
+            try:
+                s.get(kind, key)
+            except BaseException as exc:            # noqa: BLE001 - recorded for the assert
+                errors.append(exc)
+        t = threading.Thread(target=load, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), f"loading a {fault} blocked"
+        assert len(errors) == 1 and isinstance(errors[0], (EntryCorrupt, OSError)), errors
+    # a restart's scan removes both (directories included), counts them, and does not raise
+    again = DiskStore(tmp_path, ident, {}, min_free_bytes=1, payload_bytes=sizes)
+    assert again.scan() == []
+    assert again.dropped == 2
+    assert not any(os.path.lexists(s.path(k, key)) for k, key in keys.items())
+    # dropping a damaged entry never raises either
+    _fault(s.path(BLOCK, keys[BLOCK]), fault, b"x" * 300)
+    again.drop(BLOCK, keys[BLOCK])
+    assert not os.path.lexists(s.path(BLOCK, keys[BLOCK]))
+
+
+def test_disk_store_scan_checks_block_headers_and_layout_sizes(tmp_path):
+    ident = b"i" * 16
+    s = DiskStore(tmp_path, ident, {}, min_free_bytes=1)
+    s.put(BLOCK, b"a" * 16, memoryview(b"x" * 60))
+    s.put(BLOCK, b"b" * 16, memoryview(b"x" * 61))    # another layout's size
+    bad = s.path(BLOCK, b"c" * 16)
+    bad.parent.mkdir(exist_ok=True)
+    bad.write_bytes(b"\0" * 200)                       # no header at all
+    junk = s.root / BLOCK / "zz"
+    junk.write_bytes(b"a file where a shard directory belongs")
+    again = DiskStore(tmp_path, ident, {}, min_free_bytes=1,
+                      payload_bytes={BLOCK: 60, SNAPSHOT: 10})
+    assert [e.key for e in again.scan()] == [b"a" * 16]
+    assert again.dropped == 3 and not bad.exists() and not junk.exists()
+    # a file in place of a kind's directory, or of identity.json, does not stop a start
+    shutil.rmtree(again.root / SNAPSHOT)
+    (again.root / SNAPSHOT).write_bytes(b"junk")
+    (again.root / "identity.json").unlink()
+    (again.root / "identity.json").mkdir()
+    third = DiskStore(tmp_path, ident, {}, min_free_bytes=1)
+    assert (third.root / SNAPSHOT).is_dir() and (third.root / "identity.json").is_file()
+    assert [e.key for e in third.scan()] == [b"a" * 16]

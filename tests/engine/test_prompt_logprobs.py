@@ -85,3 +85,49 @@ def test_prompt_logprobs_skip_prefix_hits_and_a_one_token_prompt(model_dir, refe
     one = llm.generate({"prompt_token_ids": PROMPT[:1]},
                        SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
     assert one.prompt_logprobs == [None]
+
+
+def _spy_scoring(monkeypatch) -> list[int]:
+    """Prompt rows scored per step."""
+    from kdaserve.engine import runner
+
+    rows: list[int] = []
+    real = runner.score
+
+    def spy(logits, prompt_rows):
+        rows.append(sum(len(r.at) for r in prompt_rows))
+        return real(logits, prompt_rows)
+    monkeypatch.setattr(runner, "score", spy)
+    return rows
+
+
+def test_n_sequences_score_their_prompt_once(model_dir, reference, monkeypatch):
+    llm = LLM(str(model_dir), max_num_batched_tokens=16)
+    rows = _spy_scoring(monkeypatch)
+    out = llm.generate({"prompt_token_ids": PROMPT},
+                       SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=3,
+                                      prompt_logprobs=1), use_tqdm=False)[0]
+    assert sum(rows) == len(PROMPT) - 1          # once, not once per sequence
+    assert len(out.outputs) == 4 and all(len(o.token_ids) == 3 for o in out.outputs)
+    lps = out.prompt_logprobs
+    assert len(lps) == len(PROMPT) and lps[0] is None
+    for i in range(1, len(PROMPT)):
+        assert lps[i][PROMPT[i]] == pytest.approx(reference[i - 1][PROMPT[i]].item(), abs=1e-4)
+
+
+def test_prompt_scoring_is_capped_per_step_and_others_go_on(model_dir, monkeypatch):
+    from kdaserve.engine import prompt_logprobs
+
+    monkeypatch.setattr(prompt_logprobs, "TOKENS_PER_STEP", 8)
+    rows = _spy_scoring(monkeypatch)
+    llm = LLM(str(model_dir), max_num_batched_tokens=64)
+    echo = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    plain = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    eng = llm.engine
+    eng.add_request("echo", PROMPT, echo)
+    eng.add_request("plain", PROMPT[:20], plain)
+    finished: list[str] = []
+    while eng.has_unfinished():
+        finished += [d.request_id for d in eng.step() if d.finished]
+    assert max(rows) <= 8 and sum(rows) == len(PROMPT) - 1
+    assert finished == ["plain", "echo"]         # the short one did not wait for the scoring

@@ -8,7 +8,9 @@ import base64
 import io
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -109,7 +111,26 @@ def test_too_many_images(client):
 
 
 def test_placeholder_text_without_an_image(client):
-    """A user typing the media token itself cannot make image rows without an image."""
-    with pytest.raises(openai.BadRequestError) as err:
-        ask(client, data_url(png()), text="look: <|media_pad|>")
-    assert "placeholder" in err.value.message
+    """A user typing the media token itself cannot make image rows without an image: the
+    typed token is text (issue 35), so the image keeps its 9 rows and nothing else gets any."""
+    plain = ask(client, data_url(png()), text="look: ").usage.prompt_tokens
+    once = ask(client, data_url(png()), text="look: <|media_pad|>").usage.prompt_tokens
+    twice = ask(client, data_url(png()), text="look: <|media_pad|><|media_pad|>").usage
+    # each typed token is its characters (encoded alone), the same count every time
+    assert once > plain and twice.prompt_tokens - once == once - plain
+
+
+@pytest.mark.parametrize("size,why", [
+    ((1, 999_999), "aspect ratio"),               # issue 35's 1 x 39,999,999 strip, scaled
+    ((1000, 1000), "max_model_len"),              # tokens known from the header
+])
+def test_images_are_judged_from_their_header(client, vision_server, size, why):
+    """Refused before a pixel is decoded: the data behind these headers is not an image at
+    all, so decoding would have said "corrupt"."""
+    with ThreadPoolExecutor(1) as pool:
+        probe = pool.submit(ask, client, data_url(bomb_png(*size)))
+        assert ask(client, data_url(png(seed=5))).usage.prompt_tokens
+        with pytest.raises(openai.BadRequestError) as err:
+            probe.result(timeout=120)
+    assert why in err.value.message and "corrupt" not in err.value.message
+    assert httpx.get(vision_server.url + "/health", timeout=10).status_code == 200

@@ -47,6 +47,10 @@ class Executor(ABC):
         """Bytes the offload tiers moved, per tier (rank 0's; every rank moves its share)."""
         return {}
 
+    def check_alive(self) -> None:
+        """Raise ExecutorError when a worker is gone (the engine calls it while idle, too: a
+        rank that dies between requests must not wait for the next one to be noticed)."""
+
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""
 

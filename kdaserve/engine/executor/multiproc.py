@@ -100,6 +100,11 @@ class MultiprocExecutor(RankExecutor):
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
+    def check_alive(self) -> None:
+        why = self._dead()
+        if why is not None and not self._closed:
+            raise ExecutorError(f"a worker died while the engine was idle: {why}")
+
     def _dead(self) -> str | None:
         gone = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
         if not gone:

@@ -228,6 +228,11 @@ class RayExecutor(RankExecutor):
                                     f"{_first_line(exc)}") from None
         return ray.get(refs)
 
+    def check_alive(self) -> None:
+        why = None if self._closed or not self._held.follows else self._dead_follower()
+        if why is not None:
+            raise ExecutorError(f"a worker died while the engine was idle: {why}")
+
     def _dead_follower(self) -> str | None:
         """Which follow call ended (a follower only returns on shutdown, so: it died)."""
         import ray

@@ -1,0 +1,52 @@
+"""Issue 35: with --tensor-parallel-size 2, a rank killed while the server is idle makes
+/health 503 within --health-timeout (the engine checks its workers between requests too)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+from server_harness import start_server
+
+from kdaserve.assets import KIMI_LINEAR_DEMO_DIR
+
+
+def _workers(engine_pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == engine_pid and b"spawn_main" in cmdline and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_rank_killed_while_idle_makes_health_503(tmp_path):
+    srv = start_server(KIMI_LINEAR_DEMO_DIR, tmp_path / "server.log", "--torch-threads", "1",
+                       "--tensor-parallel-size", "2", "--cache-memory", "64MiB",
+                       "--max-model-len", "256", "--health-timeout", "5")
+    try:
+        r = httpx.post(srv.base_url + "/completions", timeout=120,
+                       json={"prompt": "Day", "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200
+        workers = _workers(srv.engine_pid())
+        assert workers, "no worker processes"
+        os.kill(workers[-1], signal.SIGKILL)        # idle: no request in flight
+        deadline = time.monotonic() + 60            # generous: --health-timeout is 5 s
+        status = 200
+        while status == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            try:
+                status = httpx.get(srv.url + "/health", timeout=10).status_code
+            except httpx.TransportError:
+                status = 0                           # the server went down: also noticed
+        assert status != 200, "a dead rank went unnoticed while idle"
+    finally:
+        srv.stop()
+    assert "worker died while the engine was idle" in srv.log()
