@@ -159,6 +159,20 @@ static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *r
 #endif
 #define WIDE_OUT (16 * WIDE_SUMS)
 #define TILE_OUT (16 * TILE_COLS)
+/* The lone row's sums: on x86 in v16f, even where the tiles compute in 8-lane registers
+ * (AVX2): 8 sums of 2 registers and their products spill the 16 there, and measured, the
+ * lone row ran at 0.68x in 8-lane form while the tiles gained 1.29x (docs/benchmarks.md) */
+#if defined(__aarch64__)
+#define ROW_LANES VREG_LANES
+#define ROW_T vregf
+#define LDROW(p) LDWV(p)
+#define STROW(p, v) stvf(p, v)
+#else
+#define ROW_LANES 16
+#define ROW_T v16f
+#define LDROW(p) LDW16(p)
+#define STROW(p, v) st16f(p, v)
+#endif
 #endif
 
 /* VREG_LANES weights as floats: the includer's LDWV, else the first lanes of LDW16 */
@@ -212,17 +226,18 @@ static inline __attribute__((always_inline)) void NAME(outer_tile)(
  * order. */
 static void NAME(outer_row_wide)(const WT *restrict W, const float *restrict x,
                                  float *restrict y, int64_t N, int64_t K, int64_t n) {
-    vregf acc[WIDE_SUMS * VREGS16];
+    enum { SUMS = WIDE_SUMS * 16 / ROW_LANES };
+    ROW_T acc[SUMS];
 #pragma GCC unroll 32
-    for (int c = 0; c < WIDE_SUMS * VREGS16; ++c) acc[c] = (vregf){0};
+    for (int c = 0; c < SUMS; ++c) acc[c] = (ROW_T){0};
     for (int64_t i = 0; i < K; ++i) {
         const WT *w = W + i * N + n;
         const float xi = x[i];
 #pragma GCC unroll 32
-        for (int c = 0; c < WIDE_SUMS * VREGS16; ++c) acc[c] += LDWV(w + VREG_LANES * c) * xi;
+        for (int c = 0; c < SUMS; ++c) acc[c] += LDROW(w + ROW_LANES * c) * xi;
     }
 #pragma GCC unroll 32
-    for (int c = 0; c < WIDE_SUMS * VREGS16; ++c) stvf(y + n + VREG_LANES * c, acc[c]);
+    for (int c = 0; c < SUMS; ++c) STROW(y + n + ROW_LANES * c, acc[c]);
 }
 
 static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_t ldx,

@@ -20,13 +20,19 @@ static inline void st16f(float *p, v16f v) { memcpy(p, &v, sizeof v); }
  * sum. On aarch64 one NEON register (4 lanes; 32 of them): GCC 12 keeps a generic vector
  * wider than the target's registers in memory there (BLKmode), so a v16f sum was stored and
  * reloaded around every add, and a scalar times a v16f went through 16 scalar stores; four
- * 4-lane vectors stay in registers. x86 keeps computing in v16f: lanes are independent, so
- * the pieces change no bit, only where the sums live (GCC 12 does the same to v16f on AVX2,
- * whose registers hold 8; see docs/benchmarks.md before changing it there). */
+ * 4-lane vectors stay in registers. AVX2 computes in 8 lanes (one ymm register): GCC 12 kept
+ * v16f sums there in memory too, and the 6-row tiles run batch-32 decode 1.24-1.30x faster
+ * in ymm registers (docs/benchmarks.md); row_products.h's lone row keeps v16f on x86. AVX-512
+ * computes in v16f (one zmm). Lanes are independent, so the pieces change no bit, only where
+ * the sums live. */
+#ifndef VREG_LANES               /* -DVREG_LANES=N: an A/B build (docs/benchmarks.md) */
 #if defined(__aarch64__)
 #define VREG_LANES 4
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+#define VREG_LANES 8
 #else
 #define VREG_LANES 16
+#endif
 #endif
 #define VREGS16 (16 / VREG_LANES)
 
