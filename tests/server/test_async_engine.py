@@ -23,7 +23,8 @@ STATS_KEYS = {"num_running", "num_waiting", "cache_usage", "num_free_blocks", "n
               "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "state_snapshots",
               "state_snapshot_bytes", "prompt_tokens",
               "generation_tokens", "preemptions", "steps", "spec_verifications",
-              "spec_draft_tokens", "spec_accepted_tokens", "spec_adaptive", "offload"}
+              "spec_draft_tokens", "spec_accepted_tokens", "spec_acceptance_lengths",
+              "spec_accepted_by_position", "spec_adaptive", "offload"}
 
 
 @contextlib.contextmanager
