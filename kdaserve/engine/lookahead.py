@@ -18,6 +18,7 @@ Speculative decoding and worker processes keep the synchronous loop (engine/core
 
 from __future__ import annotations
 
+from kdaserve.engine.prompt_logprobs import record
 from kdaserve.engine.stop_conditions import append_tokens
 from kdaserve.outputs import ModelRunnerOutput, SchedulerOutput
 from kdaserve.request import PENDING, Request, RequestStatus
@@ -71,8 +72,6 @@ def strip_pending(req: Request) -> None:
 def settle_results(scheduler, out: SchedulerOutput, result: ModelRunnerOutput
                    ) -> list[Request]:
     """`Scheduler.update` for a step whose counts `dispatched` already advanced."""
-    from kdaserve.engine.prompt_logprobs import record
-
     touched = []
     if result.cache.dropped_snapshots:
         scheduler.cache.drop_snapshots(result.cache.dropped_snapshots)
