@@ -110,9 +110,9 @@ class SpeculativeConfig:
     # how the draft picks its tokens: sampled from its processed distribution q
     # ("probabilistic"; verification uses q) or its argmax ("greedy", a point mass)
     draft_sample_method: str = "probabilistic"
-    # "token": each draft accepted or rejected in turn; "block": the drafted block at once
-    # (engine/spec/block_verify.py: never fewer accepted, the same distribution)
-    rejection_sample_method: str = "token"
+    # "block" (the default): the drafted block at once (engine/spec/block_verify.py: the
+    # target's distribution, never fewer accepted in expectation); "token": one draft at a time
+    rejection_sample_method: str = "block"
 
     def __post_init__(self) -> None:
         if self.draft_sample_method not in ("probabilistic", "greedy"):

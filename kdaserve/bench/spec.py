@@ -152,7 +152,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=("dspark", "ngram"), default="dspark")
     p.add_argument("--k", type=int, default=7, help="most drafts per step")
     p.add_argument("--rejection-sample-method", choices=("token", "block", "both"),
-                   default="token", help="verification rule; both: a row for each, the same "
+                   default="block", help="verification rule; both: a row for each, the same "
                    "prompts and seeds")
     p.add_argument("--no-adaptive", action="store_true",
                    help="always verify k drafts (adaptive speculation off)")

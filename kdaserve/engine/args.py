@@ -124,7 +124,8 @@ class EngineArgs:
         "probabilistic", "the draft samples its tokens from its processed distribution "
         "(verified against it) or takes its argmax", choices=("probabilistic", "greedy"))
     speculative_rejection_sample_method: str = _arg(
-        "token", "verify drafts one by one, or the whole block at once (never fewer accepted)",
+        "block", "verify the drafted block at once (never fewer accepted in expectation, the "
+        "target's distribution), or one draft at a time",
         choices=("token", "block"))
     speculative_config: str | None = _arg(
         None, "vLLM's JSON form, e.g. '{\"method\": \"dspark\", \"num_speculative_tokens\": "

@@ -74,8 +74,8 @@ class RowSampler:
         self._draft_probs: dict[str, torch.Tensor] = {}
         self._unseeded = torch.Generator().manual_seed(seed)
         self.on_device = on_device
-        # verify drafted blocks with block verification (--speculative-config
-        # rejection_sample_method "block"; spec/block_verify.py), else token by token
+        # verify drafted blocks with block verification (spec/block_verify.py; the engine's
+        # default, set by the runner builder), else token by token
         self.block_verification = False
 
     def forget(self, request_id: str) -> None:
