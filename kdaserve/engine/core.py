@@ -39,7 +39,7 @@ from kdaserve.model.registry import load_config
 from kdaserve.model.vision.tower import vision_config_of
 from kdaserve.ops.cpu_isa import cpu_isa
 from kdaserve.ops.cpu_isa import requested as requested_isa
-from kdaserve.ops.host_memory import tune_host_allocator
+from kdaserve.ops.host_memory import freeze_startup_heap, tune_host_allocator
 from kdaserve.outputs import RequestDelta
 from kdaserve.request import Request, RequestStatus, SamplingParams, child_seed
 from kdaserve.tokenizer import Tokenizer
@@ -160,6 +160,7 @@ class EngineCore:
         self._prompt_lps: dict[str, list] = {}     # parent -> its leader's prompt logprobs
         self.stats = EngineStats()
         logger.info("kdaserve cache: %s", self.plan.describe())
+        freeze_startup_heap()
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 
@@ -45,3 +46,16 @@ def tune_host_allocator() -> bool:
         log.debug("kdaserve: mallopt refused the allocator settings")
     _done = ok
     return ok
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (the model's modules, the tokenizer's tables, imported
+    code) out of the cyclic collector's reach, as vLLM does after its startup. Python's full
+    collections walk every tracked object, and a decode loop's small allocations trigger them
+    often enough that they took ~7% of a single-stream step on the bundled demo (perf, AVX2
+    machine). Frozen objects are still freed by reference counting; only cycles among them
+    would outlive their last reference. KDASERVE_GC_FREEZE=0 leaves the collector alone."""
+    if os.environ.get("KDASERVE_GC_FREEZE", "1") == "0":
+        return
+    gc.collect()
+    gc.freeze()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from kdaserve.config import EngineConfig
+from kdaserve.ops.host_memory import freeze_startup_heap
 
 logger = logging.getLogger("kdaserve")
 
@@ -169,6 +170,7 @@ def worker_main(rank: int, world_size: int, init_method: str, config: EngineConf
         conn.send(("failed", f"rank {rank}: {type(exc).__name__}: {exc}"))
         logger.error("worker failed to start:\n%s", traceback.format_exc())
         os._exit(1)
+    freeze_startup_heap()
     conn.send(("ready", rank))
     if rank == 0:
         _loop(state, conn)

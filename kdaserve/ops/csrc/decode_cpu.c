@@ -66,20 +66,17 @@ static inline float softplus_f(float x) {
 
 /* Eight fp32 lanes (one AVX2 register; the compiler pairs them on AVX-512). The typedef's
  * alignment of 4 lets a vector load from any float address. */
-typedef float v8f __attribute__((vector_size(32), aligned(4)));
-typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
+typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2), may_alias));
 typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
 
 static inline v8f ld8f(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
+    return *(const v8f *)(const void *)p;
 }
 
 /* eight bf16 values widened to fp32 (a shift into the top half of each lane) */
 static inline v8f ld8bf16(const uint16_t *p) {
-    v8h h;
-    memcpy(&h, p, sizeof h);
+    const v8h h = *(const v8h *)(const void *)p;
     const v8u u = __builtin_convertvector(h, v8u) << 16;
     v8f f;
     memcpy(&f, &u, sizeof f);
@@ -88,12 +85,11 @@ static inline v8f ld8bf16(const uint16_t *p) {
 
 /* Sixteen lanes (vec16.h) for the outer-product tiles of row_products.h, whose sums stay in
  * lanes and are never reduced; their bf16 weights widened. */
-typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
+typedef uint16_t v16h __attribute__((vector_size(32), aligned(2), may_alias));
 typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
 
 static inline v16f ld16bf16(const uint16_t *p) {
-    v16h h;
-    memcpy(&h, p, sizeof h);
+    const v16h h = *(const v16h *)(const void *)p;
     const v16u u = __builtin_convertvector(h, v16u) << 16;
     v16f f;
     memcpy(&f, &u, sizeof f);
@@ -101,12 +97,11 @@ static inline v16f ld16bf16(const uint16_t *p) {
 }
 
 /* VREG_LANES bf16 weights widened (vec16.h's register of the outer products) */
-typedef uint16_t vregh __attribute__((vector_size(2 * VREG_LANES), aligned(2)));
+typedef uint16_t vregh __attribute__((vector_size(2 * VREG_LANES), aligned(2), may_alias));
 typedef uint32_t vregu __attribute__((vector_size(4 * VREG_LANES), aligned(4)));
 
 static inline vregf ldvbf16(const uint16_t *p) {
-    vregh h;
-    memcpy(&h, p, sizeof h);
+    const vregh h = *(const vregh *)(const void *)p;
     const vregu u = __builtin_convertvector(h, vregu) << 16;
     vregf f;
     memcpy(&f, &u, sizeof f);
@@ -138,21 +133,18 @@ static inline float hsum8(v8f a) {
 #define V8_PARTS 1
 #endif
 #define V8_LANES (8 / V8_PARTS)
-typedef float v8p __attribute__((vector_size(4 * V8_LANES), aligned(4)));
-typedef uint16_t v8ph __attribute__((vector_size(2 * V8_LANES), aligned(2)));
+typedef float v8p __attribute__((vector_size(4 * V8_LANES), aligned(4), may_alias));
+typedef uint16_t v8ph __attribute__((vector_size(2 * V8_LANES), aligned(2), may_alias));
 typedef uint32_t v8pu __attribute__((vector_size(4 * V8_LANES), aligned(4)));
 
 static inline v8p ld8p(const float *p) {
-    v8p v;
-    memcpy(&v, p, sizeof v);
-    return v;
+    return *(const v8p *)(const void *)p;
 }
 
-static inline void st8p(float *p, v8p v) { memcpy(p, &v, sizeof v); }
+static inline void st8p(float *p, v8p v) { *(v8p *)(void *)p = v; }
 
 static inline v8p ld8pbf16(const uint16_t *p) {
-    v8ph h;
-    memcpy(&h, p, sizeof h);
+    const v8ph h = *(const v8ph *)(const void *)p;
     const v8pu u = __builtin_convertvector(h, v8pu) << 16;
     v8p f;
     memcpy(&f, &u, sizeof f);

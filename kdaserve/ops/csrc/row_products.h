@@ -152,27 +152,22 @@ static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *r
 #else
 #define TILE_COLS 1        /* AVX2, NEON */
 #endif
+#ifndef WIDE_SUMS          /* -DWIDE_SUMS=N: an A/B build */
 #if defined(__aarch64__)
 #define WIDE_SUMS 4        /* 16-lane sums of a lone row: 64 outputs */
 #else
 #define WIDE_SUMS 8        /* 128 outputs */
+#endif
 #endif
 #define WIDE_OUT (16 * WIDE_SUMS)
 #define TILE_OUT (16 * TILE_COLS)
 /* The lone row's sums: on x86 in v16f, even where the tiles compute in 8-lane registers
  * (AVX2): 8 sums of 2 registers and their products spill the 16 there, and measured, the
  * lone row ran at 0.68x in 8-lane form while the tiles gained 1.29x (docs/benchmarks.md) */
-#if defined(__aarch64__)
 #define ROW_LANES VREG_LANES
 #define ROW_T vregf
 #define LDROW(p) LDWV(p)
 #define STROW(p, v) stvf(p, v)
-#else
-#define ROW_LANES 16
-#define ROW_T v16f
-#define LDROW(p) LDW16(p)
-#define STROW(p, v) st16f(p, v)
-#endif
 #endif
 
 /* VREG_LANES weights as floats: the includer's LDWV, else the first lanes of LDW16 */

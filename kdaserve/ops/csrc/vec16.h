@@ -6,15 +6,11 @@
 
 #include <string.h>
 
-typedef float v16f __attribute__((vector_size(64), aligned(4)));
+typedef float v16f __attribute__((vector_size(64), aligned(4), may_alias));
 
-static inline v16f ld16f(const float *p) {
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
+static inline v16f ld16f(const float *p) { return *(const v16f *)(const void *)p; }
 
-static inline void st16f(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+static inline void st16f(float *p, v16f v) { *(v16f *)(void *)p = v; }
 
 /* What those kernels compute in: a vector of VREG_LANES lanes, VREGS16 of them per 16-lane
  * sum. On aarch64 one NEON register (4 lanes; 32 of them): GCC 12 keeps a generic vector
@@ -36,14 +32,10 @@ static inline void st16f(float *p, v16f v) { memcpy(p, &v, sizeof v); }
 #endif
 #define VREGS16 (16 / VREG_LANES)
 
-typedef float vregf __attribute__((vector_size(4 * VREG_LANES), aligned(4)));
+typedef float vregf __attribute__((vector_size(4 * VREG_LANES), aligned(4), may_alias));
 
-static inline vregf ldvf(const float *p) {
-    vregf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
+static inline vregf ldvf(const float *p) { return *(const vregf *)(const void *)p; }
 
-static inline void stvf(float *p, vregf v) { memcpy(p, &v, sizeof v); }
+static inline void stvf(float *p, vregf v) { *(vregf *)(void *)p = v; }
 
 #endif
