@@ -222,14 +222,21 @@ void NAME(mla_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t
 
 /* A gated MLP on B rows of h [B, Hd] (gate [I, Hd], up [I, Hd], down [Hd, I]; activation
  * `act` as glu_span) added into y [B, Hd]. tmp: at least B (2I + Hd) + 4 max(Hd, I) floats. */
-static void NAME(glu_add)(const float *h, const WT *gate, const WT *up, const WT *down,
-                       int64_t Hd, int64_t I, int64_t B, float *y, float *tmp, int64_t act,
-                       float beta, float lbeta) {
+static float *NAME(glu)(const float *h, const WT *gate, const WT *up, const WT *down,
+                        int64_t Hd, int64_t I, int64_t B, float *tmp, int64_t act, float beta,
+                        float lbeta) {
     float *g = tmp, *u = g + B * I, *d = u + B * I;
     NAME(matmat_t)(gate, h, Hd, g, I, I, Hd, B);
     NAME(matmat_t)(up, h, Hd, u, I, I, Hd, B);
     glu_span(act, beta, lbeta, g, u, g, B * I);
     NAME(matmat_t)(down, g, I, d, Hd, Hd, I, B);
+    return d;                                        /* [B, Hd] in tmp */
+}
+
+static void NAME(glu_add)(const float *h, const WT *gate, const WT *up, const WT *down,
+                       int64_t Hd, int64_t I, int64_t B, float *y, float *tmp, int64_t act,
+                       float beta, float lbeta) {
+    const float *d = NAME(glu)(h, gate, up, down, Hd, I, B, tmp, act, beta, lbeta);
     for (int64_t i = 0; i < B * Hd; ++i) y[i] += d[i];
 }
 
@@ -298,9 +305,19 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
     }
     if (lat_down) NAME(matmat_t)(lat_down, h, Hd, z, Wd, Wd, Hd, B);
     else memcpy(z, h, sizeof(float) * (size_t)(B * Hd));
-    /* experts in parallel, each with buffers of its own for the rows that chose it */
+    /* experts in parallel, each with buffers of its own for the rows that chose it; the
+     * shared experts are the first item (the largest: every row), into tmp, so that a lone
+     * row's shared and routed experts share the threads (in a serial tail they left all but
+     * one idle). Their output is added after the routed sum, as before: the same sums. */
+    const float *shared = NULL;
 #pragma omp parallel for schedule(dynamic) if (S > 1)
-    for (int64_t e = 0; e < E; ++e) {
+    for (int64_t it = 0; it <= E; ++it) {
+        const int64_t e = it - 1;
+        if (e < 0) {
+            if (sh_gate)
+                shared = NAME(glu)(h, sh_gate, sh_up, sh_down, Hd, Is, B, tmp, act, beta, lbeta);
+            continue;
+        }
         int64_t slot[S];
         int64_t n = 0;
         for (int64_t s = 0; s < S; ++s)
@@ -349,7 +366,8 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
     } else {
         memcpy(y, sum, sizeof(float) * (size_t)(B * Hd));
     }
-    if (sh_gate) NAME(glu_add)(h, sh_gate, sh_up, sh_down, Hd, Is, B, y, tmp, act, beta, lbeta);
+    if (shared)
+        for (int64_t i = 0; i < B * Hd; ++i) y[i] += shared[i];
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 

@@ -216,35 +216,68 @@ static inline __attribute__((always_inline)) void NAME(outer_tile)(
         for (int c = 0; c < CV; ++c) stvf(Y + (b + r) * ldy + n + VREG_LANES * c, acc[r][c]);
 }
 
-/* One row, WIDE_OUT outputs: WIDE_SUMS independent sums in flight (a 32-output tile of one
- * row waits on its two sums' additions, and reads the weights in shorter runs); the same
- * order. */
-static void NAME(outer_row_wide)(const WT *restrict W, const float *restrict x,
-                                 float *restrict y, int64_t N, int64_t K, int64_t n) {
-    enum { SUMS = WIDE_SUMS * 16 / ROW_LANES };
-    ROW_T acc[SUMS];
+/* One row, outputs [n, n + 16 * S16): S16 16-lane sums in flight at once (a 32-output tile
+ * of one row waits on its two sums' additions, and reads the weights in shorter runs); the
+ * same order. S16 is a constant where it is inlined: the sums stay in registers. */
+static inline __attribute__((always_inline)) void NAME(outer_row_span)(
+        const WT *restrict W, const float *restrict x, float *restrict y, int64_t N, int64_t K,
+        int64_t n, const int S16) {
+    enum { PER16 = 16 / ROW_LANES };
+    const int S = S16 * PER16;
+    ROW_T acc[WIDE_SUMS * PER16];
 #pragma GCC unroll 32
-    for (int c = 0; c < SUMS; ++c) acc[c] = (ROW_T){0};
+    for (int c = 0; c < S; ++c) acc[c] = (ROW_T){0};
     for (int64_t i = 0; i < K; ++i) {
         const WT *w = W + i * N + n;
         const float xi = x[i];
 #pragma GCC unroll 32
-        for (int c = 0; c < SUMS; ++c) acc[c] += LDROW(w + ROW_LANES * c) * xi;
+        for (int c = 0; c < S; ++c) acc[c] += LDROW(w + ROW_LANES * c) * xi;
     }
 #pragma GCC unroll 32
-    for (int c = 0; c < SUMS; ++c) STROW(y + n + ROW_LANES * c, acc[c]);
+    for (int c = 0; c < S; ++c) STROW(y + n + ROW_LANES * c, acc[c]);
+}
+
+/* One row, outputs [n0, n1) (multiples of 16): WIDE_OUT at a time, then one narrower span
+ * for the rest (a lone 16-output tile runs two dependent chains: latency-bound). */
+static void NAME(outer_row_range)(const WT *restrict W, const float *restrict x,
+                                  float *restrict y, int64_t N, int64_t K, int64_t n0,
+                                  int64_t n1) {
+    int64_t n = n0;
+    for (; n + WIDE_OUT <= n1; n += WIDE_OUT) NAME(outer_row_span)(W, x, y, N, K, n, WIDE_SUMS);
+    switch ((n1 - n) / 16) {
+#if WIDE_SUMS > 7
+    case 7: NAME(outer_row_span)(W, x, y, N, K, n, 7); break;
+    case 6: NAME(outer_row_span)(W, x, y, N, K, n, 6); break;
+    case 5: NAME(outer_row_span)(W, x, y, N, K, n, 5); break;
+    case 4: NAME(outer_row_span)(W, x, y, N, K, n, 4); break;
+#endif
+    case 3: NAME(outer_row_span)(W, x, y, N, K, n, 3); break;
+    case 2: NAME(outer_row_span)(W, x, y, N, K, n, 2); break;
+    case 1: NAME(outer_row_span)(W, x, y, N, K, n, 1); break;
+    default: break;
+    }
 }
 
 static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_t ldx,
                            float *restrict Y, int64_t ldy, int64_t N, int64_t K, int64_t B) {
-    const int64_t NW = N - N % WIDE_OUT, NT = N - N % TILE_OUT, N16 = N - N % 16;
+    const int64_t NT = N - N % TILE_OUT, N16 = N - N % 16;
     int64_t first = 0;                 /* outputs before it are done */
-    if (B <= 2) {                      /* few rows: the wide tiles for the first NW */
-#pragma omp parallel for schedule(static) if (N * K * B >= PAR_MIN_MACS)
-        for (int64_t n = 0; n < NW; n += WIDE_OUT)
+    if (B <= 2) {
+        /* few rows: each thread one contiguous range of the outputs (a 16-multiple), in wide
+         * spans; whole WIDE_OUT chunks dealt out left threads uneven (900 outputs: 4 to 3) */
+        const int64_t units = N16 / 16;
+        int64_t parts = 1;
+#ifdef _OPENMP
+        if (N * K * B >= PAR_MIN_MACS && !omp_in_parallel()) parts = omp_get_max_threads();
+#endif
+        if (parts > units) parts = units > 0 ? units : 1;
+#pragma omp parallel for schedule(static) num_threads((int)parts) if (parts > 1)
+        for (int64_t p = 0; p < parts; ++p) {
+            const int64_t n0 = 16 * (units * p / parts), n1 = 16 * (units * (p + 1) / parts);
             for (int64_t b = 0; b < B; ++b)
-                NAME(outer_row_wide)(W, X + b * ldx, Y + b * ldy, N, K, n);
-        first = NW;
+                NAME(outer_row_range)(W, X + b * ldx, Y + b * ldy, N, K, n0, n1);
+        }
+        first = N16;
     }
     const int64_t tiles = N16 / 16;
 #pragma omp parallel for schedule(static) if (N * K * B >= PAR_MIN_MACS)
