@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kdaserve.assets import kimi_linear_demo_path
+from kdaserve.bench import memory_bound
 from kdaserve.engine.llm import LLM
 from kdaserve.ops.cpu_isa import cpu_isa
 from kdaserve.request import SamplingParams
@@ -43,11 +44,11 @@ class KdaservePeer:
     """kdaserve's side, in this process."""
 
     def __init__(self, model: str, dtype: str, threads: int, max_seqs: int,
-                 speculative: str | None = None) -> None:
+                 speculative: str | None = None, quantization: str | None = None) -> None:
         torch.set_num_threads(threads)
         self.llm = LLM(model, dtype=dtype, max_num_seqs=max_seqs, max_model_len=4096,
                        max_num_batched_tokens=2048, enable_prefix_caching=False,
-                       speculative_method=speculative)
+                       speculative_method=speculative, quantization=quantization)
 
     def _gen(self, prompts: list[list[int]], out: int) -> tuple[float, float, list]:
         sp = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
@@ -99,10 +100,10 @@ class LlamaCppPeer:
         self.proc.wait(timeout=30)
 
 
-def find_peer(peers: Path, model: str, dtype: str) -> tuple[Path, Path] | str:
-    """(the venv's python, the GGUF) or why not."""
+def find_peer(peers: Path, model: str, kind: str) -> tuple[Path, Path] | str:
+    """(the venv's python, the GGUF of `kind`: f32, bf16, q8_0, ...) or why not."""
     python = peers / "llamacpp-venv" / "bin" / "python"
-    gguf = peers / "models" / f"{Path(model).name}-{_gguf_type(dtype)}.gguf"
+    gguf = peers / "models" / f"{Path(model).name}-{kind}.gguf"
     if not python.is_file() or subprocess.run([str(python), "-c", "import llama_cpp"],
                                               capture_output=True).returncode != 0:
         return f"no llama.cpp peer at {python} (build it with --setup-peers)"
@@ -149,6 +150,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run kdaserve's single stream with speculation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object only")
+    p.add_argument("--shape", default="demo", choices=("demo", "memory-bound"),
+                   help="memory-bound: a random model of the demo's family whose active weights "
+                        "per token are >= 8x this CPU's last-level cache (built once under "
+                        "--peers-dir, with its GGUFs); its runs are bf16, or --quantization")
+    p.add_argument("--quantization", default=None, choices=("int8", "int4"),
+                   help="kdaserve quantizes on load, against llama.cpp's Q8_0 / Q4_0 of the "
+                        "same weights")
     p.add_argument("--isa", default="native", choices=("native", "avx2", "avx512", "all"),
                    help="the CPU kernels' variant (KDASERVE_CPU_ISA); all: every variant this "
                         "machine executes, one process each, side by side")
@@ -164,7 +172,9 @@ def _each_variant(args: argparse.Namespace) -> int:
              str(args.single_input), "--single-output", str(args.single_output), "--batch",
              str(args.batch), "--batch-input", str(args.batch_input), "--batch-output",
              str(args.batch_output), "--prefill", str(args.prefill), "--workloads",
-             args.workloads, "--seed", str(args.seed), "--json"]
+             args.workloads, "--seed", str(args.seed), "--shape", args.shape, "--json"]
+    if args.quantization:
+        flags += ["--quantization", args.quantization]
     if args.model:
         flags += ["--model", args.model]
     if args.speculative:
@@ -187,11 +197,16 @@ def run(args: argparse.Namespace) -> int:
         return _each_variant(args)
     if args.isa != "native":       # before any kernel is built in this process
         os.environ["KDASERVE_CPU_ISA"] = args.isa
-    model = args.model or str(kimi_linear_demo_path())
     peers = Path(args.peers_dir)
-    if args.setup_peers:
-        setup_peers(peers, model, args.dtype)
-    found = find_peer(peers, model, args.dtype)
+    extra: dict = {}
+    if args.shape == "memory-bound":
+        model, kind = memory_bound.setup(args, peers, extra)
+    else:
+        model = args.model or str(kimi_linear_demo_path())
+        kind = {"int8": "q8_0", "int4": "q4_0"}.get(args.quantization) or _gguf_type(args.dtype)
+        if args.setup_peers:
+            setup_peers(peers, model, args.dtype)
+    found = find_peer(peers, model, kind)
     from kdaserve.model.registry import load_config
 
     vocab = load_config(model).vocab_size        # also a kimi_k3 layout (under text_config)
@@ -200,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
     prefill_prompt = _prompts(1, args.prefill, vocab, args.seed + 2)[0]
     work = [w.strip() for w in args.workloads.split(",") if w.strip()]
 
-    kd = KdaservePeer(model, args.dtype, args.threads, max(args.batch, 1))
+    kd = KdaservePeer(model, args.dtype, args.threads, max(args.batch, 1),
+                      quantization=args.quantization)
     spec = (KdaservePeer(model, args.dtype, args.threads, 4, args.speculative)
             if args.speculative else None)
     lc = lc_batch = None
@@ -234,6 +250,15 @@ def run(args: argparse.Namespace) -> int:
                 if lc is not None:
                     runs[w]["llamacpp"].append(lc.ask(op="prefill", prompt=prefill_prompt))
     report = summarize(runs, args, found, lc)
+    report.update(extra)
+    if extra and "kdaserve_single_tok_s" in report:
+        # decode alone: the single stream less its prompt's prefill (timed here the same way)
+        pre = {"kdaserve": min(kd.prefill(single_prompt)["seconds"] for _ in range(args.repeats))}
+        if lc is not None:
+            pre["llamacpp"] = min(lc.ask(op="prefill", prompt=single_prompt)["seconds"]
+                                  for _ in range(args.repeats))
+        report.update(memory_bound.decode_report(kd.llm.engine.model, report, pre, runs,
+                                                 args.single_output, args.threads))
     for p in (lc, lc_batch):
         if p is not None:
             p.close()

@@ -19,6 +19,10 @@
 
 #include "threads.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #define QB 4
 
 typedef float qv8f __attribute__((vector_size(8 * sizeof(float))));
@@ -79,10 +83,73 @@ static inline float q_dot(const float *restrict a, const float *restrict w, int6
     return (((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))) + t;
 }
 
+typedef uint8_t qv8b __attribute__((vector_size(8), aligned(1), may_alias));
+typedef int32_t qv8i __attribute__((vector_size(8 * sizeof(int32_t))));
+
+/* eight bytes widened to int32 lanes (AVX2: one vpmovzxbd; GCC 12 widens the generic form a
+ * byte at a time) */
+static inline qv8i q_u8x8(const uint8_t *p) {
+#if defined(__AVX2__)
+    return (qv8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)p));
+#else
+    return __builtin_convertvector(*(const qv8b *)(const void *)p, qv8i);
+#endif
+}
+
+/* q_dot(a, row n decoded) for a lone input row, decoding in registers as the sums go: the
+ * same weights ((q - zero) * scale, one rounding) in the same order, so the same bits,
+ * without the decoded row's trip through memory. Groups a multiple of 16 columns. */
+static inline float q_dot_packed(const qmat *m, int64_t n, const float *restrict a, int64_t K) {
+    const uint8_t *q = m->packed + n * m->row_bytes;
+    const float *s = m->scale + n * m->groups;
+    const int8_t *z = m->zero ? m->zero + n * m->groups : NULL;
+    const int64_t K16 = K - K % 16, base = m->bits == 8 ? 128 : 8;
+    qv8f s0 = {0}, s1 = {0};
+    int64_t k = 0;
+    for (int64_t g = 0; k < K16; ++g) {
+        const int64_t k1 = (g + 1) * m->group < K16 ? (g + 1) * m->group : K16;
+        const float sg = s[g];
+        const qv8i off = (qv8i){0} + (int32_t)(base + (z ? z[g] : 0));
+        for (; k < k1; k += 16) {
+            qv8i i0, i1;
+            if (m->bits == 8) {
+                i0 = q_u8x8(q + k);
+                i1 = q_u8x8(q + k + 8);
+            } else {                 /* 16 nibbles, the even column in the low one */
+                const qv8i b = q_u8x8(q + k / 2);
+                const qv8i lo = b & 15, hi = b >> 4;
+                i0 = __builtin_shufflevector(lo, hi, 0, 8, 1, 9, 2, 10, 3, 11);
+                i1 = __builtin_shufflevector(lo, hi, 4, 12, 5, 13, 6, 14, 7, 15);
+            }
+            const qv8f w0 = __builtin_convertvector(i0 - off, qv8f) * sg;
+            const qv8f w1 = __builtin_convertvector(i1 - off, qv8f) * sg;
+            s0 += q_ld8(a + k) * w0;
+            s1 += q_ld8(a + k + 8) * w1;
+        }
+    }
+    float t = 0.0f;
+    if (K16 < K) {
+        float w[16];
+        const int64_t g = K16 / m->group;
+        const int32_t off = (int32_t)(base + (z ? z[g] : 0));
+        for (int64_t j = K16; j < K; ++j) {
+            const int32_t v = m->bits == 8 ? q[j] : (j & 1) ? q[j >> 1] >> 4 : q[j >> 1] & 15;
+            w[j - K16] = (float)(v - off) * s[g];
+        }
+        for (int64_t j = K16; j < K; ++j) t += a[j] * w[j - K16];
+    }
+    const qv8f v = s0 + s1;
+    return (((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))) + t;
+}
+
 /* Y[b, n] = W[n, :] . X[b, :] for rows b < B, outputs [n0, n1): X rows ldx apart, Y rows ldy
  * apart; wb holds QB * K floats. */
 static void q_rows(const qmat *m, const float *X, int64_t ldx, float *Y, int64_t ldy,
                    int64_t n0, int64_t n1, int64_t K, int64_t B, float *wb) {
+    if (B == 1 && m->bits != 32 && m->group % 16 == 0) {
+        for (int64_t n = n0; n < n1; ++n) Y[n] = q_dot_packed(m, n, X, K);
+        return;
+    }
     for (int64_t n = n0; n < n1; n += QB) {
         const int nb = (int)(n1 - n < QB ? n1 - n : QB);
         for (int r = 0; r < nb; ++r) q_decode_row(m, n + r, K, wb + r * K);

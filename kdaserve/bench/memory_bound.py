@@ -1,0 +1,185 @@
+"""`kdaserve bench compare --shape memory-bound`: the regime every real checkpoint runs in.
+
+The bundled demo (13M parameters) mostly sits in a CPU's last-level cache, so its decode
+speed says little about what a user meets. This builds, once, a random model of the demo's
+family (Kimi Linear: the demo's layer pattern, tokenizer and MLA dimensions) whose active
+weights per token, as bf16, are at least 8x this machine's last-level cache: every decode
+step then reads them from memory. It is saved as an HF checkpoint under the peers directory
+with its GGUFs for llama.cpp (bf16 and Q8_0 by llama.cpp's converter, Q4_0 by its
+quantizer, all from the same weights), and a STREAM-like read rate is measured in the same
+run, so each figure can be put as a fraction of what the memory delivers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kdaserve.assets import kimi_linear_demo_path
+
+# the scales tried, smallest first: hidden size (heads of 64), experts of hidden / 2
+_HIDDEN = (512, 768, 1024, 1536, 2048, 3072)
+LLC_MULTIPLE = 8
+_GGUF = {None: "bf16", "int8": "q8_0", "int4": "q4_0"}
+
+
+def llc_bytes() -> int:
+    """The last-level cache of this CPU (sysfs; 32 MiB when it says nothing)."""
+    best = 0
+    for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (idx / "size").read_text().strip()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        best = max(best, int(size.rstrip("KMG")) * mult)
+    return best or 32 << 20
+
+
+def config_for(hidden: int) -> dict:
+    """The demo's config at another scale: 8 layers (6 KDA, 2 MLA), 32 experts, top 8."""
+    raw = json.loads((kimi_linear_demo_path() / "config.json").read_text())
+    heads = hidden // 64
+    raw.update(hidden_size=hidden, intermediate_size=2 * hidden,
+               moe_intermediate_size=hidden // 2, num_experts=32, num_experts_per_token=8,
+               num_attention_heads=heads, num_key_value_heads=heads)
+    raw["linear_attn_config"] = {**raw["linear_attn_config"], "num_heads": heads}
+    return raw
+
+
+def active_bf16_bytes(raw: dict) -> int:
+    """Bytes of the weights a decode token reads, as bf16 (kdaserve inspect's count, less
+    the embedding, of which a token reads one row)."""
+    from kdaserve.model.inspect import measure
+    from kdaserve.model.registry import load_config
+
+    size = measure(load_config(raw), "bfloat16")
+    return int(2 * (size.total_active - size.active.get("embedding", 0)))
+
+
+def pick_shape(llc: int) -> dict:
+    for hidden in _HIDDEN:
+        raw = config_for(hidden)
+        if active_bf16_bytes(raw) >= LLC_MULTIPLE * llc:
+            return raw
+    return raw
+
+
+def ensure_model(peers: Path, seed: int = 0) -> Path:
+    """The checkpoint for this machine's cache (built once, bf16), under peers/models."""
+    from kdaserve.model.random_init import init_random
+    from kdaserve.model.registry import build_model, load_config
+    from kdaserve.model.saver import save_model
+
+    raw = pick_shape(llc_bytes())
+    out = peers / "models" / f"memory-bound-h{raw['hidden_size']}"
+    if (out / "model.safetensors").is_file():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    torch.manual_seed(seed)
+    model = init_random(build_model(load_config(raw)), seed)
+    save_model(model, tmp, dtype=torch.bfloat16)
+    del model
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(kimi_linear_demo_path() / f, tmp / f)
+    tmp.rename(out)
+    return out
+
+
+def ensure_gguf(peers: Path, model: Path, quantization: str | None) -> Path:
+    """llama.cpp's copy of the same weights: bf16 and Q8_0 converted from the checkpoint,
+    Q4_0 quantized from the bf16 GGUF by llama.cpp's own quantizer."""
+    kind = _GGUF[quantization]
+    out = peers / "models" / f"{model.name}-{kind}.gguf"
+    if out.is_file():
+        return out
+    python = peers / "llamacpp-venv" / "bin" / "python"
+    if kind == "q4_0":
+        src = ensure_gguf(peers, model, None)
+        code = ("import ctypes, sys, llama_cpp as l; p = l.llama_model_quantize_default_params(); "
+                "p.ftype = l.LLAMA_FTYPE_MOSTLY_Q4_0; p.nthread = 2; sys.exit(l.llama_model_quantize("
+                "sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))")
+        subprocess.run([str(python), "-c", code, str(src), str(out)], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return out
+    src = peers / "sdist" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+    here = Path(__file__).parent / "peers"
+    subprocess.run([sys.executable, str(here / "convert_gguf.py"), str(src), str(model),
+                    "--outtype", kind, "--outfile", str(out)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return out
+
+
+def read_rate(threads: int, mib: int = 1024, repeats: int = 5) -> float:
+    """Bytes a second this machine reads from memory: the best of `repeats` sums over a
+    buffer far past the cache (STREAM's idea, with torch's reduction on `threads`)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf = torch.ones(mib << 18, dtype=torch.float32)      # mib MiB
+        buf.sum()
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - t)
+        return buf.numel() * 4 / best
+    finally:
+        torch.set_num_threads(saved)
+
+
+def active_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights one decode token reads in the model as loaded (packed layers at
+    their packed size with their scales; routed experts at top-k of E; one embedding row)."""
+    from kdaserve.model.inspect import measure_model
+
+    cfg = model.config
+    size = measure_model(model, cfg)
+    share = cfg.num_experts_per_token / cfg.num_experts if cfg.num_experts else 0.0
+    total = 0.0
+    for part, b in size.stored_bytes.items():
+        if part == "embedding":
+            continue
+        total += b * (share if part in ("routed experts", "expert scales") else 1.0)
+    return int(total)
+
+
+def setup(args, peers: Path, extra: dict) -> tuple[str, str]:
+    """The memory-bound run's model and GGUF kind; sets its dtype (bf16, or fp32 around
+    the packed layers of --quantization) and fills `extra` with the shape's figures."""
+    model = ensure_model(peers)
+    if (peers / "llamacpp-venv" / "bin" / "python").is_file():
+        ensure_gguf(peers, model, args.quantization)
+    args.dtype = "float32" if args.quantization else "bfloat16"
+    raw = json.loads((model / "config.json").read_text())
+    llc = llc_bytes()
+    extra.update(shape="memory-bound", model=str(model), hidden_size=raw["hidden_size"],
+                 quantization=args.quantization, llc_bytes=llc,
+                 active_bf16_bytes_per_token=active_bf16_bytes(raw),
+                 llc_multiple=round(active_bf16_bytes(raw) / llc, 2))
+    return str(model), _GGUF[args.quantization]
+
+
+def decode_report(model: torch.nn.Module, report: dict, prefill_s: dict, runs: dict,
+                  out: int, threads: int) -> dict:
+    """Decode alone (the single stream's time less its prompt's prefill, each side's best),
+    and kdaserve's as a fraction of the machine's read rate, measured now."""
+    active = active_bytes(model)
+    rate = read_rate(threads)
+    res: dict = {"active_weight_bytes_per_token": active, "read_bytes_per_s": round(rate)}
+    for side, pre in prefill_s.items():
+        best = min(r["seconds"] for r in runs["single"][side])
+        res[f"{side}_single_prefill_seconds"] = round(pre, 4)
+        res[f"{side}_decode_tok_s"] = round((out - 1) / max(best - pre, 1e-9), 2)
+    res["bandwidth_fraction_single"] = round(active * res["kdaserve_decode_tok_s"] / rate, 3)
+    if "llamacpp_decode_tok_s" in res:
+        res["ratio_vs_llamacpp_decode"] = round(
+            res["kdaserve_decode_tok_s"] / res["llamacpp_decode_tok_s"], 3)
+    return res
