@@ -27,11 +27,11 @@ def _rank_env(rank: int, port: int) -> dict[str, str]:
 
 def test_a_torchrun_rank_killed_while_idle_makes_health_503(tmp_path):
     port = free_port()
-    log1 = open(tmp_path / "rank1.log", "wb")
-    rank1 = subprocess.Popen(
-        [sys.executable, "-m", "kdaserve.server.cli", "--model", str(KIMI_LINEAR_DEMO_DIR),
-         "--port", str(free_port()), *ARGS], cwd=REPO, stdout=log1, stderr=subprocess.STDOUT,
-        env={**os.environ, **_rank_env(1, port)})
+    with open(tmp_path / "rank1.log", "wb") as log1:
+        rank1 = subprocess.Popen(
+            [sys.executable, "-m", "kdaserve.server.cli", "--model", str(KIMI_LINEAR_DEMO_DIR),
+             "--port", str(free_port()), *ARGS], cwd=REPO, stdout=log1,
+            stderr=subprocess.STDOUT, env={**os.environ, **_rank_env(1, port)})
     srv = None
     try:
         srv = start_server(KIMI_LINEAR_DEMO_DIR, tmp_path / "server.log", *ARGS,
@@ -58,5 +58,4 @@ def test_a_torchrun_rank_killed_while_idle_makes_health_503(tmp_path):
         if rank1.poll() is None:
             rank1.kill()
         rank1.wait(timeout=10)
-        log1.close()
     assert "worker died while the engine was idle" in srv.log()
