@@ -18,6 +18,7 @@ import msgspec
 import zmq
 
 from kdaserve.config import EngineConfig
+from kdaserve.engine.grammar_admission import GrammarAdmission
 from kdaserve.engine.wire import (AbortCmd, AddCmd, AddFailed, Command, DeltaBatch, EngineInfo,
                                   EngineStatsSnapshot, Fatal, Heartbeat, Reply, ShutdownCmd,
                                   StartupFailed, StatsCmd, StatsReply)
@@ -26,6 +27,7 @@ from kdaserve.request import SamplingParams
 logger = logging.getLogger("kdaserve")
 
 _IDLE_POLL_MS = 250           # how often an idle child checks that its parent is still there
+_COMPILE_POLL_MS = 5          # how often it checks for compiled grammars (nothing else to do)
 HEARTBEAT_S = 0.5             # the child reports at least this often while it is healthy
 
 
@@ -92,8 +94,17 @@ class EngineLoop:
         self.decoder = msgspec.msgpack.Decoder(Command)
         self.parent = os.getppid()
         self._last_sent = 0.0
+        # requests whose grammar compiles off this loop (grammar_admission.py)
+        self.grammars: GrammarAdmission[tuple[AddCmd, SamplingParams]] = GrammarAdmission(
+            core.executor.validate_guided)
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.grammars.close()
+
+    def _run(self) -> None:
         while True:
             if os.getppid() != self.parent:
                 logger.warning("the server process is gone; the engine exits")
@@ -101,10 +112,13 @@ class EngineLoop:
             if time.monotonic() - self._last_sent >= HEARTBEAT_S:
                 self.core.executor.check_alive()     # a dead rank: no more heartbeats
                 self._send(Heartbeat())
-            if not self.core.has_unfinished() and not self.cmds.poll(_IDLE_POLL_MS):
+            poll_ms = _COMPILE_POLL_MS if self.grammars.busy else _IDLE_POLL_MS
+            if not self.core.has_unfinished() and not self.cmds.poll(poll_ms):
+                self._admit_compiled()
                 continue
             if not self._drain():
                 return
+            self._admit_compiled()
             if self.core.has_unfinished():
                 deltas = self.core.step()
                 if deltas:
@@ -135,13 +149,36 @@ class EngineLoop:
             self._add(cmd)
         elif isinstance(cmd, AbortCmd):
             for rid in cmd.request_ids:
-                self.core.abort(rid)
+                if not self.grammars.discard(rid):
+                    self.core.abort(rid)
         elif isinstance(cmd, StatsCmd):
             self._send(StatsReply(cmd.token, self._stats()))
 
     def _add(self, cmd: AddCmd) -> None:
         try:
             params = msgspec.msgpack.decode(cmd.params, type=SamplingParams)
+        except ValueError as exc:   # SamplingParamsError and msgspec.ValidationError included
+            self._send(AddFailed(cmd.request_id, str(exc), invalid_input=True))
+            return
+        if params.guided is not None:   # compiled off this loop first (a cache hit: at once)
+            self.grammars.submit(cmd.request_id, params.guided, (cmd, params))
+        else:
+            self._add_now(cmd, params)
+
+    def _admit_compiled(self) -> None:
+        for c in self.grammars.done():
+            cmd, params = c.item
+            if c.error is None:
+                self._add_now(cmd, params)
+            elif isinstance(c.error, ValueError):       # GuidedDecodingError: a 400
+                self._send(AddFailed(cmd.request_id, str(c.error), invalid_input=True))
+            else:
+                logger.error("compiling the grammar of %s failed: %s", cmd.request_id,
+                             _describe(c.error))
+                self._send(AddFailed(cmd.request_id, _describe(c.error), invalid_input=False))
+
+    def _add_now(self, cmd: AddCmd, params: SamplingParams) -> None:
+        try:
             self.core.add_request(cmd.request_id, cmd.prompt_token_ids, params,
                                   priority=cmd.priority, group=cmd.group,
                                   media=[m.item() for m in cmd.media],

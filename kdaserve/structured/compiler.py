@@ -5,7 +5,7 @@ Why llguidance (docs/structured-outputs.md has the figures): at vocab 163,840 it
 paid in the engine loop by every request bringing new tools), and it has no dependencies
 (xgrammar's wheel pulls triton, which switches transformers' kimi_linear to GPU-only kernels).
 
-`grammar_text` needs no tokenizer (the API edge calls it to answer 400s early); `Compiled`
+`grammar_text` needs no tokenizer (the API edge calls it to answer 400s early); compiled
 grammars are cached by spec in the engine process.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from collections import OrderedDict
 
@@ -26,11 +27,12 @@ _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator
 _ANY_OBJECT = '{"type": "object"}'
 
 
-# What one request's grammar may cost the engine. llguidance's default lexer fuel lets a
-# regex like (a{1000}){1000} spend seconds on its first mask (measured: 3-5 s at the demo's
-# vocabulary, ~0.2 s with this fuel, while a 30-property JSON schema needs ~0.02 s). A first
-# mask over the budget, or a matcher out of fuel, is a 400 at admission; one that runs out
-# later ends its request with an error (manager.py).
+# What one request's grammar may cost. llguidance's default lexer fuel lets a regex like
+# (a{1000}){1000} spend seconds on its first mask (measured: 3-5 s at the demo's vocabulary,
+# ~0.2 s with this fuel, while a 30-property JSON schema needs ~0.02 s). A compile and first
+# mask over the budget, or a matcher out of fuel, is a 400 at admission (which runs off the
+# engine loop: engine/grammar_admission.py); one that runs out later ends its request with
+# an error (manager.py).
 INITIAL_LEXER_FUEL = 100_000
 FIRST_MASK_BUDGET_S = 1.0
 
@@ -78,8 +80,15 @@ def _clean(message: str) -> str:
 
 
 class GrammarCache:
-    """Grammars checked against the tokenizer, by spec (LRU). A matcher is cheap to make from
-    a cached grammar text (~1 ms); the validation against the vocabulary is what is saved."""
+    """Grammars checked against the tokenizer, by spec (LRU), each kept as a matcher in its
+    start state: a request's matcher is a copy of it (microseconds, where building one from
+    the grammar text recompiles it: ~20 ms for a large schema, paid once per sequence).
+
+    `get` is what admission calls (structured/admission in the engine process runs it on its
+    compile thread, never on the engine loop): a miss compiles and tries the first mask
+    under the budget. `matcher` is what a step calls; a miss there (a rank's own cache: rank
+    0 admitted the spec) compiles without the trial. Both threads use the cache: the lock
+    guards the dictionary only, never a compile."""
 
     def __init__(self, tokenizer: llg.LLTokenizer, capacity: int = 256,
                  first_mask_budget_s: float = FIRST_MASK_BUDGET_S) -> None:
@@ -87,57 +96,68 @@ class GrammarCache:
         self.capacity = capacity
         self.first_mask_budget_s = first_mask_budget_s
         # refusals are kept too: a client repeating a costly spec pays its price once
-        self._cache: OrderedDict[tuple, str | GuidedDecodingError] = OrderedDict()
+        self._cache: OrderedDict[tuple, llg.LLMatcher | GuidedDecodingError] = OrderedDict()
+        self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def get(self, g: GuidedDecoding) -> str:
-        key = g.key
-        text = self._cache.get(key)
-        if text is not None:
-            self._cache.move_to_end(key)
-            self.hits += 1
-        else:
-            self.misses += 1
-            try:
-                text = validate(g, self.tokenizer)
-                self._first_mask(g, text)
-            except GuidedDecodingError as exc:
-                text = exc
-            self._cache[key] = text
-            if len(self._cache) > self.capacity:
-                self._cache.popitem(last=False)
-        if isinstance(text, GuidedDecodingError):
-            raise GuidedDecodingError(str(text))
-        return text
+    def get(self, g: GuidedDecoding) -> llg.LLMatcher:
+        """The spec's matcher in its start state (not to be advanced: `matcher` copies it)."""
+        return self._entry(g, trial=True)
 
-    def _first_mask(self, g: GuidedDecoding, text: str) -> None:
-        """Computes a first mask under the limits and the time budget: the cost every request
-        with this spec would put on the engine's step."""
-        m = llg.LLMatcher(self.tokenizer, text, log_level=0, limits=_limits())
+    def matcher(self, g: GuidedDecoding) -> llg.LLMatcher:
+        return self._entry(g, trial=False).deep_copy()
+
+    def _entry(self, g: GuidedDecoding, trial: bool) -> llg.LLMatcher:
+        key = g.key
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+            else:
+                self.misses += 1
+        if entry is None:
+            try:
+                entry = self._compile(g, trial)
+            except GuidedDecodingError as exc:
+                entry = exc
+            with self._lock:
+                self._cache[key] = entry
+                if len(self._cache) > self.capacity:
+                    self._cache.popitem(last=False)
+        if isinstance(entry, GuidedDecodingError):
+            raise GuidedDecodingError(str(entry))
+        return entry
+
+    def _compile(self, g: GuidedDecoding, trial: bool) -> llg.LLMatcher:
         start = time.perf_counter()
-        if not m.is_error():
-            mask = m.compute_bitmask()
-            # and one step along it: a lexer that runs out of fuel on its first token (the
-            # (a{1000}){1000} kind) is refused here, not after the request was admitted
-            first = _first_allowed(mask)
-            if first is not None and not m.is_stopped() and m.consume_token(first) \
-                    and not m.is_stopped():
-                m.compute_bitmask()
+        m = llg.LLMatcher(self.tokenizer, validate(g, self.tokenizer), log_level=0,
+                          limits=_limits())
+        if m.is_error():         # the lexer's fuel ran out building it
+            raise GuidedDecodingError(f"the {g.kind} spec is too complex to follow: "
+                                      f"{_clean(m.get_error())}")
+        if trial:
+            self._first_mask(g, m.deep_copy(), start)
+        return m
+
+    def _first_mask(self, g: GuidedDecoding, m: llg.LLMatcher, start: float) -> None:
+        """Computes a first mask under the limits, and checks the time budget (the compile's
+        and the mask's: what every request with this spec would cost)."""
+        mask = m.compute_bitmask()
+        # and one step along it: a lexer that runs out of fuel on its first token (the
+        # (a{1000}){1000} kind) is refused here, not after the request was admitted
+        first = _first_allowed(mask)
+        if first is not None and not m.is_stopped() and m.consume_token(first) \
+                and not m.is_stopped():
+            m.compute_bitmask()
         took = time.perf_counter() - start
         if m.is_error():
             raise GuidedDecodingError(f"the {g.kind} spec is too complex to follow: "
                                       f"{_clean(m.get_error())}")
         if took > self.first_mask_budget_s:
             raise GuidedDecodingError(
-                f"the {g.kind} spec is too costly to follow: its first token mask took "
-                f"{took:.2f} s, over the budget of {self.first_mask_budget_s:g} s")
-
-    def matcher(self, g: GuidedDecoding) -> llg.LLMatcher:
-        m = llg.LLMatcher(self.tokenizer, self.get(g), log_level=0, limits=_limits())
-        if m.is_error():
-            raise GuidedDecodingError(f"the {g.kind} spec cannot be compiled: "
-                                      f"{_clean(m.get_error())}")
-        return m
+                f"the {g.kind} spec is too costly to follow: its compile and first token "
+                f"mask took {took:.2f} s, over the budget of {self.first_mask_budget_s:g} s")
 
 
 def _first_allowed(mask: bytes) -> int | None:

@@ -6,7 +6,12 @@ the other ranks. Every other rank runs only `run_torchrun_rank` (no server, no s
 exits when rank 0 shuts down. The group joins through env:// (MASTER_ADDR, MASTER_PORT; under
 torchrun, the agent's store). A rank that dies fails rank 0's next collective: at once when
 its connections close, else when the worker timeout (the gloo timeout) passes; torchrun's
-agent also ends the other ranks when one fails.
+agent also ends the other ranks when one fails (on its node; rank 0 may be on another).
+
+The other ranks are not rank 0's children, so rank 0 cannot watch their exit as the spawned
+and Ray backends do. While idle it pings them instead (`check_alive`, every heartbeat): a
+"ping" message through the control group, which fails as a step would once a rank's
+connections closed, so a rank that dies between requests turns /health 503.
 """
 
 from __future__ import annotations
@@ -126,6 +131,14 @@ class TorchrunExecutor(RankExecutor):
         # at exit too (a script that never calls shutdown): the other ranks stop with us
         self._finalizer = weakref.finalize(self, _stop, self._state.ctx)
         logger.info("kdaserve: torchrun rank 0 of %d ready", env.world_size)
+
+    def check_alive(self) -> None:
+        if self._closed:
+            return
+        try:                        # a dead rank fails the ping's broadcast
+            self._call(("ping",), "pinging the other ranks")
+        except ExecutorError as exc:
+            raise ExecutorError(f"a worker died while the engine was idle: {exc}") from None
 
     def _call(self, msg: tuple, doing: str):
         if self._closed:

@@ -118,6 +118,8 @@ def handle(runner, msg: tuple, rank: int, world_size: int, data_parallel: bool) 
     from kdaserve.distributed.data_parallel import execute_step
 
     kind = msg[0]
+    if kind == "ping":               # rank 0 checking, while idle, that every rank is there
+        return None
     if kind == "execute" and data_parallel:
         return execute_step(runner, msg[1], rank, world_size)
     if kind == "execute" and pipeline.active():
