@@ -96,9 +96,23 @@ static inline qv8i q_u8x8(const uint8_t *p) {
 #endif
 }
 
-/* q_dot(a, row n decoded) for a lone input row, decoding in registers as the sums go: the
- * same weights ((q - zero) * scale, one rounding) in the same order, so the same bits,
- * without the decoded row's trip through memory. Groups a multiple of 16 columns. */
+/* INT4's lane order inside each whole 16-column chunk: its 8 even columns, then its 8 odd
+ * ones, as the nibbles unpack (low, then high), for the decoded weights and the activations
+ * alike, so a chunk's weights need no shuffle; the tail keeps column order. */
+static inline void q_lanes4(const float *restrict a, int64_t K, float *restrict out) {
+    const int64_t K16 = K - K % 16;
+    for (int64_t k = 0; k < K16; k += 16)
+        for (int l = 0; l < 8; ++l) {
+            out[k + l] = a[k + 2 * l];
+            out[k + 8 + l] = a[k + 2 * l + 1];
+        }
+    for (int64_t k = K16; k < K; ++k) out[k] = a[k];
+}
+
+/* q_dot(a, row n decoded) for a lone input row (INT4: in q_lanes4 order), decoding in
+ * registers as the sums go: the same weights ((q - zero) * scale, one rounding) in the same
+ * order as the buffered form, so the same bits, without the decoded row's trip through
+ * memory. Groups a multiple of 16 columns. */
 static inline float q_dot_packed(const qmat *m, int64_t n, const float *restrict a, int64_t K) {
     const uint8_t *q = m->packed + n * m->row_bytes;
     const float *s = m->scale + n * m->groups;
@@ -115,11 +129,10 @@ static inline float q_dot_packed(const qmat *m, int64_t n, const float *restrict
             if (m->bits == 8) {
                 i0 = q_u8x8(q + k);
                 i1 = q_u8x8(q + k + 8);
-            } else {                 /* 16 nibbles, the even column in the low one */
+            } else {                 /* 16 nibbles: the even columns low, the odd high */
                 const qv8i b = q_u8x8(q + k / 2);
-                const qv8i lo = b & 15, hi = b >> 4;
-                i0 = __builtin_shufflevector(lo, hi, 0, 8, 1, 9, 2, 10, 3, 11);
-                i1 = __builtin_shufflevector(lo, hi, 4, 12, 5, 13, 6, 14, 7, 15);
+                i0 = b & 15;
+                i1 = b >> 4;
             }
             const qv8f w0 = __builtin_convertvector(i0 - off, qv8f) * sg;
             const qv8f w1 = __builtin_convertvector(i1 - off, qv8f) * sg;
@@ -146,16 +159,35 @@ static inline float q_dot_packed(const qmat *m, int64_t n, const float *restrict
  * apart; wb holds QB * K floats. */
 static void q_rows(const qmat *m, const float *X, int64_t ldx, float *Y, int64_t ldy,
                    int64_t n0, int64_t n1, int64_t K, int64_t B, float *wb) {
+    float *xl = NULL;                /* INT4: the rows in q_lanes4 order */
+    if (m->bits == 4) {
+        xl = malloc(sizeof(float) * (size_t)(B * K));
+        if (!xl) abort();
+        for (int64_t b = 0; b < B; ++b) q_lanes4(X + b * ldx, K, xl + b * K);
+        X = xl;
+        ldx = K;
+    }
     if (B == 1 && m->bits != 32 && m->group % 16 == 0) {
         for (int64_t n = n0; n < n1; ++n) Y[n] = q_dot_packed(m, n, X, K);
+        free(xl);
         return;
     }
+    float chunk[16];
     for (int64_t n = n0; n < n1; n += QB) {
         const int nb = (int)(n1 - n < QB ? n1 - n : QB);
-        for (int r = 0; r < nb; ++r) q_decode_row(m, n + r, K, wb + r * K);
+        for (int r = 0; r < nb; ++r) {
+            float *w = wb + r * K;
+            q_decode_row(m, n + r, K, w);
+            if (xl)
+                for (int64_t k = 0; k + 16 <= K; k += 16) {
+                    q_lanes4(w + k, 16, chunk);
+                    memcpy(w + k, chunk, sizeof chunk);
+                }
+        }
         for (int64_t b = 0; b < B; ++b)
             for (int r = 0; r < nb; ++r) Y[b * ldy + n + r] = q_dot(X + b * ldx, wb + r * K, K);
     }
+    free(xl);
 }
 
 /* q_rows over all N outputs, blocks of them split over `nthreads` (OpenMP; each output is
