@@ -85,10 +85,10 @@ class HybridForCausalLM(nn.Module):
         """Inference layouts: fuse projections that read the same input (see
         KimiDeltaAttention); on CPU, experts stored transposed for the compiled kernels (see
         SparseMoE): fp32 for the ragged-group kernel, bf16 for the fused decode blocks, which
-        read 48-wide experts ~1.5x faster that way (docs/benchmarks.md); fp32 on CPU, the
-        projections stored K-major for the compiled products (kdaserve/ops/cpu_linear.py)."""
-        k_major = (self.dtype == torch.float32 and next(self.parameters()).device.type == "cpu"
-                   and k_major_available())
+        read 48-wide experts ~1.5x faster that way (docs/benchmarks.md); fp32 and bf16 on CPU,
+        the projections stored K-major for the compiled products (kdaserve/ops/cpu_linear.py)."""
+        k_major = (self.dtype in (torch.float32, torch.bfloat16)
+                   and next(self.parameters()).device.type == "cpu" and k_major_available())
         fused: list[nn.Module] = []
         for layer in self.model.layers:
             if isinstance(layer.self_attn, KimiDeltaAttention):

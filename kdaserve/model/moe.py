@@ -10,6 +10,7 @@ from torch import nn
 from kdaserve.model.layers import MLP, RMSNorm
 from kdaserve.model_config import ModelConfig
 from kdaserve.ops import cpu_int_linear, cpu_kernels, gpu
+from kdaserve.ops.cpu_linear import k_major, linear
 from kdaserve.ops.int_quant import dequantize
 from kdaserve.ops.mxfp4 import GROUP, dequantize_mxfp4
 
@@ -150,6 +151,14 @@ class SparseMoE(nn.Module):
             return None
         return cpu_kernels.moe_experts_kernel()
 
+    def _compiled_bf16(self, x: torch.Tensor) -> bool:
+        """bf16 experts stored transposed on CPU: one expert at a time through the compiled
+        product (fp32 sums over bf16 weights); torch's bf16 batched products crawl on CPUs
+        without bf16 arithmetic."""
+        return (x.device.type == "cpu" and not self.quantized
+                and self.experts_w13.dtype == torch.bfloat16 and k_major(self.experts_w13[0])
+                and k_major(self.experts_w2[0]))
+
     def _triton_grouped(self, x: torch.Tensor):
         """The grouped Triton kernels when they apply: a device they run on, triton importable
         (KDASERVE_TRITON=0: not), no autograd (they have no backward)."""
@@ -195,9 +204,10 @@ class SparseMoE(nn.Module):
     def _expert_mlp(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """One expert ([n,H], weights 2-D) or a padded group of experts ([Ea,cap,H], 3-D)."""
         batched = w13.dim() == 3
-        h = torch.bmm(x, w13.transpose(1, 2)) if batched else F.linear(x, w13)
+        # (2-D: the compiled product where the expert is stored transposed, cpu_linear.py)
+        h = torch.bmm(x, w13.transpose(1, 2)) if batched else linear(x, w13)
         h = self.act(h[..., : self.intermediate], h[..., self.intermediate:])
-        return torch.bmm(h, w2.transpose(1, 2)) if batched else F.linear(h, w2)
+        return torch.bmm(h, w2.transpose(1, 2)) if batched else linear(h, w2)
 
     def _routed_all_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                             ) -> torch.Tensor:
@@ -280,7 +290,7 @@ class SparseMoE(nn.Module):
                 kernel(x, token, offsets, slot_w.view(-1), self.experts_w13.transpose(1, 2),
                        self.experts_w2.transpose(1, 2), out, act=self.act)
         elif (self.quantized or len(active) <= self.FEW_EXPERTS
-              or flat.numel() >= self.LARGE_GROUP * len(active)):
+              or flat.numel() >= self.LARGE_GROUP * len(active) or self._compiled_bf16(x)):
             start = 0
             for e in active:
                 n = count_list[e]

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from compiled_kernels import needs_kernels, require
 from tiny_models import random_model, tiny_config
-from torch import nn
 
 from kdaserve.model.fused_args import BlockArgs
 from kdaserve.model.kda import KimiDeltaAttention
@@ -70,7 +69,7 @@ def test_everything_else_is_f_linear():
     x = torch.randn(6, 16, generator=g)
     w = torch.randn(20, 16, generator=g)
     assert torch.equal(linear(x, w), F.linear(x, w))                   # row-major weight
-    wb = k_major_weight(w).to(torch.bfloat16)
+    wb = w.to(torch.bfloat16)                                            # bf16, row-major
     assert torch.equal(linear(x.bfloat16(), wb), F.linear(x.bfloat16(), wb))
     wk = k_major_weight(w).requires_grad_(True)
     xg = x.clone().requires_grad_(True)
@@ -105,10 +104,34 @@ def test_inference_storage_keeps_the_model():
             _close(m(x), r(x))
 
 
-def test_bf16_and_gpu_models_are_left_alone():
-    model = random_model(tiny_config(), seed=5).to_dtype(torch.bfloat16).fuse_for_inference()
-    assert not any(isinstance(m, KMajorLinear) for m in model.modules())
-    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+@pytest.mark.parametrize("rows", [1, 7, 130])
+def test_bf16_weights_sum_in_fp32(rows):
+    """bf16 weights K-major: fp32 sums over the widened weights, rounded once to the input's
+    dtype (torch's bf16 product rounds its own way, and crawls on CPUs without bf16 units)."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    wb = k_major_weight(torch.randn(40, 96, generator=g).bfloat16())
+    assert k_major(wb) and wb.dtype == torch.bfloat16
+    y = linear(x, wb)
+    assert y.dtype == torch.bfloat16
+    exact = F.linear(x.double(), wb.double())
+    # fp32 sums (relative ~1e-6) then one bf16 rounding (2^-8 relative)
+    assert ((y.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + 1e-4).all()
+    assert torch.equal(linear(x[:1], wb)[0], y[0])         # a row alone: the same bits
+
+
+def test_bf16_models_are_stored_k_major_and_gpu_models_left_alone():
+    model = random_model(tiny_config(), seed=5).to_dtype(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    model.fuse_for_inference()
+    swapped = [m for m in model.modules() if isinstance(m, KMajorLinear)]
+    assert swapped and all(k_major(m.weight) and m.weight.dtype == torch.bfloat16
+                           for m in swapped)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q), n
+    if torch.cuda.is_available():
+        gpu = random_model(tiny_config(), seed=5).cuda().fuse_for_inference()
+        assert not any(isinstance(m, KMajorLinear) for m in gpu.modules())
 
 
 def test_thread_count_does_not_change_the_product():
