@@ -134,15 +134,13 @@ static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *r
  * sum is one register with AVX-512 (32 of them) and two with AVX2 (16 of them): the AVX-512
  * tile (6 rows x 32 outputs = 24 sums) spills on AVX2, so there a tile is 6 rows x 16 outputs
  * (12 registers of sums, 2 of weights, 1 of input): 2.0 -> 7 GFLOPS a thread at 6-256 rows
- * of a [2304 x 2304] product on an AVX2 EPYC. A lone row keeps 128 outputs on both (on AVX2
- * the 64-output form with no spill read the weights in shorter runs: 6.2 -> 3.7 GFLOPS).
+ * of a [2304 x 2304] product on an AVX2 EPYC. One or two rows stream instead
+ * (outer_rows_stream).
  * NEON (aarch64): 32 registers of 4 lanes, a 16-lane sum is four (vec16.h's VREGS16), and
  * the ISO C build does not fuse a multiply-add, so each product takes a register until its
- * add: GCC 12 issues a step's products before its adds. A lone row keeps 64 outputs: 16
- * registers of sums and 16 of products, no spill (96 or 128 outputs spilled sums to the stack
- * every step, by the compiler's output). The 6 x 16 tile (24 sums + 24 products + 4 weights)
- * spills about 13 products a step to L1, which the FP pipes' 48 operations a step hide
- * on paper; a 3-row tile would fit (31 registers) but read each weight tile from L2 twice as
+ * add: GCC 12 issues a step's products before its adds. The 6 x 16 tile (24 sums + 24
+ * products + 4 weights) spills about 13 products a step to L1, which the FP pipes' 48
+ * operations a step hide on paper; a 3-row tile would fit (31 registers) but read each weight tile from L2 twice as
  * often. Neither is measured: no ARM machine here (docs/benchmarks.md).
  * Each output still sums in K order: the results are the same bits with any tiling. */
 #ifndef KDASERVE_ROW_PRODUCTS_TILES
@@ -152,21 +150,13 @@ static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *r
 #else
 #define TILE_COLS 1        /* AVX2, NEON */
 #endif
-#ifndef WIDE_SUMS          /* -DWIDE_SUMS=N: an A/B build */
-#if defined(__aarch64__)
-#define WIDE_SUMS 4        /* 16-lane sums of a lone row: 64 outputs */
-#else
-#define WIDE_SUMS 8        /* 128 outputs */
-#endif
-#endif
-#define WIDE_OUT (16 * WIDE_SUMS)
 #define TILE_OUT (16 * TILE_COLS)
-/* The lone row's sums: on x86 in v16f, even where the tiles compute in 8-lane registers
- * (AVX2): 8 sums of 2 registers and their products spill the 16 there, and measured, the
- * lone row ran at 0.68x in 8-lane form while the tiles gained 1.29x (docs/benchmarks.md) */
+/* the streamed rows' vectors: the target's register (8 lanes on AVX2; a v16f there was kept
+ * in memory by GCC 12 and ran at 0.68x, docs/benchmarks.md) */
 #define ROW_LANES VREG_LANES
 #define ROW_T vregf
 #define LDROW(p) LDWV(p)
+#define LDACC(p) ldvf(p)
 #define STROW(p, v) stvf(p, v)
 #endif
 
@@ -216,45 +206,35 @@ static inline __attribute__((always_inline)) void NAME(outer_tile)(
         for (int c = 0; c < CV; ++c) stvf(Y + (b + r) * ldy + n + VREG_LANES * c, acc[r][c]);
 }
 
-/* One row, outputs [n, n + 16 * S16): S16 16-lane sums in flight at once (a 32-output tile
- * of one row waits on its two sums' additions, and reads the weights in shorter runs); the
- * same order. S16 is a constant where it is inlined: the sums stay in registers. */
-static inline __attribute__((always_inline)) void NAME(outer_row_span)(
-        const WT *restrict W, const float *restrict x, float *restrict y, int64_t N, int64_t K,
-        int64_t n, const int S16) {
-    enum { PER16 = 16 / ROW_LANES };
-    const int S = S16 * PER16;
-    ROW_T acc[WIDE_SUMS * PER16];
-#pragma GCC unroll 32
-    for (int c = 0; c < S; ++c) acc[c] = (ROW_T){0};
-    for (int64_t i = 0; i < K; ++i) {
-        const WT *w = W + i * N + n;
-        const float xi = x[i];
-#pragma GCC unroll 32
-        for (int c = 0; c < S; ++c) acc[c] += LDROW(w + ROW_LANES * c) * xi;
-    }
-#pragma GCC unroll 32
-    for (int c = 0; c < S; ++c) STROW(y + n + ROW_LANES * c, acc[c]);
-}
-
-/* One row, outputs [n0, n1) (multiples of 16): WIDE_OUT at a time, then one narrower span
- * for the rest (a lone 16-output tile runs two dependent chains: latency-bound). */
-static void NAME(outer_row_range)(const WT *restrict W, const float *restrict x,
-                                  float *restrict y, int64_t N, int64_t K, int64_t n0,
-                                  int64_t n1) {
-    int64_t n = n0;
-    for (; n + WIDE_OUT <= n1; n += WIDE_OUT) NAME(outer_row_span)(W, x, y, N, K, n, WIDE_SUMS);
-    switch ((n1 - n) / 16) {
-#if WIDE_SUMS > 7
-    case 7: NAME(outer_row_span)(W, x, y, N, K, n, 7); break;
-    case 6: NAME(outer_row_span)(W, x, y, N, K, n, 6); break;
-    case 5: NAME(outer_row_span)(W, x, y, N, K, n, 5); break;
-    case 4: NAME(outer_row_span)(W, x, y, N, K, n, 4); break;
-#endif
-    case 3: NAME(outer_row_span)(W, x, y, N, K, n, 3); break;
-    case 2: NAME(outer_row_span)(W, x, y, N, K, n, 2); break;
-    case 1: NAME(outer_row_span)(W, x, y, N, K, n, 1); break;
-    default: break;
+/* Outputs [n0, n1) (a multiple of ROW_LANES) of R <= 2 rows, i outer: each weight row's run
+ * of the range is read once, in order, for both rows, and every output's running sum lives
+ * in an L1 buffer between its adds. Register-held sums of 128 outputs at a time read the
+ * weights in 512-byte runs a row apart, which the memory serves at 0.6-0.8x the rate of
+ * these longer runs (docs/benchmarks.md). Each output still sums x[i] w[i, n] in i order,
+ * y = y + x w: the same bits as the tiles. */
+#define STREAM_OUT 2048
+static void NAME(outer_rows_stream)(const WT *restrict W, const float *restrict X, int64_t ldx,
+                                    float *restrict Y, int64_t ldy, int64_t N, int64_t K,
+                                    int64_t n0, int64_t n1, int64_t R) {
+    float acc[2][STREAM_OUT];
+    for (int64_t a = n0; a < n1; a += STREAM_OUT) {
+        const int64_t len = n1 - a < STREAM_OUT ? n1 - a : STREAM_OUT;
+        for (int64_t r = 0; r < R; ++r) memset(acc[r], 0, sizeof(float) * (size_t)len);
+        for (int64_t i = 0; i < K; ++i) {
+            const WT *w = W + i * N + a;
+            const float x0 = X[i], x1 = R > 1 ? X[ldx + i] : 0.0f;
+            if (R > 1)
+                for (int64_t j = 0; j < len; j += ROW_LANES) {
+                    const ROW_T wv = LDROW(w + j);
+                    STROW(acc[0] + j, LDACC(acc[0] + j) + wv * x0);
+                    STROW(acc[1] + j, LDACC(acc[1] + j) + wv * x1);
+                }
+            else
+                for (int64_t j = 0; j < len; j += ROW_LANES)
+                    STROW(acc[0] + j, LDACC(acc[0] + j) + LDROW(w + j) * x0);
+        }
+        for (int64_t r = 0; r < R; ++r)
+            memcpy(Y + r * ldy + a, acc[r], sizeof(float) * (size_t)len);
     }
 }
 
@@ -263,8 +243,8 @@ static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_
     const int64_t NT = N - N % TILE_OUT, N16 = N - N % 16;
     int64_t first = 0;                 /* outputs before it are done */
     if (B <= 2) {
-        /* few rows: each thread one contiguous range of the outputs (a 16-multiple), in wide
-         * spans; whole WIDE_OUT chunks dealt out left threads uneven (900 outputs: 4 to 3) */
+        /* few rows: each thread one contiguous range of the outputs (a 16-multiple), streamed;
+         * whole 128-output chunks dealt out left threads uneven (900 outputs: 4 to 3) */
         const int64_t units = N16 / 16;
         int64_t parts = 1;
 #ifdef _OPENMP
@@ -274,8 +254,7 @@ static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_
 #pragma omp parallel for schedule(static) num_threads((int)parts) if (parts > 1)
         for (int64_t p = 0; p < parts; ++p) {
             const int64_t n0 = 16 * (units * p / parts), n1 = 16 * (units * (p + 1) / parts);
-            for (int64_t b = 0; b < B; ++b)
-                NAME(outer_row_range)(W, X + b * ldx, Y + b * ldy, N, K, n0, n1);
+            NAME(outer_rows_stream)(W, X, ldx, Y, ldy, N, K, n0, n1, B);
         }
         first = N16;
     }
