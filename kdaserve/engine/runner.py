@@ -13,6 +13,7 @@ rejected positions stay in the pages, past the request's computed length, and ar
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -241,6 +242,7 @@ class ModelRunner:
             self.structured.advance(sampled)
         valid = self.settle(plan, ops, fwd.kept, sampled)
         drafts: dict[str, list[int]] = {}
+        began = time.perf_counter()
         if self.proposer is not None and not drafting:     # the drafter sleeps
             self.proposer.missed(seqs)
         elif self.proposer is not None and sampled:
@@ -253,8 +255,10 @@ class ModelRunner:
         for rid, toks in sampled.items():    # the next step may name them PENDING
             requests[rid].output_token_ids.extend(t.token_id for t in toks)
         errors = self.structured.take_failures() if masks is not None else {}
+        # host time: on a GPU the draft's kernels may still run (a wait here would cost more)
+        draft_seconds = time.perf_counter() - began if drafting and drafts else 0.0
         return ModelRunnerOutput(sampled=sampled, drafts=drafts, prompt_logprobs=prompt_lps,
-                                 grammar_errors=errors)
+                                 grammar_errors=errors, draft_seconds=draft_seconds)
 
     def settle(self, plan: StepPlan, ops: StepOps, kept: KeptStates | None,
                sampled: Mapping[str, list[SampledToken]]) -> list[int]:

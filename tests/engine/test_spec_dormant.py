@@ -57,6 +57,7 @@ def test_a_dormant_drafter_takes_the_forward_rows_of_plain_decoding(hf_checkpoin
     assert end[0] - start[0] == plain_rows      # the target's rows: exactly plain decoding's
     assert end[1:] == start[1:]                 # nothing captured, projected or drafted
     assert sched.num_draft_tokens == drafts     # nothing probed
+    assert llm.engine.stats.spec_dormant_seconds > 0    # /metrics counts the time asleep
 
 
 def test_a_woken_drafter_drafts_a_request_it_slept_through_from_its_next_tokens(
