@@ -92,7 +92,7 @@ def test_a_woken_drafter_drafts_a_request_it_slept_through_from_its_next_tokens(
             outs.setdefault(d.request_id, []).extend(d.new_token_ids)
 
     engine.add_request("a", prompts[0], sp)
-    while not policy.dormant:
+    while not policy.dormant and engine.has_unfinished():
         step()
     step()
     a = engine.scheduler.requests["a"]
