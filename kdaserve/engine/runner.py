@@ -245,7 +245,8 @@ class ModelRunner:
         began = time.perf_counter()
         if self.proposer is not None and not drafting:     # the drafter sleeps
             self.proposer.missed(seqs)
-        elif self.proposer is not None and sampled:
+        elif self.proposer is not None:
+            # a step in which nobody sampled (prompt chunks only) is draft context too
             hidden = torch.cat(fwd.captured, -1) if fwd.captured else None
             rows = {rid: self.sampler.row(requests[rid]) for rid in sampled}
             props = self.proposer.propose(ProposalInput(
@@ -256,7 +257,8 @@ class ModelRunner:
             requests[rid].output_token_ids.extend(t.token_id for t in toks)
         errors = self.structured.take_failures() if masks is not None else {}
         # host time: on a GPU the draft's kernels may still run (a wait here would cost more)
-        draft_seconds = time.perf_counter() - began if drafting and drafts else 0.0
+        draft_seconds = (time.perf_counter() - began
+                         if drafting and self.proposer is not None else 0.0)
         return ModelRunnerOutput(sampled=sampled, drafts=drafts, prompt_logprobs=prompt_lps,
                                  grammar_errors=errors, draft_seconds=draft_seconds)
 

@@ -117,3 +117,25 @@ def test_a_woken_drafter_drafts_a_request_it_slept_through_from_its_next_tokens(
     while engine.has_unfinished():
         step()
     assert [outs["a"], outs["b"]] == want
+
+
+def test_a_prompt_prefilled_in_chunks_is_all_draft_context(hf_checkpoint, tmp_path):
+    """Steps in which nobody samples (prompt chunks before the last) are captured too: once
+    the prompt is in, every one of its positions is in the draft's context."""
+    path, hf = hf_checkpoint
+    draft = _random_draft(path, tmp_path / "draft", block=4)
+    prompt = _prompts(hf.config.vocab_size, 1, 7)[0] * 4              # 36 tokens
+    llm = LLM(str(path), speculative_method="dspark", num_speculative_tokens=3,
+              speculative_model=str(draft), speculative_adaptive=False,
+              max_num_batched_tokens=8, long_prefill_token_threshold=8)
+    engine = llm.engine
+    engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=4,
+                                                   ignore_eos=True))
+    steps = 0
+    while not engine.scheduler.requests["a"].output_token_ids:
+        engine.step()
+        steps += 1
+    assert steps >= 4                             # the prompt took several chunks
+    bs, ids = engine.cache.block_size, engine.cache.block_ids("a")
+    slots = [ids[p // bs] * bs + p % bs for p in range(len(prompt))]
+    assert bool(engine.runner.proposer._valid[slots].all())
