@@ -32,8 +32,11 @@ def test_bench_spec_prints_greedy_and_sampled_rows(capsys):
                                                            abs=1e-4)
             assert row["mean_accepted_tokens"] == pytest.approx(
                 (row["accepted"] + row["verifications"]) / row["verifications"], abs=1e-3)
+            # the rates are rounded to 0.1 tok/s: on a loaded machine (a few tok/s) that alone
+            # moves their ratio by a few percent
+            slack = 0.05 / row["spec_tok_s"] + 0.05 / row["baseline_tok_s"] + 1e-2
             assert row["speedup"] == pytest.approx(row["spec_tok_s"] / row["baseline_tok_s"],
-                                                   rel=1e-2)
+                                                   rel=slack)
     for key, mode, batch in (("speedup", "greedy", "batch1"),
                              ("sampled_speedup", "sampled", "batch1"),
                              ("batch32_speedup", "greedy", "batch32"),
