@@ -32,8 +32,8 @@ finds nothing worth drafting doubles the wait before the next (up to `max_wake_a
 The probing rate, documented: awake, probes cost at most `probe_share` of the predicted step
 time; asleep, none. A wake costs about `sleep_after` awake plans (capture and projection of
 their rows) plus `sleep_trials` probe blocks (the sleep waits for that evidence), and comes at
-most once per
-`wake_after`-doubling wait (per batch-size bucket, at most once per `wake_after` steps).
+most once per wait (`wake_after`, doubling), or once per `wake_after` steps per batch-size
+bucket.
 A request that ran while the drafter slept is drafted after the wake from the context captured
 since (the draft's context cannot be rebuilt from the target's cache: see
 engine/spec/dspark.py `missed`); a request admitted at the wake is captured from its start.
