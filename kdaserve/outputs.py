@@ -97,6 +97,8 @@ class ModelRunnerOutput:
     # requests asking for prompt logprobs: (first prompt position scored, its entries)
     grammar_errors: dict[str, str] = field(default_factory=dict)
     # requests whose grammar matcher failed: they end with an error, not unconstrained
+    draft_seconds: float = 0.0
+    # host seconds the proposer took this step (capture projection and draft forward)
 
 
 @dataclass
@@ -107,6 +109,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
+    acceptance_length: float | None = None
+    # speculation: mean tokens per verified block (accepted drafts + 1); None: none verified
 
 
 @dataclass
@@ -137,3 +141,13 @@ class RequestDelta:
     num_cached_tokens: int = 0
     error: str | None = None        # the engine failed this request (finish_reason "error")
     prompt_logprobs: list[dict[int, float] | None] | None = None   # with the first tokens
+    # speculation, on the final delta: blocks of drafts verified and drafts accepted
+    spec_verifications: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Mean tokens per verified block (accepted drafts + 1); None: none verified."""
+        if not self.spec_verifications:
+            return None
+        return 1.0 + self.spec_accepted_tokens / self.spec_verifications

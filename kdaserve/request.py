@@ -220,6 +220,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)   # drafts to verify next step
     num_draft_tokens: int = 0           # drafts verified so far (speculative decoding stats)
     num_accepted_tokens: int = 0        # of which accepted
+    num_spec_verifications: int = 0     # steps that verified its drafts (blocks verified)
     # async scheduling (engine/lookahead.py): output tokens sampled by steps still in flight,
     # held at the end of output_token_ids as PENDING until their step's result arrives
     num_pending: int = 0

@@ -12,6 +12,9 @@ random stream is consumed differently); the rejection sampler's exactness is a u
 `--rejection-sample-method both` runs a third engine that verifies by blocks
 (engine/spec/block_verify.py) on the same prompts and seeds, and reports its row beside the
 token rule's, with `block_vs_token_acceptance` (sampled: the ratio of acceptance lengths).
+`--input-lens 1024,16384,65536` adds, per mode, a batch-1 row `input<L>` whose prompts are L
+tokens long (bench/spec_prompts.py `long_prompt_ids`): the engines' max_model_len is raised to
+fit; a length past the model's own limit is reported as {"skipped": why}.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 import torch
 
 from kdaserve.assets import default_model_path
-from kdaserve.bench.spec_prompts import unseen_prompts
+from kdaserve.bench.spec_prompts import long_prompt_ids, unseen_prompts
 from kdaserve.engine.llm import LLM
 from kdaserve.generation_defaults import generation_defaults
 from kdaserve.ops.cpu_isa import cpu_isa
@@ -94,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     model = args.model or str(default_model_path())
     where = {"device": args.device, "dtype": args.dtype}
+    if args.input_lens:         # room for the longest prompt, its completion and a block
+        where["max_model_len"] = max(4096, max(args.input_lens) + args.max_tokens + args.k + 1)
     base = LLM(model, enable_prefix_caching=False, **where)
     methods = ["token", "block"] if args.rejection_sample_method == "both" else [
         args.rejection_sample_method]
@@ -129,6 +134,10 @@ def run(args: argparse.Namespace) -> int:
                 row["block"] = blk
                 row["block_vs_token_acceptance"] = round(
                     blk["acceptance_length"] / row["acceptance_length"], 3)
+        for n_in in args.input_lens:
+            row = rows[f"input{n_in}"] = _long_row(base, spec, n_in, mode, defaults, args)
+            if "block" in specs and spec is not specs["block"] and "skipped" not in row:
+                row["block"] = _long_row(base, specs["block"], n_in, mode, defaults, args)
         result[mode] = rows
         if mode == "sampled":
             result["sampling"] = {k: v for k, v in vars(_params(mode, defaults, 1, 1)[0]).items()
@@ -142,6 +151,29 @@ def run(args: argparse.Namespace) -> int:
             result[f"{prefix}batch32_speedup"] = rows["batch32"]["speedup"]
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
+
+
+def _long_row(base: LLM, spec: LLM, n_in: int, mode: str, defaults: dict,
+              args: argparse.Namespace) -> dict:
+    """Batch 1, `--num-prompts` requests whose prompts are n_in tokens long."""
+    limit = min(base.engine.config.scheduler.max_model_len,
+                base.engine.model.config.max_position_embeddings)
+    if n_in + args.max_tokens + args.k + 1 > limit:
+        return {"input_len": n_in, "skipped": f"{n_in} prompt tokens + {args.max_tokens} "
+                f"generated + {args.k + 1} verified exceed the model's limit of {limit}"}
+    encode = base.tokenizer.encode
+    prompts = [{"prompt_token_ids": long_prompt_ids(encode, n_in, i)}
+               for i in range(args.num_prompts)]
+    params = _params(mode, defaults, args.num_prompts, args.max_tokens)
+    row = measure(base, spec, prompts, params, 1, greedy=mode == "greedy",
+                  repeats=args.repeats)
+    row["input_len"] = n_in
+    row["acceptance_length"] = row["mean_accepted_tokens"]
+    return row
+
+
+def _lengths(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -164,4 +196,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu or cuda (both engines)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--input-lens", type=_lengths, default=[],
+                   help="comma-separated prompt lengths in tokens for extra batch-1 rows, e.g. "
+                   "1024,16384,65536 (the K3 recipe's long-input figures; default: none)")
     p.add_argument("--json", action="store_true")

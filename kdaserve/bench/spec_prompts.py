@@ -38,3 +38,17 @@ HELDOUT_PLAY = [
 def unseen_prompts() -> list[str]:
     """Prose and play prompts interleaved, so that any prefix of the list mixes both kinds."""
     return [p for pair in zip(MODERN_PROSE, HELDOUT_PLAY) for p in pair]
+
+
+def long_prompt_ids(encode, num_tokens: int, index: int) -> list[int]:
+    """A prompt of exactly `num_tokens` tokens that ends with unseen prompt `index`: the
+    unseen prompts, cycled from the next one on, fill the context before it. The filler
+    repeats (there is not 64k tokens of held-out text here), so these rows measure what a
+    long context costs the drafter and the verifier, not acceptance on fresh text."""
+    prompts = unseen_prompts()
+    tail = encode(prompts[index % len(prompts)])[-num_tokens:]
+    order = prompts[index + 1:] + prompts[:index + 1]
+    filler = encode("\n\n".join(order) + "\n\n")
+    need = num_tokens - len(tail)
+    ids = (filler * (need // max(1, len(filler)) + 1))[:need]
+    return ids + tail

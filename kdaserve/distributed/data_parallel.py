@@ -91,6 +91,7 @@ def merge(outs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
         merged.cache.extend(o.cache)
         merged.prompt_logprobs.update(o.prompt_logprobs)
         merged.grammar_errors.update(o.grammar_errors)
+        merged.draft_seconds = max(merged.draft_seconds, o.draft_seconds)   # ranks in parallel
     return merged
 
 

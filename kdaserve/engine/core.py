@@ -65,6 +65,11 @@ class EngineStats:
     generation_tokens: int = 0
     preemptions: int = 0
     finished: dict[str, int] = field(default_factory=dict)
+    # speculation: seconds in the proposer, in steps that verified drafts (less the proposer's
+    # share), and in steps run while the drafter slept (adaptive speculation)
+    spec_draft_seconds: float = 0.0
+    spec_verify_seconds: float = 0.0
+    spec_dormant_seconds: float = 0.0
 
 
 class EngineCore:
@@ -348,6 +353,8 @@ class EngineCore:
             if all(len(s.token_ids) == 1 + s.num_draft_tokens for s in out.sequences):
                 policy.realized.observe(len(out.sequences), verifies,
                                         sum(len(t) for t in result.sampled.values()), seconds)
+        if self.config.speculative is not None and not out.is_empty:
+            self._spec_time(out, result, seconds)
         self.stats.steps += 1
         self.stats.preemptions += len(out.preempted)
         for seq in out.sequences:
@@ -379,6 +386,14 @@ class EngineCore:
                    if rid in self._tracked]
         return deltas
 
+    def _spec_time(self, out, result, seconds: float) -> None:
+        st = self.stats
+        st.spec_draft_seconds += result.draft_seconds
+        if not out.drafting:
+            st.spec_dormant_seconds += seconds
+        elif any(s.num_draft_tokens for s in out.sequences):
+            st.spec_verify_seconds += max(0.0, seconds - result.draft_seconds)
+
     def _delta(self, req: Request) -> RequestDelta:
         tr = self._tracked[req.request_id]
         prompt_lps = (req.prompt_logprobs or [None]) if tr.emitted_tokens == 0 and \
@@ -409,7 +424,9 @@ class EngineCore:
         return RequestDelta(tr.parent, tr.index, new_ids, text, finished, reason,
                             req.stop_reason if finished else None, new_lps,
                             req.num_prompt_tokens, known,
-                            req.num_cached_tokens, prompt_logprobs=prompt_lps)
+                            req.num_cached_tokens, prompt_logprobs=prompt_lps,
+                            spec_verifications=req.num_spec_verifications if finished else 0,
+                            spec_accepted_tokens=req.num_accepted_tokens if finished else 0)
 
     def _grammar_failed(self, rid: str, why: str) -> RequestDelta:
         # its last token was sampled under an EOS-only mask: never report it as a "stop"

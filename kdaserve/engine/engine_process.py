@@ -209,6 +209,9 @@ class EngineLoop:
             spec_accepted_tokens=core.scheduler.num_accepted_tokens,
             spec_acceptance_lengths=dict(core.scheduler.acceptance_lengths),
             spec_accepted_by_position=dict(core.scheduler.accepted_by_position),
+            spec_draft_seconds=core.stats.spec_draft_seconds,
+            spec_verify_seconds=core.stats.spec_verify_seconds,
+            spec_dormant_seconds=core.stats.spec_dormant_seconds,
             spec_adaptive=(core.scheduler.spec_policy.decisions()
                            if core.scheduler.spec_policy is not None else {}),
             offload=(offload_stats(cache.offload, core.executor.transfer_stats())

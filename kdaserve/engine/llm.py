@@ -122,6 +122,7 @@ class LLM:
                         out.prompt_logprobs = d.prompt_logprobs
                     if d.finished:
                         comp.finish_reason, comp.stop_reason = d.finish_reason, d.stop_reason
+                        comp.acceptance_length = d.acceptance_length
                         if d.error is not None:       # the engine failed this request only
                             comp.stop_reason = d.error
                         pending[d.request_id] -= 1

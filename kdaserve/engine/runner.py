@@ -13,6 +13,7 @@ rejected positions stay in the pages, past the request's computed length, and ar
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -241,9 +242,11 @@ class ModelRunner:
             self.structured.advance(sampled)
         valid = self.settle(plan, ops, fwd.kept, sampled)
         drafts: dict[str, list[int]] = {}
+        began = time.perf_counter()
         if self.proposer is not None and not drafting:     # the drafter sleeps
             self.proposer.missed(seqs)
-        elif self.proposer is not None and sampled:
+        elif self.proposer is not None:
+            # a step in which nobody sampled (prompt chunks only) is draft context too
             hidden = torch.cat(fwd.captured, -1) if fwd.captured else None
             rows = {rid: self.sampler.row(requests[rid]) for rid in sampled}
             props = self.proposer.propose(ProposalInput(
@@ -253,8 +256,11 @@ class ModelRunner:
         for rid, toks in sampled.items():    # the next step may name them PENDING
             requests[rid].output_token_ids.extend(t.token_id for t in toks)
         errors = self.structured.take_failures() if masks is not None else {}
+        # host time: on a GPU the draft's kernels may still run (a wait here would cost more)
+        draft_seconds = (time.perf_counter() - began
+                         if drafting and self.proposer is not None else 0.0)
         return ModelRunnerOutput(sampled=sampled, drafts=drafts, prompt_logprobs=prompt_lps,
-                                 grammar_errors=errors)
+                                 grammar_errors=errors, draft_seconds=draft_seconds)
 
     def settle(self, plan: StepPlan, ops: StepOps, kept: KeptStates | None,
                sampled: Mapping[str, list[SampledToken]]) -> list[int]:

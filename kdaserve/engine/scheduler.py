@@ -370,6 +370,7 @@ class Scheduler:
                 req.num_computed_tokens += len(tokens)
                 req.num_draft_tokens += seq.num_draft_tokens
                 req.num_accepted_tokens += len(tokens) - 1
+                req.num_spec_verifications += 1
                 self.num_verify_rows += 1
                 self.num_draft_tokens += seq.num_draft_tokens
                 self.num_accepted_tokens += len(tokens) - 1

@@ -89,6 +89,10 @@ class EngineStatsSnapshot(msgspec.Struct):
     # verified blocks by acceptance length (accepted drafts + 1); accepted drafts by position
     spec_acceptance_lengths: dict[int, int] = {}
     spec_accepted_by_position: dict[int, int] = {}
+    # seconds: in the proposer, in verifying steps (less the proposer's), with the drafter asleep
+    spec_draft_seconds: float = 0.0
+    spec_verify_seconds: float = 0.0
+    spec_dormant_seconds: float = 0.0
     # adaptive speculation's decisions (kdaserve.engine.spec.adaptive.decisions); {} when off
     spec_adaptive: dict[str, float] = {}
     # offload tiers: tier name -> counters (see kdaserve.engine.tier_transfer.offload_stats)

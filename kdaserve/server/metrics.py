@@ -27,6 +27,9 @@ from prometheus_client.registry import Collector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
+# tokens per verified block: 1 (nothing accepted) up to 1 + the most drafts a block holds
+_ACCEPTANCE_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0,
+                       12.0, 16.0)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -57,6 +60,13 @@ _COUNTERS = (
     ("kdaserve:spec_decode_num_draft_tokens", "spec_draft_tokens", "Draft tokens proposed."),
     ("kdaserve:spec_decode_num_accepted_tokens", "spec_accepted_tokens",
      "Draft tokens accepted by verification."),
+    ("kdaserve:spec_decode_draft_seconds", "spec_draft_seconds",
+     "Seconds in the drafter (projecting captured context, the draft forward, picking drafts; "
+     "host time)."),
+    ("kdaserve:spec_decode_verify_seconds", "spec_verify_seconds",
+     "Seconds of steps that verified drafts, less the drafter's share."),
+    ("kdaserve:spec_decode_dormant_seconds", "spec_dormant_seconds",
+     "Seconds of steps run while the drafter slept (adaptive speculation: plain decoding)."),
 )
 
 # Offload tiers, one series per tier (label `tier`): (metric name, key, help, counter?)
@@ -123,7 +133,7 @@ class _EngineCollector(Collector):
         for name, key, doc in _GAUGES:
             yield GaugeMetricFamily(name, doc, value=float(snap[key]))
         for name, key, doc in _COUNTERS:
-            yield CounterMetricFamily(name, doc, value=float(snap[key]))
+            yield CounterMetricFamily(name, doc, value=float(snap.get(key, 0)))
         drafted = float(snap.get("spec_draft_tokens", 0))
         yield GaugeMetricFamily(
             "kdaserve:spec_decode_acceptance_rate",
@@ -184,6 +194,10 @@ class ServerMetrics:
         self.e2e = Histogram("kdaserve:e2e_request_latency_seconds",
                              "Time from arrival to the last token of a finished request.",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.request_acceptance = Histogram(
+            "kdaserve:spec_decode_request_acceptance_length",
+            "Per finished completion that verified drafts: its mean tokens per verified block "
+            "(accepted drafts + 1).", buckets=_ACCEPTANCE_BUCKETS, registry=self.registry)
         self.finished = Counter("kdaserve:request_success", "Requests that finished.",
                                 ["finished_reason"], registry=self.registry)
         self.aborted = Counter("kdaserve:request_aborted",
@@ -229,6 +243,11 @@ class RequestTimer:
             self._m.tpot.observe((end - self._first) / (longest - 1))
         for reason in finish_reasons:
             self._m.finished.labels(finished_reason=reason).inc()
+
+    def acceptance(self, length: float | None) -> None:
+        """A completion finished: its mean acceptance length, if it verified drafts."""
+        if length is not None:
+            self._m.request_acceptance.observe(length)
 
     def aborted(self) -> None:
         if not self._done:

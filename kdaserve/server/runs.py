@@ -173,6 +173,7 @@ class Run:
         self._timer.on_tokens(d.index, len(d.new_token_ids))
         if d.finished:
             self._reasons.append(d.finish_reason or "stop")
+            self._timer.acceptance(d.acceptance_length)
             if len(self._reasons) == self.n:
                 self._timer.finished(self._reasons)
         return d

@@ -49,3 +49,41 @@ def test_sampled_block_verification_accepts_drafts():
     assert all(len(t) == 32 for t in out)
     s = llm.engine.scheduler
     assert s.num_accepted_tokens > 0 and s.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("model", [kimi_linear_demo_path, default_model_path],
+                         ids=["kimi_linear_demo", "k3_demo"])
+def test_greedy_at_batch_32_with_a_sleeping_and_waking_drafter_equals_plain(model):
+    """Adaptive speculation on, made to sleep and wake within the run (a short sleep and wait;
+    half the requests admitted while the first half decodes): requests draft from whatever
+    context the drafter holds, and greedy output is still plain decoding's."""
+    base = LLM(str(model()), max_num_seqs=32, num_threads=1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = _prompts(base, 32)
+    want = _tokens(base, prompts, greedy)
+    llm = LLM(str(model()), max_num_seqs=32, num_threads=1, speculative_method="dspark",
+              num_speculative_tokens=4)
+    engine, policy = llm.engine, llm.engine.scheduler.spec_policy
+    policy.sleep_after, policy.wake_after, policy.sleep_trials = 2, 1, 0
+    policy.prior_acceptance = policy.shared_alpha = 0.05     # asleep early: nothing earns
+    outs: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for d in engine.step():
+            outs.setdefault(d.request_id, []).extend(d.new_token_ids)
+
+    for i in range(16):
+        engine.add_request(str(i), prompts[i], greedy)
+    while not policy.dormant and engine.has_unfinished():
+        step()
+    assert policy.dormant
+    step()                                      # a step asleep: the first half misses it
+    for i in range(16, 32):
+        engine.add_request(str(i), prompts[i], greedy)
+    step()
+    assert policy.sleeps >= 1 and not policy.dormant       # an admission woke it
+    policy.alpha.update({str(i): 0.99 for i in range(16)})  # they draft again, as if earning
+    while engine.has_unfinished():
+        step()
+    assert [outs[str(i)] for i in range(32)] == want
+    assert engine.cache.all_free()

@@ -44,14 +44,27 @@ def test_histogram_and_positions_render():
     assert h not in ServerMetrics().render(_snapshot()).decode()    # no drafts: no histogram
 
 
+def test_seconds_counters_render():
+    s = _samples(ServerMetrics().render(_snapshot(
+        spec_draft_seconds=1.5, spec_verify_seconds=2.0, spec_dormant_seconds=0.25)).decode())
+    assert s[("kdaserve:spec_decode_draft_seconds_total", ())] == 1.5
+    assert s[("kdaserve:spec_decode_verify_seconds_total", ())] == 2.0
+    assert s[("kdaserve:spec_decode_dormant_seconds_total", ())] == 0.25
+
+
 def test_engine_counters_agree():
     llm = LLM(max_num_seqs=2, num_threads=1, speculative_method="ngram",
               num_speculative_tokens=3, speculative_adaptive=False)
     prompt = llm.tokenizer.encode("ROMEO:\nROMEO:\nROMEO:\n")
-    llm.generate([{"prompt_token_ids": prompt}],
-                 SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-                 use_tqdm=False)
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
     s = llm.engine.scheduler
+    # the request's own mean acceptance length: tokens per verified block
+    assert out.acceptance_length == 1 + s.num_accepted_tokens / s.num_verify_rows
+    st = llm.engine.stats
+    assert st.spec_draft_seconds > 0 and st.spec_verify_seconds > 0
+    assert st.spec_dormant_seconds == 0            # a fixed k: the drafter never sleeps
     assert sum(s.acceptance_lengths.values()) == s.num_verify_rows > 0
     assert sum(k * v for k, v in s.acceptance_lengths.items()) == \
         s.num_accepted_tokens + s.num_verify_rows

@@ -58,6 +58,13 @@ def test_speculative_server_is_identical(method, adaptive, reference, tmp_path):
     accepted = after["kdaserve:spec_decode_num_accepted_tokens_total"]
     assert after["kdaserve:spec_decode_num_verifications_total"] > 0
     assert drafted > 0 and 0 <= accepted <= drafted
+    # time in the drafter and in verifying steps (counters of seconds; their size is not asserted)
+    assert after["kdaserve:spec_decode_draft_seconds_total"] > 0
+    assert after["kdaserve:spec_decode_verify_seconds_total"] > 0
+    # each completion that verified drafts: its mean tokens per verified block
+    h = "kdaserve:spec_decode_request_acceptance_length"
+    assert 1 <= after[f"{h}_count"] <= len(PROMPTS)
+    assert after[f"{h}_count"] <= after[f"{h}_sum"] <= 5 * after[f"{h}_count"]
     if not adaptive:
         assert accepted > 0
         return

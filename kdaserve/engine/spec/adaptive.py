@@ -23,12 +23,21 @@ step time, so that a draft that never pays costs at most that much.
 An idle drafter still costs: the target's hidden states are captured every step, projected
 into the draft's pages, and the proposer runs. So after `sleep_after` plans in a row in which
 no request earned a draft, and once at least `sleep_trials` blocks were verified since it woke
-(probes count: the evidence), the drafter sleeps (`dormant`): steps capture nothing and
-propose nothing, and the plan is all zeros. It wakes when a request is admitted after
-`wake_after` steps asleep (or at another batch-size bucket than the one it fell asleep at);
-that request's context is then captured from its start (a drafter cannot draft for a request
-whose context it missed: the proposer tracks which context it holds). Each wake that finds
-nothing worth drafting doubles the wait before the next. No tensors here.
+(probes count: the evidence), the drafter sleeps (`dormant`): steps capture nothing, project
+nothing and propose nothing, the plan is all zeros and nothing is probed. It wakes when a
+request is admitted after `wake_after` steps asleep, or at another batch-size bucket than the
+one it fell asleep at if that bucket has not been woken for `wake_after` steps. Each wake that
+finds nothing worth drafting doubles the wait before the next (up to `max_wake_after`).
+
+The probing rate, documented: awake, probes cost at most `probe_share` of the predicted step
+time; asleep, none. A wake costs about `sleep_after` awake plans (capture and projection of
+their rows) plus `sleep_trials` probe blocks (the sleep waits for that evidence), and comes at
+most once per wait (`wake_after`, doubling), or once per `wake_after` steps per batch-size
+bucket.
+A request that ran while the drafter slept is drafted after the wake from the context captured
+since (the draft's context cannot be rebuilt from the target's cache: see
+engine/spec/dspark.py `missed`); a request admitted at the wake is captured from its start.
+No tensors here.
 """
 
 from __future__ import annotations
@@ -204,6 +213,7 @@ class AdaptiveSpeculation:
         self._wait = self.wake_after
         self._earned_since_wake = True    # the first sleep waits wake_after
         self._trials_since_wake = 0       # verified blocks: the evidence a sleep rests on
+        self._bucket_woken: dict[int, int] = {}   # batch-size bucket -> step of its last wake
 
     def record(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verification: `accepted` of `drafted` drafts stood (a prefix of them)."""
@@ -297,8 +307,13 @@ class AdaptiveSpeculation:
         drafter if it has slept long enough, or the batch size moved to another bucket."""
         if not self.dormant:
             return
-        if self._asleep >= self._wait or max(1, rows).bit_length() != self._sleep_bucket:
+        bucket = max(1, rows).bit_length()
+        moved = (bucket != self._sleep_bucket
+                 and self.steps - self._bucket_woken.get(bucket, -self.wake_after)
+                 >= self.wake_after)
+        if self._asleep >= self._wait or moved:
             self.dormant, self._streak = False, 0
+            self._bucket_woken[bucket] = self.steps
             # the credit of the probes a sleep needs as evidence: the woken drafter tries its
             # blocks at once rather than staying awake (capturing, proposing: ~15% of a fused
             # CPU step) for the hundreds of steps probe_share would take to earn them

@@ -39,10 +39,16 @@ class DSparkProposer:
         # request drafts (adaptive speculation off) pay a copy instead of a draft projection.
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._pending_rows = 0
-        # blocks whose pages miss context: written by a step that ran while the drafter slept
-        # (adaptive speculation). A block is whole again once a step that captures writes it
-        # from its first slot; a request drafts only if no block of its context is stale.
-        self._stale: set[int] = set()
+        # which page slots hold their owner's context latents. A slot is valid once its latents
+        # are projected, invalid while its latents wait in _pending (never ingested yet) and once
+        # a step that ran while the drafter slept (adaptive speculation) wrote it. The draft
+        # attends only to valid slots: a request that was running while the drafter slept is
+        # drafted from the context captured since it woke (see `missed`).
+        self._valid = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
+        # the work the drafter did, in rows (tests and bench compare it with plain decoding)
+        self.rows_captured = 0       # target hidden-state rows handed to the drafter
+        self.rows_projected = 0      # context rows projected into the draft's pages
+        self.rows_drafted = 0        # draft forward rows (block positions per drafting request)
 
     @classmethod
     def from_config(cls, spec: SpeculativeConfig, config: EngineConfig,
@@ -71,18 +77,18 @@ class DSparkProposer:
         # 1. the target's hidden states of every position that stands become draft context
         valid = sum(inp.num_valid)
         if valid == len(inp.positions):                  # no draft rejected: all of them
-            self._pending.append((inp.hidden, inp.positions, inp.cache_slots))
+            entry = (inp.hidden, inp.positions, inp.cache_slots)
         else:
             rows = torch.tensor([starts[b] + j for b, m in enumerate(inp.num_valid)
                                  for j in range(m)], dtype=torch.long, device=self.device)
-            self._pending.append((inp.hidden[rows], inp.positions[rows], inp.cache_slots[rows]))
+            entry = (inp.hidden[rows], inp.positions[rows], inp.cache_slots[rows])
+        self._pending.append(entry)
+        self._valid.index_fill_(0, entry[2], False)      # not in the pages until ingested
         self._pending_rows += valid
+        self.rows_captured += valid
         # 2. one block per request that sampled: its newest token, then mask positions
         drafting = [(b, s) for b, s in enumerate(seqs) if s.request_id in inp.new_tokens
                     and inp.limit(s.request_id, self.num_tokens) > 0]
-        if self._stale:
-            self._refresh(seqs, inp.num_valid)
-            drafting = [(b, s) for b, s in drafting if self._whole(s, inp.num_valid[b])]
         if not drafting:
             if self._pending_rows >= self.MAX_PENDING:
                 self._ingest()
@@ -103,7 +109,8 @@ class DSparkProposer:
         j = torch.arange(L, device=self.device)
         blk = (j // self.block_size).clamp(max=width - 1)
         ctx_rows = bt[:, blk] * self.block_size + j % self.block_size               # [B,L]
-        ctx_mask = j[None] < ctx_len[:, None]
+        # context the drafter missed while it slept is left out (`missed`)
+        ctx_mask = (j[None] < ctx_len[:, None]) & self._valid[ctx_rows]
         ctx = [page.view(-1, page.shape[-1])[ctx_rows] for page in self.pages]
         mask = torch.cat([ctx_mask[:, None].expand(B, self.block, L),
                           torch.ones(B, self.block, self.block, dtype=torch.bool,
@@ -111,6 +118,7 @@ class DSparkProposer:
         positions = ctx_len[:, None] + torch.arange(self.block, device=self.device)[None]
         first = self.target.model.embed_tokens(first_tok)[:, None]
         h = self.draft.block_hidden(first, positions, ctx, mask, self.block)[:, :k]
+        self.rows_drafted += B * self.block
         logits = self.target.lm_head(h).float()                                      # [B,k,V]
         rows = [inp.sampling[s.request_id] for _, s in drafting]
         # the history the verifier will penalise with: outputs, this step's tokens, drafts
@@ -122,22 +130,28 @@ class DSparkProposer:
                 for (rid, p), n in zip(props.items(), limits)}
 
     def missed(self, seqs) -> None:
-        bs = self.block_size
+        """A step ran while the drafter slept: the slots it wrote hold no draft context now.
+
+        The draft's context is the target's hidden states at its layers, and the target's
+        cache cannot give them back (MLA latents are a rank-reducing projection of one layer's
+        input, KDA states a running summary), so rebuilding them means a second target forward
+        over the context: a prefill's cost, which is what the sleep saves. A woken drafter
+        therefore drafts for such a request from the context captured since it woke (its
+        slots written before the sleep stay valid). Rows captured before the sleep and not
+        yet projected are dropped, not projected now: their slots stay invalid (a dormant
+        drafter projects nothing) and they are at most `sleep_after` steps of a draft that
+        earned nothing, plus prompts prefilled in that stretch.
+        """
+        if self._pending:
+            self._pending, self._pending_rows = [], 0
+        bs, slots = self.block_size, []
         for s in seqs:
-            lo, hi = s.context_len, s.context_len + len(s.token_ids)
-            self._stale.update(s.block_ids[lo // bs:(hi - 1) // bs + 1])
-
-    def _refresh(self, seqs, num_valid: list[int]) -> None:
-        """Blocks this (capturing) step wrote from their first slot are whole again."""
-        bs = self.block_size
-        for s, m in zip(seqs, num_valid):
-            lo = s.context_len
-            for i in range(-(-lo // bs), (lo + m - 1) // bs + 1):
-                self._stale.discard(s.block_ids[i])
-
-    def _whole(self, s, valid: int) -> bool:
-        n = -(-(s.context_len + valid) // self.block_size)
-        return self._stale.isdisjoint(s.block_ids[:n])
+            ids = s.block_ids
+            slots.extend(ids[p // bs] * bs + p % bs
+                         for p in range(s.context_len, s.context_len + len(s.token_ids)))
+        if slots:
+            self._valid.index_fill_(0, torch.tensor(slots, dtype=torch.long,
+                                                    device=self.device), False)
 
     def _ingest(self) -> None:
         """Writes the pending context into the draft's pages, oldest first, so a slot ends up
@@ -153,8 +167,10 @@ class DSparkProposer:
                                  "amax")
             hidden, positions, dest = hidden[last], positions[last], dest[last]
         lats = self.draft.context_latents(hidden, positions)
+        self.rows_projected += len(dest)
         for page, lat in zip(self.pages, lats):
             page.view(-1, page.shape[-1]).index_copy_(0, dest, lat.to(page.dtype))
+        self._valid.index_fill_(0, dest, True)
 
     def _pick(self, logits: torch.Tensor, prev: torch.Tensor, rows: list[SamplingRow],
               rids: list[str]) -> dict[str, Proposal]:
