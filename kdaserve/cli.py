@@ -117,6 +117,7 @@ def _bench_args(bench: argparse.ArgumentParser) -> None:
         ("moe", "MoE backends (reference, grouped, tp_sharded, ep_all2all) side by side",
          _from("kdaserve.bench.moe")),
         ("compare", "kdaserve vs llama.cpp, same model", _from("kdaserve.bench.compare")),
+        ("blocks", "a CPU decode step's time per fused block", _from("kdaserve.bench.blocks")),
         ("cuda", "the CUDA path: checks and timings", _from("kdaserve.bench.cuda.cli")),
         ("serve", "load generator for a server",
          _from("kdaserve.bench.serve", "add_bench_serve_arguments")),
@@ -170,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             from kdaserve.bench.compare import run as run_compare
 
             return run_compare(args)
+        if args.bench == "blocks":
+            from kdaserve.bench.blocks import run as run_blocks
+
+            return run_blocks(args)
         if args.bench == "moe":
             from kdaserve.bench.moe import run as run_moe
 

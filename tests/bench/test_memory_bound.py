@@ -1,0 +1,51 @@
+"""`kdaserve bench compare --shape memory-bound`'s sizing and byte counts (the model it builds
+and the peers' GGUFs are too large for a test; docs/benchmarks.md has its runs)."""
+
+from __future__ import annotations
+
+import torch
+from tiny_models import random_model, tiny_config
+
+from kdaserve.bench import memory_bound as mb
+from kdaserve.model.inspect import measure_model
+from kdaserve.model.quantize import quantize_model
+from kdaserve.quant_config import WeightQuant
+
+
+def test_the_shape_reads_at_least_8x_the_cache():
+    assert mb.llc_bytes() > 0
+    for llc in (4 << 20, 32 << 20):
+        raw = mb.pick_shape(llc)
+        assert mb.active_bf16_bytes(raw) >= mb.LLC_MULTIPLE * llc
+        assert raw["hidden_size"] in mb._HIDDEN and raw["num_experts_per_token"] == 8
+    # bigger caches, bigger models
+    assert mb.pick_shape(32 << 20)["hidden_size"] > mb.pick_shape(4 << 20)["hidden_size"]
+
+
+def test_active_bytes_count_top_k_experts_and_one_embedding_row():
+    cfg = tiny_config()
+    model = random_model(cfg)
+    size = measure_model(model, cfg)
+    share = cfg.num_experts_per_token / cfg.num_experts
+    want = sum(b * (share if part in ("routed experts", "expert scales") else 1)
+               for part, b in size.stored_bytes.items() if part != "embedding")
+    assert mb.active_bytes(model) == int(want)
+    experts = size.stored_bytes["routed experts"]
+    dense = mb.active_bytes(model) - experts * share
+    assert 0 < dense < sum(size.stored_bytes.values()) - experts
+    # packed INT8 weights: fewer bytes read a token than fp32 (scales included)
+    q = quantize_model(random_model(cfg), WeightQuant(bits=8, group_size=16))
+    assert mb.active_bytes(q) < 0.5 * mb.active_bytes(model)
+
+
+def test_decode_report_takes_the_prefill_off():
+    model = random_model(tiny_config())
+    runs = {"single": {"kdaserve": [{"seconds": 3.0}, {"seconds": 2.5}],
+                       "llamacpp": [{"seconds": 2.0}]}}
+    rep = mb.decode_report(model, {"kdaserve_single_tok_s": 1.0},
+                           {"kdaserve": 0.5, "llamacpp": 1.0}, runs, 21, 1)
+    assert rep["kdaserve_decode_tok_s"] == 10.0 and rep["llamacpp_decode_tok_s"] == 20.0
+    assert rep["ratio_vs_llamacpp_decode"] == 0.5
+    frac = mb.active_bytes(model) * 10.0 / rep["read_bytes_per_s"]
+    assert abs(rep["bandwidth_fraction_single"] - frac) <= 1e-3
+    assert rep["read_bytes_per_s"] > 1e8
