@@ -16,7 +16,7 @@ def test_blocks_are_timed_per_step(capsys):
                  "--repeats", "1", "--threads", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["cpu_isa"] and set(out["batches"]) == {"1", "3"}
-    for b, row in out["batches"].items():
+    for row in out["batches"].values():
         assert "error" not in row, row
         # the bundled demo: 6 KDA and 2 MLA mixers, a dense MLP and 7 MoE blocks, the head
         assert all(row[f"{k}_us"] > 0 for k in ("kda", "mla", "mlp", "moe", "head")), row
