@@ -54,8 +54,11 @@ def freeze_startup_heap() -> None:
     collections walk every tracked object, and a decode loop's small allocations trigger them
     often enough that they took ~7% of a single-stream step on the bundled demo (perf, AVX2
     machine). Frozen objects are still freed by reference counting; only cycles among them
-    would outlive their last reference. KDASERVE_GC_FREEZE=0 leaves the collector alone."""
+    would outlive their last reference, so what an earlier freeze kept (an engine closed
+    since, in a process that starts several: tests, benches) is thawed and collected first.
+    KDASERVE_GC_FREEZE=0 leaves the collector alone."""
     if os.environ.get("KDASERVE_GC_FREEZE", "1") == "0":
         return
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
