@@ -177,8 +177,11 @@ def roofline(cfg: ModelConfig, hw: Hardware, layout: Layout, quant: str = "mxfp4
 
 def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, quant: str = "mxfp4",
          context: int = 131072, cache_dtype: str = "bfloat16", memory_util: float = 0.9,
-         acceptance_length: float | None = None, api_price: float | None = None) -> Plan:
-    roof, total = roofline(cfg, hw, layout, quant, cache_dtype)
+         acceptance_length: float | None = None, api_price: float | None = None,
+         roof: tuple[Roofline, int] | None = None) -> Plan:
+    """`roof`: `roofline(...)`'s answer for these arguments, when the caller has it (it counts
+    the parameters by building the model on the meta device: seconds for K3)."""
+    roof, total = roof or roofline(cfg, hw, layout, quant, cache_dtype)
     tp, dp = layout.tp, layout.dp
     sharded, experts, replicated = roof.sharded, roof.experts, roof.replicated
     kda, mla, active = roof.kda, roof.mla, roof.active

@@ -21,14 +21,18 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kdaserve.bench.serve import RequestResult, summarize
 from kdaserve.cache.manager import CacheManager
 from kdaserve.cache.offload import Offload
 from kdaserve.cache.ops import LoadBlock, LoadState, StoreBlock, StoreSnapshot
 from kdaserve.cache.planner import CachePlan
+from kdaserve.cache.tiers import Tier
 from kdaserve.config import CacheConfig, SchedulerConfig
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
+from kdaserve.plan.model import Plan, Roofline
 from kdaserve.plan.step_cost import StepCost, StepShape
 from kdaserve.plan.workload import Arrival
 from kdaserve.request import Request, SamplingParams
@@ -142,8 +146,13 @@ def simulate(workload: list[Arrival], plan: CachePlan, cache: CacheConfig,
         r.prompt_tokens = len(a.prompt_token_ids)
     start = workload[0].arrival_s if workload else 0.0
     stats = manager.stats
+    summary = summarize(results, now - start)
+    ok = [r for r in results if r.ok]
+    for name, values in (("ttft", [r.ttft_s for r in ok]),
+                         ("tpot", [t for r in ok if (t := r.tpot_s) is not None])):
+        summary[f"p90_{name}_ms"] = float(np.percentile(values, 90)) * 1e3 if values else 0.0
     return SimulationResult(
-        summary=summarize(results, now - start), steps=len(shapes),
+        summary=summary, steps=len(shapes),
         preemptions=scheduler.num_preemptions,
         prefix_hit_rate=stats.hit_tokens / stats.query_tokens if stats.query_tokens else 0.0,
         prefix_hits=stats.hits, snapshot_bytes_peak=snap_peak,
@@ -152,3 +161,28 @@ def simulate(workload: list[Arrival], plan: CachePlan, cache: CacheConfig,
         ended_unfinished=sum(not r.ok for r in results),
         ttft_s={rid: first[rid] - t0 for rid, t0 in arrival.items() if rid in first},
         shapes=shapes)
+
+
+def paper_cache(p: Plan, roof: Roofline, block_size: int, max_num_seqs: int,
+                max_model_len: int, snapshot_share: float = 0.25) -> CachePlan:
+    """One GPU's cache on a planned layout, as the engine would plan it (cache/planner.py
+    `plan_cache`: a slot per sequence, `snapshot_share` of the memory for snapshots, the
+    engine's default, the rest in MLA pages), from the plan's per-GPU bytes: a dp replica's
+    scheduler sees one GPU's worth (its tp ranks hold the same requests)."""
+    free = p.bytes_per_gpu["free_for_cache"]
+    slot = max(int(roof.kda), 1)
+    block = max(int(roof.mla * block_size), 1)
+    snapshots = int(free * snapshot_share) // slot
+    num_blocks = (free - (max_num_seqs + snapshots) * slot) // block
+    if num_blocks < 1:
+        raise ValueError(f"the layout leaves {free / 1e9:.1f} GB per GPU for the cache: not "
+                         f"enough for {max_num_seqs} state slots and one MLA block; lower "
+                         "--max-num-seqs or pick a larger layout")
+    return CachePlan(int(num_blocks), block_size, max_num_seqs, snapshots, block, slot,
+                     max_model_len)
+
+
+def host_tier(capacity_bytes: int, plan: CachePlan) -> Offload:
+    """An offload tier in host memory of `capacity_bytes` (what --offload-bytes buys)."""
+    tier = Tier("host", capacity_bytes, plan.slot_bytes, plan.block_bytes // plan.block_size)
+    return Offload([tier], plan.block_bytes, plan.slot_bytes)
