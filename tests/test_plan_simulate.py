@@ -4,20 +4,20 @@ hits are the scheduler's and the cache manager's, counted where the rules say th
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 
 from kdaserve.cache.planner import CachePlan
 from kdaserve.config import CacheConfig, SchedulerConfig
-from kdaserve.plan.cli import PUBLISHED
 from kdaserve.plan.simulate import simulate
 from kdaserve.plan.step_cost import LinearCost, StepShape, fit_linear
-from kdaserve.plan.workload import Arrival, from_trace, length_sampler, synthetic
+from kdaserve.plan.workload import from_trace, length_sampler, synthetic
 
 VOCAB = 4096
-COST = LinearCost(fixed=0.01, per_prefill_token=0.001, per_decode_row=0.002,
-                  per_prefill_row=0.0)
+COST = LinearCost(decode_fixed=0.01, per_decode_row=0.002, prompt_fixed=0.01, per_token=0.001,
+                  per_prompt_chunk=0.0)
 
 
 def _plan(num_blocks: int, slots: int = 4, snapshots: int = 0) -> CachePlan:
@@ -86,7 +86,7 @@ def test_workload_lengths_and_prefix_share():
     work = synthetic(50, 4.0, "uniform:20:40", "exp:8", VOCAB, prefix_share=0.5, seed=3)
     assert all(20 <= len(a.prompt_token_ids) <= 40 and a.output_len >= 1 for a in work)
     assert work[0].arrival_s == 0.0
-    assert all(b.arrival_s > a.arrival_s for a, b in zip(work, work[1:]))
+    assert all(b.arrival_s > a.arrival_s for a, b in itertools.pairwise(work))
     head = work[0].prompt_token_ids[:10]
     assert all(a.prompt_token_ids[:10] == head for a in work)
     with pytest.raises(ValueError, match="length distribution"):

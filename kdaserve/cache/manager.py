@@ -14,8 +14,8 @@ from kdaserve.cache.block_pool import Block, BlockPool
 from kdaserve.cache.device_offload import DeviceOffload
 from kdaserve.cache.offload import Offload
 from kdaserve.cache.ops import BLOCK, SNAPSHOT, CacheOp, OpFailure
-from kdaserve.cache.prefix_cache import PrefixHit, Snapshot, SnapshotPool, block_hashes, placement
 from kdaserve.cache.planner import CachePlan
+from kdaserve.cache.prefix_cache import PrefixHit, Snapshot, SnapshotPool, block_hashes, placement
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.config import CacheConfig
 

@@ -1,24 +1,33 @@
 """`kdaserve plan --calibrate`: the simulator against the engine on this machine.
 
 The demo model serves a `kdaserve bench serve` workload in-process (the same lengths and
-Poisson arrivals, kdaserve/plan/workload.py `like_bench_serve`; EOS ignored), on the wall
-clock: a request is added once its arrival time has passed, at the next step boundary (as the
-server's engine core takes it in), and its TTFT is the end of the step that gave its first
-token less its arrival. Every step's shape and duration are recorded.
+Poisson arrivals, kdaserve/plan/workload.py `like_bench_serve`; EOS ignored): a request is
+added once its arrival time has passed, at the next step boundary (as the server's engine
+core takes it in), and its TTFT is the end of the step that gave its first token less its
+arrival. Every step's shape and duration are recorded.
 
-The step cost model is fitted to the steps of a short probe (prompts of several lengths at
-once, then decode batches of every size down to one) and of the workload itself: the fit and
-the check run under the same conditions, which on a shared machine move from one minute to the
-next. Then the simulator (kdaserve/plan/simulate.py) serves the same workload with the same
-scheduler and cache configuration and that cost model, and the two are compared:
-`simulated_vs_measured_throughput` and `simulated_vs_measured_ttft_p50` (simulated over
-measured; 1.0 is exact).
+The clock is the process's CPU time by default, plus the idle gaps between arrivals (skipped,
+not slept): what the run would take on a dedicated core. On a machine shared with other work
+the wall clock also counts the time the process waits for a core, which is neither the
+engine's cost nor anything a cost model of steps can predict; `clock="wall"` (`--wall-clock`)
+measures that instead, and sleeps through the gaps. Torch runs one thread here, so the two
+agree on a quiet machine.
+
+The step cost model (kdaserve/plan/step_cost.py) is fitted to the workload's own measured
+steps: the fit and the check run under the same conditions (a probe of other shapes run
+before the workload was tried: its first-of-a-kind steps cost more than the same shapes later,
+and biased the simulated TTFT by about +10%). Then the simulator (kdaserve/plan/simulate.py)
+serves the same workload with the same scheduler and cache configuration and that cost model,
+and the two are compared: `simulated_vs_measured_throughput` and
+`simulated_vs_measured_ttft_p50` (simulated over measured; 1.0 is exact). What the comparison
+checks is everything besides the per-step cost: that the simulated scheduler forms the same
+batches at the same moments, so that queueing, batching and the arrival process add up to the
+same latencies.
 """
 
 from __future__ import annotations
 
 import gc
-import random
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +52,31 @@ class CalibrationWorkload:
     max_num_batched_tokens: int = 256
 
 
+class Clock:
+    """Seconds since the start: CPU time of this process ("cpu") or the wall clock ("wall"),
+    plus the idle time skipped while waiting for the next arrival."""
+
+    def __init__(self, kind: str = "cpu") -> None:
+        if kind not in ("cpu", "wall"):
+            raise ValueError(f"clock must be 'cpu' or 'wall', got {kind!r}")
+        self._raw = time.process_time if kind == "cpu" else time.perf_counter
+        self._sleep = kind == "wall"
+        self._skipped = 0.0
+        self._start = self._raw()
+
+    def now(self) -> float:
+        return self._raw() - self._start + self._skipped
+
+    def wait_until(self, t: float) -> None:
+        gap = t - self.now()
+        if gap <= 0:
+            return
+        if self._sleep:
+            time.sleep(gap)
+        else:
+            self._skipped += gap
+
+
 class _StepLog:
     """Each step's shape (told by the engine before it runs) and its wall-clock seconds."""
 
@@ -65,43 +99,33 @@ def _params(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
 
 
-def _drain(core, log: _StepLog | None) -> None:
+def _drain(core, log: _StepLog | None, clock: Clock) -> None:
     while core.has_unfinished():
-        t = time.perf_counter()
+        t = clock.now()
         core.step()
         if log is not None:
-            log.timed(time.perf_counter() - t)
+            log.timed(clock.now() - t)
 
 
-def _probe(core, log: _StepLog, w: CalibrationWorkload, vocab: int) -> None:
-    """Prompt chunks of several lengths, then decode batches shrinking from 6 rows to 1."""
-    rng = random.Random(w.seed + 1)
-    for i, n in enumerate((w.input_len // 4, w.input_len // 2, w.input_len, 2 * w.input_len,
-                           3 * w.input_len, w.input_len)):
-        core.add_request(f"probe{i}", [rng.randrange(vocab) for _ in range(max(1, n))],
-                         _params(4 + 2 * i))
-    _drain(core, log)
-
-
-def _serve(core, log: _StepLog, workload: list[Arrival]) -> dict[str, Any]:
-    """The workload on the wall clock; bench serve's summary of it."""
+def _serve(core, log: _StepLog, workload: list[Arrival], clock: Clock) -> dict[str, Any]:
+    """The workload on `clock`; bench serve's summary of it."""
     results = [RequestResult(ok=False, prompt_tokens=len(a.prompt_token_ids))
                for a in workload]
     first: dict[int, float] = {}
-    start = time.perf_counter()
+    start = clock.now()
     nxt = 0
     while nxt < len(workload) or core.has_unfinished():
-        now = time.perf_counter() - start
+        now = clock.now() - start
         while nxt < len(workload) and workload[nxt].arrival_s <= now:
             a = workload[nxt]
             core.add_request(str(nxt), list(a.prompt_token_ids), _params(a.output_len))
             nxt += 1
         if not core.has_unfinished():
-            time.sleep(max(0.0, workload[nxt].arrival_s - now))
+            clock.wait_until(start + workload[nxt].arrival_s)
             continue
-        t = time.perf_counter()
+        t = clock.now()
         deltas = core.step()
-        end = time.perf_counter()
+        end = clock.now()
         log.timed(end - t)
         for d in deltas:
             i = int(d.request_id)
@@ -113,11 +137,11 @@ def _serve(core, log: _StepLog, workload: list[Arrival]) -> dict[str, Any]:
                 r.ok = d.error is None and r.output_tokens > 0
                 r.ttft_s = first.get(i, end - start) - workload[i].arrival_s
                 r.latency_s = end - start - workload[i].arrival_s
-    return summarize(results, time.perf_counter() - start)
+    return summarize(results, clock.now() - start)
 
 
 def calibrate(w: CalibrationWorkload = CalibrationWorkload(), model: str | None = None,
-              cache_memory_bytes: int = 64 << 20) -> dict[str, Any]:
+              cache_memory_bytes: int = 64 << 20, clock: str = "cpu") -> dict[str, Any]:
     from kdaserve.assets import default_model_path
     from kdaserve.engine.core import EngineCore
 
@@ -133,12 +157,12 @@ def calibrate(w: CalibrationWorkload = CalibrationWorkload(), model: str | None 
     workload = like_bench_serve(w.num_prompts, w.request_rate, w.input_len, w.output_len,
                                 w.range_ratio, vocab, w.seed)
     core.add_request("warmup", list(range(2, 10)), _params(4))
-    _drain(core, None)                       # first use: kernels, allocator, caches
+    ticks = Clock(clock)
+    _drain(core, None, ticks)                # first use: kernels, allocator, caches
     gc.collect()
     gc.disable()                             # a collection inside a timed step is not its cost
     try:
-        _probe(core, log, w, vocab)
-        measured = _serve(core, log, workload)
+        measured = _serve(core, log, workload, ticks)
     finally:
         gc.enable()
     cost, rel_rms = fit_linear(log.shapes, log.seconds)
@@ -149,7 +173,7 @@ def calibrate(w: CalibrationWorkload = CalibrationWorkload(), model: str | None 
         return simulated[key] / measured[key] if measured[key] else float("nan")
 
     return {
-        "model": config.model, "workload": w.__dict__,
+        "model": config.model, "workload": w.__dict__, "clock": clock,
         "step_cost_fit": {**cost.to_dict(), "steps": len(log.shapes),
                           "relative_rms_error": rel_rms},
         "measured": measured, "simulated": sim.to_dict(),

@@ -2,17 +2,19 @@
 step, and the cost models `kdaserve plan --simulate` charges for it (the roofline of a layout,
 kdaserve/plan/model.py, or a linear model fitted to a machine's measured steps).
 
-The fitted model is S = a + b·prefill_tokens + c·decode_rows + d·prefill_rows seconds:
-a is the fixed work of a step (scheduling, sampling, the Python around the forward), b a
-prompt token's forward, c a decode row's (on CPU the single-token kernels; its context is read
-whole), d a prompt chunk's own overhead (the chunked KDA setup, its last position's logits).
-Context length is not a regressor: on the short prompts a calibration runs it is noise, and
-the roofline charges it where it matters.
+The fitted model follows the CPU engine's two paths. A step of decode rows alone takes the
+fused single-token kernels: a_d + c·rows. A step with a prompt chunk runs the torch forward
+over all its tokens: a_p + b·tokens + d·prompt_chunks (b a token's forward, decode rows riding
+along included; d a chunk's own overhead: the chunked KDA setup, its last position's logits).
+The two fixed costs (scheduling, sampling, the Python around either forward) differ: the torch
+forward's module calls cost more than the fused kernels'. Context length is not a regressor:
+on the short prompts a calibration runs it is noise, and the roofline charges it where it
+matters.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, astuple, dataclass
 from typing import Protocol
 
 import numpy as np
@@ -61,45 +63,47 @@ class RooflineCost:
 
 @dataclass(frozen=True)
 class LinearCost:
-    fixed: float                # a
-    per_prefill_token: float    # b
+    decode_fixed: float         # a_d
     per_decode_row: float       # c
-    per_prefill_row: float      # d
+    prompt_fixed: float         # a_p
+    per_token: float            # b
+    per_prompt_chunk: float     # d
 
     def seconds(self, shape: StepShape) -> float:
-        return (self.fixed + self.per_prefill_token * shape.prefill_tokens
-                + self.per_decode_row * shape.decode_rows
-                + self.per_prefill_row * shape.prefill_rows)
+        return float(_features([shape])[0] @ np.array(astuple(self)))
 
     def to_dict(self) -> dict[str, float]:
-        return {"fixed_s": self.fixed, "per_prefill_token_s": self.per_prefill_token,
-                "per_decode_row_s": self.per_decode_row,
-                "per_prefill_row_s": self.per_prefill_row}
+        return {f"{k}_s": v for k, v in asdict(self).items()}
 
 
 def _features(shapes: list[StepShape]) -> np.ndarray:
-    return np.array([[1.0, s.prefill_tokens, s.decode_rows, s.prefill_rows] for s in shapes],
-                    dtype=np.float64)
+    rows = []
+    for s in shapes:
+        prompt = s.prefill_rows > 0
+        rows.append([0.0 if prompt else 1.0, 0 if prompt else s.decode_rows,
+                     1.0 if prompt else 0.0, s.tokens if prompt else 0, s.prefill_rows])
+    return np.array(rows, dtype=np.float64)
 
 
 def fit_linear(shapes: list[StepShape], seconds: list[float]) -> tuple[LinearCost, float]:
-    """Ordinary least squares over measured steps. Unweighted on purpose: with an intercept
-    the residuals sum to zero, so the fitted steps' total equals the measured total, which is
+    """Ordinary least squares over measured steps. Unweighted on purpose: the two fixed terms
+    together are an intercept, so the residuals sum to zero, so the fitted steps' total equals the measured total, which is
     what throughput and queueing delays are made of (a relative weighting would fit the many
     short decode steps and miss the few long prompt chunks). Steps more than 3x off the first
     fit (a pause: another process on the machine) are left out of the second. A negative
     coefficient (collinear regressors) is refitted without its regressor. Returns the model
     and its relative RMS error over the steps kept."""
-    if len(shapes) < 4:
-        raise ValueError(f"fitting a step cost needs at least 4 steps, got {len(shapes)}")
+    if len(shapes) < 5:
+        raise ValueError(f"fitting a step cost needs at least 5 steps, got {len(shapes)}")
     x, y = _features(shapes), np.asarray(seconds, dtype=np.float64)
     keep = np.ones(len(y), dtype=bool)
-    coef = np.zeros(4)
+    n = x.shape[1]
+    coef = np.zeros(n)
     for _ in range(2):
-        cols = list(range(4))
+        cols = list(range(n))
         while True:
             sol = np.linalg.lstsq(x[keep][:, cols], y[keep], rcond=None)[0]
-            coef = np.zeros(4)
+            coef = np.zeros(n)
             coef[cols] = sol
             neg = [c for c in cols if coef[c] < 0]
             if not neg:
@@ -107,7 +111,7 @@ def fit_linear(shapes: list[StepShape], seconds: list[float]) -> tuple[LinearCos
             cols.remove(neg[0])
         pred = np.maximum(x @ coef, 1e-9)
         keep = np.maximum(pred / y, y / pred) < 3.0
-        if keep.sum() < 4:
+        if keep.sum() < n:
             keep[:] = True
     rel = (x @ coef - y) / y
     return LinearCost(*(float(c) for c in coef)), float(np.sqrt(np.mean(rel[keep] ** 2)))
