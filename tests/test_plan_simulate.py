@@ -11,7 +11,7 @@ import pytest
 
 from kdaserve.cache.planner import CachePlan
 from kdaserve.config import CacheConfig, SchedulerConfig
-from kdaserve.plan.simulate import simulate
+from kdaserve.plan.simulate import host_tier, simulate
 from kdaserve.plan.step_cost import LinearCost, StepShape, fit_linear
 from kdaserve.plan.workload import from_trace, length_sampler, synthetic
 
@@ -80,6 +80,26 @@ def test_prefix_hits_need_a_snapshot_where_prompts_branch(tmp_path):
     none = simulate(_trace(tmp_path, [{**r, "shared_prefix_len": 0} for r in rows]),
                     _plan(64, snapshots=8), CacheConfig(), SchedulerConfig(), COST)
     assert none.prefix_hits == 0 and none.prefix_hit_rate == 0.0
+
+
+def test_an_offload_tier_keeps_what_the_device_evicts(tmp_path):
+    # r0 and r1 leave a snapshot where they branch (48); four long prompts then evict it from
+    # a 12-block device cache. Without a tier r6 misses; with one it loads the 3 blocks and
+    # the snapshot back: a 48-token hit and exactly those bytes loaded.
+    rows = [{"arrival_s": float(i), "prompt_len": 64, "output_len": 2, "shared_prefix_len": 48}
+            for i in range(2)]
+    rows += [{"arrival_s": 2.0 + i, "prompt_len": 100, "output_len": 2} for i in range(4)]
+    rows += [{"arrival_s": 10.0, "prompt_len": 64, "output_len": 2, "shared_prefix_len": 48}]
+    work = _trace(tmp_path, rows)
+    plan = _plan(12, slots=2, snapshots=2)
+    bare = simulate(work, plan, CacheConfig(), SchedulerConfig(), COST)
+    assert bare.prefix_hits == 0 and bare.offload_loaded_bytes == {}
+    tiered = simulate(work, plan, CacheConfig(), SchedulerConfig(), COST,
+                      host_tier(1 << 20, plan))
+    assert tiered.prefix_hits == 1
+    assert tiered.prefix_hit_rate == pytest.approx(48 / sum(r["prompt_len"] for r in rows))
+    assert tiered.offload_loaded_bytes == {"host": 3 * plan.block_bytes + plan.slot_bytes}
+    assert tiered.offload_stored_bytes["host"] >= 3 * plan.block_bytes + plan.slot_bytes
 
 
 def test_workload_lengths_and_prefix_share():
