@@ -87,12 +87,13 @@ def _features(shapes: list[StepShape]) -> np.ndarray:
 
 def fit_linear(shapes: list[StepShape], seconds: list[float]) -> tuple[LinearCost, float]:
     """Ordinary least squares over measured steps. Unweighted on purpose: the two fixed terms
-    together are an intercept, so the residuals sum to zero, so the fitted steps' total equals the measured total, which is
-    what throughput and queueing delays are made of (a relative weighting would fit the many
-    short decode steps and miss the few long prompt chunks). Steps more than 3x off the first
-    fit (a pause: another process on the machine) are left out of the second. A negative
-    coefficient (collinear regressors) is refitted without its regressor. Returns the model
-    and its relative RMS error over the steps kept."""
+    together are an intercept, so the residuals sum to zero and the fitted steps' total equals
+    the measured total, which is what throughput and queueing delays are made of (a relative
+    weighting would fit the many short decode steps and miss the few long prompt chunks).
+    Steps more than 3x off the first fit (a pause: another process on the machine) are left
+    out of the second, unless that would leave out half of them. A negative coefficient
+    (collinear regressors) is refitted without its regressor. Returns the model and its
+    relative RMS error over the steps kept."""
     if len(shapes) < 5:
         raise ValueError(f"fitting a step cost needs at least 5 steps, got {len(shapes)}")
     x, y = _features(shapes), np.asarray(seconds, dtype=np.float64)
@@ -111,7 +112,7 @@ def fit_linear(shapes: list[StepShape], seconds: list[float]) -> tuple[LinearCos
             cols.remove(neg[0])
         pred = np.maximum(x @ coef, 1e-9)
         keep = np.maximum(pred / y, y / pred) < 3.0
-        if keep.sum() < n:
+        if keep.sum() < max(n, len(y) // 2):     # the fit itself is off: keep all
             keep[:] = True
     rel = (x @ coef - y) / y
     return LinearCost(*(float(c) for c in coef)), float(np.sqrt(np.mean(rel[keep] ** 2)))
