@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -226,7 +227,9 @@ def _calibrate(args) -> int:
     rows = [("output tok/s", "output_throughput", 1), ("TTFT p50 ms", "median_ttft_ms", 1),
             ("TTFT p99 ms", "p99_ttft_ms", 1), ("TPOT p50 ms", "median_tpot_ms", 2),
             ("duration s", "duration_s", 2)]
-    lines = [f"calibration on this machine: {r['model']}, {r['clock']} clock",
+    shown = os.path.relpath(r["model"])
+    shown = r["model"] if shown.startswith("..") else shown
+    lines = [f"calibration on this machine: {shown}, {r['clock']} clock",
              f"workload (kdaserve bench serve's): {w.num_prompts} requests, {rate}, input "
              f"{w.input_len} +-{w.range_ratio:.0%}, output {w.output_len} +-{w.range_ratio:.0%}",
              f"step cost fitted to {f['steps']} measured steps: decode alone "
