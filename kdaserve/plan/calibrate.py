@@ -28,6 +28,7 @@ same latencies.
 from __future__ import annotations
 
 import gc
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -173,7 +174,9 @@ def calibrate(w: CalibrationWorkload = CalibrationWorkload(), model: str | None 
         return simulated[key] / measured[key] if measured[key] else float("nan")
 
     return {
-        "model": config.model, "workload": w.__dict__, "clock": clock,
+        "model": config.model, "clock": clock,
+        "workload": {**w.__dict__, "request_rate": w.request_rate
+                     if math.isfinite(w.request_rate) else "inf"},     # JSON has no inf
         "step_cost_fit": {**cost.to_dict(), "steps": len(log.shapes),
                           "relative_rms_error": rel_rms},
         "measured": measured, "simulated": sim.to_dict(),

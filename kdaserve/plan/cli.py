@@ -177,8 +177,8 @@ def _simulate(args, cfg, layout, roof, p, out: dict) -> int:
     gb = 1e9
     lines = [
         f"{cfg.architecture} on {args.num_gpus} x {roof.hw.name}, TP{layout.tp} EP{layout.ep} "
-        f"PP{layout.pp} DP{layout.dp}, experts {roof.quant}: simulated with the engine's scheduler, "
-        "steps charged by the roofline",
+        f"PP{layout.pp} DP{layout.dp}, experts {roof.quant}: simulated with the engine's "
+        "scheduler, steps charged by the roofline",
         f"one dp replica's cache: {cache_plan.describe()}",
         f"workload (per replica): {len(work)} requests"
         + (f" from {args.trace}" if args.trace else
