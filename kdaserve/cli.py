@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_lazy("generate", "one-shot generation from a prompt", _generate_args)
     sub.add_lazy("inspect", "parameter counts and cache sizes of a config, without weights",
                  _from("kdaserve.model.inspect"))
-    sub.add_lazy("plan", "a deployment's fit, speed and cost on paper (hardware table)",
+    sub.add_lazy("plan", "a deployment's fit, speed and cost on paper (hardware table); "
+                 "--simulate its serving with the engine's scheduler, --calibrate the simulator",
                  _from("kdaserve.plan.cli"))
     sub.add_lazy("quantize", "write a float checkpoint as an INT8/INT4 compressed-tensors one",
                  _from("kdaserve.model.quantize_cli"))

@@ -14,8 +14,10 @@ from kdaserve.cache.block_pool import Block, BlockPool
 from kdaserve.cache.device_offload import DeviceOffload
 from kdaserve.cache.offload import Offload
 from kdaserve.cache.ops import BLOCK, SNAPSHOT, CacheOp, OpFailure
+from kdaserve.cache.planner import CachePlan
 from kdaserve.cache.prefix_cache import PrefixHit, Snapshot, SnapshotPool, block_hashes, placement
 from kdaserve.cache.state_pool import StatePool
+from kdaserve.config import CacheConfig
 
 
 @dataclass
@@ -57,6 +59,16 @@ class CacheManager:
         self.offload = offload if enable_prefix_caching else None
         self.tiers = DeviceOffload(self.block_pool, self.snapshots, self.offload, self._demote,
                                    self._demote_device)
+
+    @classmethod
+    def from_plan(cls, plan: CachePlan, cache: CacheConfig,
+                  offload: Offload | None = None) -> CacheManager:
+        """The manager of a planned cache: the engine's, and `kdaserve plan --simulate`'s."""
+        return cls(plan.num_blocks, plan.block_size, plan.num_state_slots,
+                   enable_prefix_caching=cache.enable_prefix_caching,
+                   num_snapshots=plan.num_snapshots, snapshot_bytes=plan.slot_bytes,
+                   mla_bytes_per_token=plan.block_bytes // plan.block_size,
+                   snapshot_interval=cache.state_snapshot_interval, offload=offload)
 
     def begin_step(self) -> None:
         self.step += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +40,7 @@ from kdaserve.model.vision.tower import vision_config_of
 from kdaserve.ops.cpu_isa import cpu_isa
 from kdaserve.ops.cpu_isa import requested as requested_isa
 from kdaserve.ops.host_memory import freeze_startup_heap, tune_host_allocator
-from kdaserve.outputs import RequestDelta
+from kdaserve.outputs import RequestDelta, SchedulerOutput
 from kdaserve.request import Request, RequestStatus, SamplingParams, child_seed
 from kdaserve.tokenizer import Tokenizer
 
@@ -130,12 +130,8 @@ class EngineCore:
         )
         self.max_model_len = sched.max_model_len
         tiers = open_tiers(config, rank_cfg, chunk, device)
-        self.cache = CacheManager(
-            self.plan.num_blocks, self.plan.block_size, self.plan.num_state_slots,
-            enable_prefix_caching=cc.enable_prefix_caching, num_snapshots=self.plan.num_snapshots,
-            snapshot_bytes=state.bytes_per_slot, mla_bytes_per_token=latent.bytes_per_token,
-            snapshot_interval=cc.state_snapshot_interval,
-            offload=tiers.offload if tiers else None)
+        self.cache = CacheManager.from_plan(self.plan, cc,
+                                            offload=tiers.offload if tiers else None)
         self.scheduler = Scheduler(sched, self.cache)
         spec = config.speculative
         if spec is not None and spec.adaptive:
@@ -152,6 +148,9 @@ class EngineCore:
             self.executor = start_ranks(config, self.plan,
                                         StructuredOutputs(tokenizer, cfg.vocab_size))
         self._messages = StepMessages()
+        # told each step's plan before it runs (`kdaserve plan --calibrate` times steps by
+        # their shape); synchronous steps only
+        self.on_schedule: Callable[[SchedulerOutput], None] | None = None
         self._pipeline: StepPipeline | None = None
         if config.async_scheduling:
             if par.executor != "uni" or config.speculative is not None:
@@ -304,6 +303,8 @@ class EngineCore:
         if self._pipeline is not None:
             return self._pipeline.step()
         out = self.scheduler.schedule()
+        if self.on_schedule is not None:
+            self.on_schedule(out)
         try:
             deltas = self._run(out)
         except ExecutorError:

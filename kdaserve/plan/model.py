@@ -70,6 +70,58 @@ class Plan:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Roofline:
+    """What one engine step costs on a layout, from bytes, FLOP/s and link speeds: the decode
+    figures of the plan and the per-step cost of `plan --simulate` (kdaserve/plan/simulate.py).
+    Byte fields are per GPU."""
+
+    cfg: ModelConfig
+    hw: Hardware
+    quant: str
+    tp: int
+    ep: int
+    pp: int
+    dp: int
+    active: int                     # parameters per token
+    sharded: float
+    experts: float
+    replicated: float
+    kda: float                      # one request's KDA state
+    mla: float                      # one token's MLA latents
+
+    def seconds(self, tokens: int, rows: int, kv_tokens: int, replicas: int = 1) -> float:
+        """One step of `tokens` tokens over `rows` requests whose attention reads `kv_tokens`
+        cached tokens, on each of `replicas` dp replicas. A token goes through every pipeline
+        stage in turn: pp stage times (no micro-batch overlap counted, a bound on latency and
+        throughput alike)."""
+        cfg, hw, tp, ep, pp, dp = self.cfg, self.hw, self.tp, self.ep, self.pp, self.dp
+        every = tokens * replicas
+        touched = 1 - (1 - cfg.num_experts_per_token / cfg.num_experts) ** every \
+            if cfg.num_experts else 1.0
+        read = (self.sharded + self.replicated + self.experts * touched
+                + rows * 2 * self.kda + self.mla * kv_tokens)
+        t_mem = read / (hw.memory_bw * BW_SHARE)
+        # activations are bf16 (fp8 with fp8 weights): packed 4-bit experts are widened to
+        # them, so the tensor rate is bf16's, at the prefill's share of the peak
+        t_flop = 2 * self.active / (tp * dp * pp) * every / (
+            hw.flops("fp8" if self.quant == "fp8" else "bf16") * MFU)
+        layers = cfg.num_hidden_layers
+        comm = 0.0
+        msg = tokens * cfg.hidden_size * 2
+        if tp > 1:                  # two all-reduces a layer (attention out, MoE out): small
+            # messages cost hops (a tree: 1 + log2 tp), large ones bandwidth (a ring)
+            comm += layers / pp * 2 * (hw.link_latency_s * (1 + math.log2(tp))
+                                       + 2 * msg * (tp - 1) / tp / hw.link_bw)
+        if ep > 1:                  # dispatch and combine a MoE layer
+            bw, lat = (hw.net_bw, hw.net_latency_s) if dp > 1 else (hw.link_bw,
+                                                                    hw.link_latency_s)
+            sent = tokens * cfg.expert_width * 2 * cfg.num_experts_per_token  # latent MoE: small
+            comm += len(cfg.moe_layers) / pp * 2 * (lat + sent / bw)   # one round each
+        hops = (pp - 1) * (hw.net_latency_s + msg / hw.net_bw)     # stage to stage
+        return pp * (max(t_mem, t_flop) + comm) + hops
+
+
 def recommend(cfg: ModelConfig, hw: Hardware, gpus: int, nodes: int) -> Layout:
     """TP inside a node; PP across nodes on slow networks, DEP (dp × tp with experts over all)
     on fast ones; routed experts by all-to-all where the link is fast and experts many."""
@@ -109,51 +161,42 @@ def _bytes_by_part(cfg: ModelConfig, quant: str) -> tuple[dict[str, float], int,
     return out, size.total, int(size.total_active)
 
 
-def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, quant: str = "mxfp4",
-         context: int = 131072, cache_dtype: str = "bfloat16", memory_util: float = 0.9,
-         acceptance_length: float | None = None, api_price: float | None = None) -> Plan:
+def roofline(cfg: ModelConfig, hw: Hardware, layout: Layout, quant: str = "mxfp4",
+             cache_dtype: str = "bfloat16") -> tuple[Roofline, int]:
+    """The layout's per-GPU bytes as a step cost model, and the model's total parameters."""
     parts, total, active = _bytes_by_part(cfg, quant)
     tp, ep, pp, dp = layout.tp, layout.ep, layout.pp, layout.dp
     sharded = sum(v for k, v in parts.items() if k in SHARDED) / tp / pp
     experts = parts.get("routed experts", 0.0) / (ep if ep > 1 else tp) / pp
     replicated = sum(v for k, v in parts.items()
                      if k not in SHARDED and k != "routed experts") / pp
+    latent, state = specs_for(cfg, 16, cache_dtype)
+    return Roofline(cfg, hw, quant, tp, ep, pp, dp, active, sharded, experts, replicated,
+                    state.bytes_per_slot / tp / pp, latent.bytes_per_token / pp), total
+
+
+def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, quant: str = "mxfp4",
+         context: int = 131072, cache_dtype: str = "bfloat16", memory_util: float = 0.9,
+         acceptance_length: float | None = None, api_price: float | None = None,
+         roof: tuple[Roofline, int] | None = None) -> Plan:
+    """`roof`: `roofline(...)`'s answer for these arguments, when the caller has it (it counts
+    the parameters by building the model on the meta device: seconds for K3)."""
+    roof, total = roof or roofline(cfg, hw, layout, quant, cache_dtype)
+    tp, dp = layout.tp, layout.dp
+    sharded, experts, replicated = roof.sharded, roof.experts, roof.replicated
+    kda, mla, active = roof.kda, roof.mla, roof.active
     weights = sharded + experts + replicated
     act = 8192 * cfg.hidden_size * 2 * 24 / tp + 1e9      # step buffers and graph pools
-    latent, state = specs_for(cfg, 16, cache_dtype)
-    kda = state.bytes_per_slot / tp / pp
-    mla = latent.bytes_per_token / pp
     free = hw.memory_bytes * memory_util - weights - act
     per_req = kda + mla * context
     max_reqs = max(0, int(free // per_req)) * dp if free > 0 else 0
     max_ctx = int((free - kda) // mla) if free > kda else 0
 
     def tpot(batch: int, replicas: int = 1) -> float:
-        """Seconds per output token of a request, `batch` requests on each of `replicas` dp
-        replicas (speculation's tokens count as requests: a step reads the same bytes). A
-        token goes through every pipeline stage in turn: pp stage times (no micro-batch
-        overlap counted, a bound on latency and throughput alike)."""
-        tokens = batch * replicas
-        touched = 1 - (1 - cfg.num_experts_per_token / cfg.num_experts) ** tokens \
-            if cfg.num_experts else 1.0
-        read = sharded + replicated + experts * touched + batch * (2 * kda + mla * context)
-        t_mem = read / (hw.memory_bw * BW_SHARE)
-        t_flop = 2 * active / (tp * dp * pp) * tokens / hw.flops(
-            "fp4" if quant in ("mxfp4", "int4") else quant)
-        layers = cfg.num_hidden_layers
-        comm = 0.0
-        msg = batch * cfg.hidden_size * 2
-        if tp > 1:                  # two all-reduces a layer (attention out, MoE out): small
-            # messages cost hops (a tree: 1 + log2 tp), large ones bandwidth (a ring)
-            comm += layers / pp * 2 * (hw.link_latency_s * (1 + math.log2(tp))
-                                       + 2 * msg * (tp - 1) / tp / hw.link_bw)
-        if ep > 1:                  # dispatch and combine a MoE layer
-            bw, lat = (hw.net_bw, hw.net_latency_s) if dp > 1 else (hw.link_bw,
-                                                                    hw.link_latency_s)
-            sent = batch * cfg.expert_width * 2 * cfg.num_experts_per_token   # latent MoE: small
-            comm += len(cfg.moe_layers) / pp * 2 * (lat + sent / bw)   # one round each
-        hops = (pp - 1) * (hw.net_latency_s + msg / hw.net_bw)     # stage to stage
-        return pp * (max(t_mem, t_flop) + comm) + hops
+        """Seconds per output token of a request, `batch` requests of `context` tokens on each
+        of `replicas` dp replicas (speculation's tokens count as requests: a step reads the
+        same bytes)."""
+        return roof.seconds(batch, batch, batch * context, replicas)
 
     t1 = tpot(1)
     b_mem = max(1, min(MAX_BATCH, max_reqs // dp if dp else 0))
