@@ -16,12 +16,12 @@ from kdaserve.cache.planner import CachePlan, plan_cache
 from kdaserve.cache.spec import specs_for
 from kdaserve.config import EngineConfig, SchedulerConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
+from kdaserve.engine.async_steps import StepPipeline
 from kdaserve.engine.device_memory import cache_budget
 from kdaserve.engine.executor import Executor, ExecutorError
 from kdaserve.engine.executor.uniproc import UniProcExecutor
-from kdaserve.engine.offload_setup import open_tiers
-from kdaserve.engine.async_steps import StepPipeline
 from kdaserve.engine.lookahead import settle_results
+from kdaserve.engine.offload_setup import open_tiers
 from kdaserve.engine.runner import ModelRunner
 from kdaserve.engine.runner_builder import (
     build_runner,
