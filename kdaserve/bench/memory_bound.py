@@ -103,9 +103,11 @@ def ensure_gguf(peers: Path, model: Path, quantization: str | None) -> Path:
     python = peers / "llamacpp-venv" / "bin" / "python"
     if kind == "q4_0":
         src = ensure_gguf(peers, model, None)
-        code = ("import ctypes, sys, llama_cpp as l; p = l.llama_model_quantize_default_params(); "
-                "p.ftype = l.LLAMA_FTYPE_MOSTLY_Q4_0; p.nthread = 2; sys.exit(l.llama_model_quantize("
-                "sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))")
+        code = ("import ctypes, sys, llama_cpp as l; "
+                "p = l.llama_model_quantize_default_params(); "
+                "p.ftype = l.LLAMA_FTYPE_MOSTLY_Q4_0; p.nthread = 2; "
+                "sys.exit(l.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), "
+                "ctypes.byref(p)))")
         subprocess.run([str(python), "-c", code, str(src), str(out)], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return out

@@ -141,7 +141,8 @@ static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *r
  * add: GCC 12 issues a step's products before its adds. The 6 x 16 tile (24 sums + 24
  * products + 4 weights) spills about 13 products a step to L1, which the FP pipes' 48
  * operations a step hide on paper; a 3-row tile would fit (31 registers) but read each
- * weight tile from L2 twice as often. Neither is measured: no ARM machine here (docs/benchmarks.md).
+ * weight tile from L2 twice as often. Neither is measured: no ARM machine here
+ * (docs/benchmarks.md).
  * Each output still sums in K order: the results are the same bits with any tiling. */
 #ifndef KDASERVE_ROW_PRODUCTS_TILES
 #define KDASERVE_ROW_PRODUCTS_TILES
