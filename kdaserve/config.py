@@ -32,9 +32,13 @@ class CacheConfig:
     offload_tiers: tuple[str, ...] = ()
     offload_bytes: tuple[int, ...] = ()
     offload_dir: str | None = None
+    # the MLA latent cache: "auto" (the model's dtype) or "fp8" (e4m3, a scale per token)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_offload()
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ConfigError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.cache_memory_bytes <= 0:

@@ -27,6 +27,7 @@ class CachePlan:
     block_bytes: int
     slot_bytes: int
     max_model_len: int | None = None    # the longest request allowed, to report what fits
+    kv_cache_dtype: str = "auto"        # "fp8": e4m3 latents with per-token scales
 
     @property
     def num_tokens(self) -> int:
@@ -113,4 +114,4 @@ def plan_cache(latent: LatentKVSpec, state: KDAStateSpec, memory_bytes: int, max
             "(--gpu-memory-utilization on CUDA) or lower --max-num-seqs"
         )
     return CachePlan(num_blocks, latent.block_size, slots, snapshots, latent.bytes_per_block,
-                     state.bytes_per_slot, max_model_len)
+                     state.bytes_per_slot, max_model_len, "fp8" if latent.fp8 else "auto")

@@ -15,6 +15,9 @@ class LatentKVSpec:
     block_size: int
     latent_dim: int
     dtype_bytes: int
+    # --kv-cache-dtype fp8: a token is its latent in e4m3 and a 4-byte scale
+    # (kdaserve/ops/fp8_latents.py); dtype_bytes is then 1 and latent_dim counts the scale
+    fp8: bool = False
 
     @property
     def bytes_per_token(self) -> int:
@@ -43,10 +46,19 @@ class KDAStateSpec:
         return self.num_layers * (recurrent + conv)
 
 
-def specs_for(cfg, block_size: int, dtype: str) -> tuple[LatentKVSpec, KDAStateSpec]:
-    """Both specs of a ModelConfig `cfg` (duck-typed to keep cache/ free of model imports)."""
+FP8_SCALE_BYTES = 4
+
+
+def specs_for(cfg, block_size: int, dtype: str, kv_cache_dtype: str = "auto"
+              ) -> tuple[LatentKVSpec, KDAStateSpec]:
+    """Both specs of a ModelConfig `cfg` (duck-typed to keep cache/ free of model imports).
+    kv_cache_dtype "fp8": the MLA latents in e4m3 with a scale per token."""
     nbytes = DTYPE_BYTES[dtype]
-    latent = LatentKVSpec(len(cfg.mla_layers), block_size, cfg.mla_latent_dim, nbytes)
+    if kv_cache_dtype == "fp8":
+        latent = LatentKVSpec(len(cfg.mla_layers), block_size,
+                              cfg.mla_latent_dim + FP8_SCALE_BYTES, 1, fp8=True)
+    else:
+        latent = LatentKVSpec(len(cfg.mla_layers), block_size, cfg.mla_latent_dim, nbytes)
     state = KDAStateSpec(len(cfg.kda_layers), cfg.kda_num_heads, cfg.kda_head_dim,
                          cfg.conv_kernel_size - 1, cfg.kda_conv_dim, nbytes)
     return latent, state

@@ -18,9 +18,9 @@ from typing import Any
 from kdaserve import arg_types
 from kdaserve.config import (
     EXECUTORS,
-    ConfigError,
     MOE_BACKENDS,
     CacheConfig,
+    ConfigError,
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -91,6 +91,9 @@ class EngineArgs:
         parse=arg_types.fraction)
     block_size: int = _arg(16, "tokens per MLA cache block, a power of two",
                            parse=arg_types.positive_int)
+    kv_cache_dtype: str = _arg("auto", "the MLA latent cache: auto (the model's dtype) or fp8 "
+                               "(e4m3 with a scale per token: about half of bf16's bytes)",
+                               choices=("auto", "fp8"))
     num_blocks: int | None = _arg(None, "MLA cache blocks (default: what --cache-memory "
                                   "leaves after the state slots)", parse=arg_types.positive_int)
     enable_prefix_caching: bool = _arg(True, "hybrid prefix caching (MLA blocks + KDA state "
@@ -222,7 +225,8 @@ class EngineArgs:
                               state_snapshot_budget_bytes=budget,
                               state_snapshot_interval=self.state_snapshot_interval,
                               offload_tiers=tiers, offload_bytes=caps,
-                              offload_dir=str(self.offload_dir) if self.offload_dir else None),
+                              offload_dir=str(self.offload_dir) if self.offload_dir else None,
+                              kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,

@@ -111,7 +111,8 @@ class EngineCore:
         self.tokenizer = tokenizer
         # caches are sized per rank: a tensor-parallel rank holds its heads' KDA states, a
         # pipeline stage its layers' caches
-        latent, state = specs_for(rank_cfg, config.cache.block_size, config.dtype)
+        latent, state = specs_for(rank_cfg, config.cache.block_size, config.dtype,
+                                  config.cache.kv_cache_dtype)
         sched = config.scheduler
         cc = config.cache
         max_len = min(sched.max_model_len, cfg.max_position_embeddings)

@@ -124,7 +124,7 @@ def open_tiers(config: EngineConfig, rank_cfg: Any, chunk: int,
     cc = config.cache
     if not cc.offload_tiers:
         return None
-    latent, state = specs_for(rank_cfg, cc.block_size, config.dtype)
+    latent, state = specs_for(rank_cfg, cc.block_size, config.dtype, cc.kv_cache_dtype)
     world = config.parallel.world_size
     rank_stores = [
         open_stores(config, rank_identity(config, rank_cfg, chunk, device.type, r, world),
@@ -144,7 +144,7 @@ def worker_stores(config: EngineConfig, rank_cfg: Any, chunk: int, device: torch
     cc = config.cache
     if not cc.offload_tiers:
         return {}
-    latent, state = specs_for(rank_cfg, cc.block_size, config.dtype)
+    latent, state = specs_for(rank_cfg, cc.block_size, config.dtype, cc.kv_cache_dtype)
     return open_stores(config, rank_identity(config, rank_cfg, chunk, device.type, rank, world),
                        latent.bytes_per_block, state.bytes_per_slot, device)
 

@@ -75,7 +75,8 @@ class ModelRunner:
         self.cache = HybridCache.allocate(model.rank_config, plan.num_blocks + pad,
                                           plan.block_size, plan.num_state_slots + pad,
                                           model.dtype, self.device,
-                                          num_snapshots=plan.num_snapshots)
+                                          num_snapshots=plan.num_snapshots,
+                                          kv_cache_dtype=plan.kv_cache_dtype)
         self._graph_backend, self._pad = graphs, (plan.num_state_slots, plan.num_blocks)
         self.graphs: DecodeGraphs | None = None
         self.cache_ops = CacheOpExecutor(self.cache, stores or {}, on_free=self._forget)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kdaserve.ops import fp8_latents
+
 
 @dataclass
 class HybridCache:
@@ -29,13 +31,17 @@ class HybridCache:
     @classmethod
     def allocate(cls, cfg, num_blocks: int, block_size: int, num_slots: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 num_snapshots: int = 0) -> HybridCache:
-        """Zeroed cache tensors for a ModelConfig `cfg`."""
+                 num_snapshots: int = 0, kv_cache_dtype: str = "auto") -> HybridCache:
+        """Zeroed cache tensors for a ModelConfig `cfg`. kv_cache_dtype "fp8": MLA pages of
+        uint8 rows, each token's e4m3 latent and its scale (kdaserve/ops/fp8_latents.py)."""
         h, d = cfg.kda_num_heads, cfg.kda_head_dim
         km1 = cfg.conv_kernel_size - 1
+        fp8 = kv_cache_dtype == "fp8"
+        width = fp8_latents.packed_width(cfg.mla_latent_dim) if fp8 else cfg.mla_latent_dim
         return cls(
-            mla_pages=[torch.zeros(num_blocks, block_size, cfg.mla_latent_dim, dtype=dtype,
-                                   device=device) for _ in cfg.mla_layers],
+            mla_pages=[torch.zeros(num_blocks, block_size, width,
+                                   dtype=torch.uint8 if fp8 else dtype, device=device)
+                       for _ in cfg.mla_layers],
             kda_states=[torch.zeros(num_slots, h, d, d, dtype=torch.float32, device=device)
                         for _ in cfg.kda_layers],
             kda_conv=[torch.zeros(num_slots, cfg.conv_kernel_size - 1, cfg.kda_conv_dim,

@@ -8,6 +8,7 @@ from torch import nn
 from kdaserve.model.batch import ForwardBatch
 from kdaserve.model.layers import RMSNorm
 from kdaserve.model_config import ModelConfig
+from kdaserve.ops import fp8_latents
 from kdaserve.ops.mla import (
     mla_decode_absorbed,
     mla_decode_split_k,
@@ -93,7 +94,8 @@ class MultiHeadLatentAttention(nn.Module):
         if fb.cache is not None:
             pages = fb.cache.mla_pages[self.mla_index]                       # [NB,bs,Dc+R]
             flat = pages.view(-1, pages.shape[-1])
-            flat.index_copy_(0, lay.slot_mapping, lat.to(flat.dtype))
+            flat.index_copy_(0, lay.slot_mapping, fp8_latents.pack(lat)
+                             if fp8_latents.is_packed(flat) else lat.to(flat.dtype))
         outs = []
         if Td:
             w_uk, w_uv = self.absorbed_weights()
@@ -102,8 +104,9 @@ class MultiHeadLatentAttention(nn.Module):
                 outs.append(mla_decode_split_k(q_nope, q_pe, pages, lay.decode_ctx_blocks,
                                                lay.decode_kv_lens, w_uk, w_uv, self.scale))
             else:
-                ctx = pages.index_select(0, lay.decode_ctx_blocks.reshape(-1)).view(
-                    Td, -1, pages.shape[-1]).to(x.dtype)                       # [Td,Lk,Dc+R]
+                ctx = fp8_latents.as_float(pages.index_select(
+                    0, lay.decode_ctx_blocks.reshape(-1)).view(Td, -1, pages.shape[-1]),
+                    x.dtype)                                                   # [Td,Lk,Dc+R]
                 outs.append(mla_decode_absorbed(q_nope, q_pe, ctx, lay.decode_ctx_mask, w_uk,
                                                 w_uv, self.scale))
         if T > Td:
@@ -117,9 +120,9 @@ class MultiHeadLatentAttention(nn.Module):
                                           ctx_blocks=lay.prefill_ctx_blocks,
                                           ctx_lens=lay.prefill_ctx_lens)       # [Bp,Qp,H,Vd]
             else:
-                ctx = own if pages is None else pages.index_select(
+                ctx = own if pages is None else fp8_latents.as_float(pages.index_select(
                     0, lay.prefill_ctx_blocks.reshape(-1)).view(
-                    Bp, -1, pages.shape[-1]).to(x.dtype)                       # [Bp,Lp,Dc+R]
+                    Bp, -1, pages.shape[-1]), x.dtype)                         # [Bp,Lp,Dc+R]
                 if lay.prefill_causal:          # fresh prompts: their own rows, no mask
                     ctx = ctx[:, :Qp]
                 k, v = self.expand(ctx)

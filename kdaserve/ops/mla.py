@@ -154,7 +154,7 @@ def mla_decode_split_k(
     kernel on CUDA (`ops/gpu/mla_decode.py`: no host read, capturable in a CUDA graph), the
     compiled CPU kernel where it applies (fp32 pages on CPU), else `mla_decode_split_k_torch`.
     Same arguments and result."""
-    if gpu.kernels_for(pages.device.type):
+    if gpu.kernels_for(pages.device.type) and pages.dtype != torch.uint8:   # (uint8: FP8)
         from kdaserve.ops.gpu.mla_decode import mla_decode_split_k_triton
 
         return mla_decode_split_k_triton(q_nope, q_pe, pages, blocks, kv_lens, w_uk, w_uv, scale)
@@ -225,14 +225,15 @@ def mla_decode_split_k_torch(
     """
     t, h, _ = q_nope.shape
     dc = w_uk.shape[-1]
-    bs, d = pages.shape[1:]
+    bs, row = pages.shape[1:]                # (FP8 pages: a row is the latent and its scale)
     dev = q_nope.device
     q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
     qa = torch.cat([q_lat, q_pe], -1)                                       # [T,H,Dc+R]
+    d = qa.shape[-1]
     split = max(1, DECODE_SPLIT_TOKENS // bs) * bs
     o = lse = None
     for tl in paged_tiles(pages, blocks, kv_lens.tolist(),
-                          DECODE_TILE_BYTES // (d * pages.element_size())):
+                          DECODE_TILE_BYTES // (row * pages.element_size())):
         ctx, n = tl.ctx.to(q_nope.dtype), tl.t1 - tl.t0
         q_t = qa if tl.rows is None else qa[tl.rows]
         # whole splits in one call, the ragged tail (< split keys) in another: no padding copy

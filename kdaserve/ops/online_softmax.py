@@ -9,11 +9,13 @@ NB pages, bs block size, W blocks per table, D latent width.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
+
+from kdaserve.ops import fp8_latents
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -104,6 +106,15 @@ def paged_tiles(pages: torch.Tensor, blocks: torch.Tensor, lens: list[int],
     """Row i's first lens[i] keys (block table blocks[i]) in tiles of whole blocks, at most
     `tile` keys in all (over the rows a tile reads). A lone row whose blocks come in long consecutive runs (what a fresh pool hands
     out) is read in place, run by run: no copy of the context."""
+    if fp8_latents.is_packed(pages):       # FP8 latents: each tile read out in fp32
+        for t in _tiles(pages, blocks, lens, tile):
+            yield replace(t, ctx=fp8_latents.read(t.ctx))
+    else:
+        yield from _tiles(pages, blocks, lens, tile)
+
+
+def _tiles(pages: torch.Tensor, blocks: torch.Tensor, lens: list[int],
+           tile: int) -> Iterator[Tile]:
     bs, d = pages.shape[1:]
     tile_blocks = max(1, tile // bs)
     if len(lens) == 1 and blocks.device.type == "cpu" and lens[0] > 0:
