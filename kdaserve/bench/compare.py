@@ -206,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
         kind = {"int8": "q8_0", "int4": "q4_0"}.get(args.quantization) or _gguf_type(args.dtype)
         if args.setup_peers:
             setup_peers(peers, model, args.dtype)
+            if args.quantization:       # llama.cpp's Q8_0 / Q4_0 of the same checkpoint
+                memory_bound.ensure_gguf(peers, Path(model), args.quantization)
     found = find_peer(peers, model, kind)
     from kdaserve.model.registry import load_config
 
