@@ -50,8 +50,11 @@ class KdaservePeer:
                        max_num_batched_tokens=2048, enable_prefix_caching=False,
                        speculative_method=speculative, quantization=quantization)
 
+    sampling: dict = {}           # empty: greedy; else temperature, top_p, seed
+
     def _gen(self, prompts: list[list[int]], out: int) -> tuple[float, float, list]:
-        sp = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+        sp = SamplingParams(**{"temperature": 0.0, **self.sampling}, max_tokens=out,
+                            ignore_eos=True)
         c0, t0 = time.process_time(), time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
                                  use_tqdm=False)
@@ -150,6 +153,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run kdaserve's single stream with speculation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object only")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="> 0: sampled decoding on both sides (top-p --top-p; llama.cpp through "
+                        "its own sampler chain), speed only; 0: greedy, outputs compared")
+    p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--shape", default="demo", choices=("demo", "memory-bound"),
                    help="memory-bound: a random model of the demo's family whose active weights "
                         "per token are >= 8x this CPU's last-level cache (built once under "
@@ -172,7 +179,8 @@ def _each_variant(args: argparse.Namespace) -> int:
              str(args.single_input), "--single-output", str(args.single_output), "--batch",
              str(args.batch), "--batch-input", str(args.batch_input), "--batch-output",
              str(args.batch_output), "--prefill", str(args.prefill), "--workloads",
-             args.workloads, "--seed", str(args.seed), "--shape", args.shape, "--json"]
+             args.workloads, "--seed", str(args.seed), "--shape", args.shape,
+             "--temperature", str(args.temperature), "--top-p", str(args.top_p), "--json"]
     if args.quantization:
         flags += ["--quantization", args.quantization]
     if args.model:
@@ -229,6 +237,13 @@ def run(args: argparse.Namespace) -> int:
         if "batch" in work:
             lc_batch = LlamaCppPeer(python, gguf, args.threads, args.batch,
                                     args.batch_input + args.batch_output + 16)
+    if args.temperature > 0:
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+        kd.sampling = sampling
+        for peer in (lc, lc_batch):
+            if peer is not None:
+                peer.ask(op="sampling", **sampling)
+        extra["sampling"] = sampling
     runs: dict[str, dict[str, list]] = {w: {"kdaserve": [], "llamacpp": []} for w in work}
     if spec is not None:
         runs["single_spec"] = {"kdaserve": []}
@@ -291,6 +306,8 @@ def summarize(runs: dict, args: argparse.Namespace, found, lc) -> dict:
         if sides.get("llamacpp"):
             kb, lb = _best(sides["kdaserve"]), _best(sides["llamacpp"])
             report[f"ratio_vs_llamacpp_{w}"] = round(rate[w](kb) / rate[w](lb), 3)
+            if args.temperature > 0:
+                continue                 # sampled: the speeds only
             if w == "single":
                 report["greedy_agreement_single"] = _agreement(kb["tokens"], lb["tokens"])
             if w == "batch":

@@ -6,6 +6,9 @@ beyond an argmax over the logits row), and answers one JSON line per command rea
     {"op": "single", "prompt": [...], "out": 256}        -> seconds, tokens
     {"op": "batch", "prompts": [[...], ...], "out": 128} -> seconds, output_tokens, tokens
     {"op": "prefill", "prompt": [...]}                   -> seconds
+    {"op": "sampling", "temperature": 0.8, "top_p": 0.95, "seed": 0}: later tokens are drawn
+        by llama.cpp's own sampler chain (top-p, temperature, dist), one per sequence, as
+        llama-server does ({"temperature": 0}: back to greedy)
 
 The batch workload is continuous batching as llama-server --parallel N --cont-batching does it:
 every step decodes one token of each live sequence in one llama_decode (sequence ids 0..N-1);
@@ -43,6 +46,8 @@ class Peer:
         self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.n_batch = 2048
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
+        self.n_seq = max_seqs
+        self.samplers: list | None = None       # None: greedy
 
     def clear(self) -> None:
         L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
@@ -61,6 +66,26 @@ class Peer:
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
 
+    def sampling(self, temperature: float, top_p: float = 1.0, seed: int = 0) -> dict:
+        for smp in self.samplers or []:
+            L.llama_sampler_free(smp)
+        self.samplers = None
+        if temperature > 0:
+            self.samplers = []
+            for s in range(self.n_seq):
+                chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+                L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(top_p, 1))
+                L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(temperature))
+                L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed + s))
+                self.samplers.append(chain)
+        return {"ok": True}
+
+    def _next(self, i: int, seq: int) -> int:
+        """The token after logits row i of sequence seq: greedy, or the sampler chain's."""
+        if self.samplers is None:
+            return self._argmax(i)
+        return int(L.llama_sampler_sample(self.samplers[seq], self.ctx, i))
+
     def _argmax(self, i: int) -> int:
         ptr = L.llama_get_logits_ith(self.ctx, i)
         row = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
@@ -77,7 +102,7 @@ class Peer:
             self._decode(chunk)
             for j, (_, _, s, want) in enumerate(chunk):
                 if want:
-                    first[s] = self._argmax(j)
+                    first[s] = self._next(j, s)
         return first
 
     def single(self, prompt: list[int], out: int) -> dict:
@@ -88,7 +113,7 @@ class Peer:
         tokens = [tok]
         for step in range(out - 1):
             self._decode([(tok, len(prompt) + step, 0, True)])
-            tok = self._argmax(0)
+            tok = self._next(0, 0)
             tokens.append(tok)
         t2 = time.perf_counter()
         return {"seconds": t2 - t0, "prefill_seconds": t1 - t0, "decode_seconds": t2 - t1,
@@ -101,7 +126,7 @@ class Peer:
         tokens = [[t] for t in toks]
         for step in range(out - 1):
             self._decode([(toks[s], len(p) + step, s, True) for s, p in enumerate(prompts)])
-            toks = [self._argmax(s) for s in range(len(prompts))]
+            toks = [self._next(s, s) for s in range(len(prompts))]
             for s, t in enumerate(toks):
                 tokens[s].append(t)
         t1 = time.perf_counter()
@@ -129,6 +154,8 @@ def main() -> None:
             res = peer.batch_run(cmd["prompts"], cmd["out"])
         elif op == "prefill":
             res = peer.prefill(cmd["prompt"])
+        elif op == "sampling":
+            res = peer.sampling(cmd["temperature"], cmd.get("top_p", 1.0), cmd.get("seed", 0))
         else:
             res = {"error": f"unknown op {op!r}"}
         print(json.dumps(res), flush=True)
