@@ -1,0 +1,122 @@
+"""The torch side of a transfer: carries out SendRequest and ReceiveRequest (cache/ops.py)
+against the device cache, through a connector.
+
+Sending gathers each MLA layer's latents of the request's first `num_tokens` tokens from its
+blocks into one [num_tokens, D] tensor (so the receiver may use another block size) and takes
+the request's live KDA slot through `HybridCache.slot_views`, the same views the offload tiers
+store a state through. Receiving checks the transfer continues this request (token hash, first
+token) and scatters the latents into the receiver's own blocks, the states into its slot.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kdaserve.cache.ops import DISAGG, OpFailure, ReceiveRequest, SendRequest
+from kdaserve.disagg import wire
+from kdaserve.disagg.connector import Connector, TransferFailed
+from kdaserve.disagg.wire import BufferSpec, CacheLayout, TransferHeader, TransferRefused
+from kdaserve.model.hybrid_cache import HybridCache
+
+
+@dataclass
+class TransferTimes:
+    send_seconds: float = 0.0
+    receive_seconds: float = 0.0
+
+
+class CacheTransfer:
+    def __init__(self, cache: HybridCache, connector: Connector, identity: str,
+                 layout: CacheLayout, receive_timeout_s: float = 10.0) -> None:
+        self.cache = cache
+        self.connector = connector
+        self.identity = identity
+        self.layout = layout
+        self.receive_timeout_s = receive_timeout_s
+        self.times = TransferTimes()
+
+    def run(self, op: SendRequest | ReceiveRequest) -> list[OpFailure]:
+        """Carry out one op; a failure is reported (the request ends with it), never raised."""
+        try:
+            if isinstance(op, SendRequest):
+                self.send(op)
+            else:
+                self.receive(op)
+        except (TransferFailed, TransferRefused) as exc:
+            return [OpFailure(DISAGG, "request", op.transfer_id.encode(), op.request_id,
+                              str(exc))]
+        return []
+
+    # ---- prefill side -----------------------------------------------------------------------
+    def send(self, op: SendRequest) -> None:
+        start = time.perf_counter()
+        names, tensors = self._gather(op.block_ids, op.slot, op.num_tokens)
+        frames = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors]
+        specs = [BufferSpec(n, str(t.dtype).removeprefix("torch."), list(t.shape), len(f),
+                            wire.checksum(f)) for n, t, f in zip(names, tensors, frames)]
+        header = TransferHeader(wire.VERSION, op.transfer_id, self.identity, self.layout,
+                                op.num_tokens, op.token_hash, op.first_token_id, specs)
+        self.connector.send(op.peer, header, frames)
+        self.times.send_seconds += time.perf_counter() - start
+
+    def _gather(self, block_ids: tuple[int, ...], slot: int, num_tokens: int
+                ) -> tuple[list[str], list[torch.Tensor]]:
+        """Host copies of the request's cache, in wire order (wire.expected_names)."""
+        c = self.cache
+        bs = c.block_size
+        ids = torch.tensor(block_ids[: -(-num_tokens // bs)], dtype=torch.long)
+        out = []
+        for p in c.mla_pages:     # [blocks, bs, D] -> [num_tokens, D]
+            rows = p.index_select(0, ids.to(p.device)).reshape(-1, p.shape[-1])[:num_tokens]
+            out.append(rows.contiguous().cpu())
+        nk = len(c.kda_states)
+        views = c.slot_views(slot)        # states of every KDA layer, then conv windows
+        out += [v.contiguous().cpu() for v in views]
+        names = wire.expected_names(self.layout)
+        assert len(names) == len(out) and nk == len(self.layout.kda_layers)
+        return names, out
+
+    # ---- decode side ------------------------------------------------------------------------
+    def receive(self, op: ReceiveRequest) -> None:
+        start = time.perf_counter()
+        got = self.connector.take(op.transfer_id, self.receive_timeout_s)
+        h = got.header
+        if h.num_tokens != op.num_tokens or h.token_hash != op.token_hash:
+            raise TransferRefused(f"transfer {op.transfer_id} holds another prompt ({h.num_tokens} "
+                                  f"tokens; this request has {op.num_tokens}, or its tokens "
+                                  "differ): both sides must tokenize the request the same way")
+        if h.first_token_id != op.first_token_id:
+            raise TransferRefused(f"transfer {op.transfer_id} was sent with first token "
+                                  f"{h.first_token_id}, the request says {op.first_token_id}")
+        names = wire.expected_names(self.layout)
+        if [b.name for b in h.buffers] != names:
+            raise TransferRefused(f"transfer {op.transfer_id} lists buffers "
+                                  f"{[b.name for b in h.buffers]}, this layout needs {names}")
+        c = self.cache
+        nm = len(c.mla_pages)
+        bs = c.block_size
+        n = op.num_tokens
+        nblocks = -(-n // bs)
+        for i, p in enumerate(c.mla_pages):
+            src = _tensor(got.frames[i], h.buffers[i], p.dtype, (n, p.shape[-1]))
+            pad = torch.zeros(nblocks * bs, p.shape[-1], dtype=p.dtype)
+            pad[:n] = src
+            ids = torch.tensor(op.block_ids[:nblocks], dtype=torch.long, device=p.device)
+            p.index_copy_(0, ids, pad.view(nblocks, bs, -1).to(p.device))
+        for k, v in enumerate(c.slot_views(op.slot)):
+            spec = h.buffers[nm + k]
+            v.copy_(_tensor(got.frames[nm + k], spec, v.dtype, tuple(v.shape)))
+        self.times.receive_seconds += time.perf_counter() - start
+
+
+def _tensor(frame: memoryview, spec: BufferSpec, dtype: torch.dtype, shape: tuple[int, ...]
+            ) -> torch.Tensor:
+    if spec.dtype != str(dtype).removeprefix("torch.") or tuple(spec.shape) != shape:
+        raise TransferRefused(f"buffer {spec.name} is {spec.dtype} {spec.shape}; this instance "
+                              f"needs {dtype} {list(shape)}")
+    if frame.readonly:            # torch wants a writable buffer; the bytes are copied anyway
+        frame = memoryview(bytearray(frame))
+    return torch.frombuffer(frame, dtype=torch.uint8).view(dtype).view(shape)

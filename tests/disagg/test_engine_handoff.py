@@ -1,0 +1,113 @@
+"""Two engines in one process, a prefill and a decode instance, move each request's cache over
+a real ZeroMQ socket on loopback: greedy output equals the colocated engine's, token for token,
+over prompts of several lengths and different block sizes on the two sides; a transfer whose
+KDA states (or one KDA layer's) are dropped fails that equality (the mutation test: the check
+catches the failure the field shipped); mismatches are refused with a clear error."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kdaserve import LLM, SamplingParams
+from kdaserve.disagg import wire
+from kdaserve.disagg.connector import Arrived
+from kdaserve.disagg.params import KVTransferParams
+
+MAX_TOKENS = 6
+_ids = itertools.count()
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 5, 8, 13, 37)]
+
+
+def run(llm: LLM, rid: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
+    eng = llm.engine
+    eng.add_request(rid, prompt, params)
+    ids, reason, error = [], None, None
+    for _ in range(200):
+        for d in eng.step():
+            ids += d.new_token_ids
+            if d.finished:
+                reason, error = d.finish_reason, d.error
+        if reason is not None:
+            return ids, error or reason
+    raise AssertionError("the request never finished")
+
+
+def disaggregated(pre: LLM, dec: LLM, prompt: list[int], tamper=None) -> tuple[list[int], str]:
+    """The proxy's two calls, without HTTP: prefill with max_tokens=1, then decode."""
+    tid = f"t{next(_ids)}"
+    address = dec.engine.transfer.connector.address
+    first, why = run(pre, tid, prompt, SamplingParams(
+        temperature=0.0, max_tokens=1, ignore_eos=True,
+        kv_transfer=KVTransferParams(tid, peer=address)))
+    assert why == "length", why
+    if tamper is not None:
+        inbox = dec.engine.transfer.connector.inbox
+        got = inbox.take(tid, 1.0)
+        inbox.put(tamper(got))
+    rest, why = run(dec, tid, prompt, SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+        kv_transfer=KVTransferParams(tid, first_token_id=first[0])))
+    return rest, why
+
+
+@pytest.fixture(scope="module")
+def engines(hf_checkpoint):
+    model = str(hf_checkpoint[0])
+    common = dict(num_threads=1, enable_prefix_caching=False)
+    ref = LLM(model, block_size=4, **common)
+    pre = LLM(model, block_size=4, role="prefill", **common)
+    dec = LLM(model, block_size=8, role="decode", kv_transfer_port=0, **common)
+    vocab = hf_checkpoint[1].config.vocab_size
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [run(ref, f"r{i}", p, greedy)[0] for i, p in enumerate(prompts(vocab))]
+    yield pre, dec, prompts(vocab), expected
+    for e in (pre, dec):
+        e.engine.transfer.connector.close()
+
+
+def test_disaggregated_equals_colocated(engines):
+    pre, dec, ps, expected = engines
+    for p, want in zip(ps, expected):
+        got, why = disaggregated(pre, dec, p)
+        assert why == "length"
+        assert got == want, (len(p), got, want)
+    for e in (pre, dec):          # no pages or slots left behind on either side
+        assert e.engine.cache.all_free()
+    stats = dec.engine.transfer.connector.stats
+    assert stats.pending == 0 and stats.taken == len(ps)
+    sent = pre.engine.transfer.connector.stats
+    assert sent.sent == len(ps) and sent.sent_mla_bytes > 0 and sent.sent_kda_bytes > 0
+
+
+def _zero(names):
+    def tamper(got: Arrived) -> Arrived:
+        frames, specs = [], []
+        for f, s in zip(got.frames, got.header.buffers):
+            if s.name in names:
+                f = memoryview(bytes(len(f)))        # what a sender that skips them delivers
+                s = wire.BufferSpec(s.name, s.dtype, s.shape, s.nbytes, wire.checksum(f))
+            frames.append(f)
+            specs.append(s)
+        import msgspec
+        return Arrived(msgspec.structs.replace(got.header, buffers=specs), frames)
+    return tamper
+
+
+def test_dropping_kda_states_fails_the_equality(engines):
+    pre, dec, ps, expected = engines
+    layout = dec.engine.transfer.layout
+    nk = len(layout.kda_layers)
+    all_kda = {f"kda_state.{j}" for j in range(nk)} | {f"kda_conv.{j}" for j in range(nk)}
+    cases = [all_kda] + [{f"kda_state.{j}", f"kda_conv.{j}"} for j in range(nk)]
+    p, want = ps[-1], expected[-1]
+    for names in cases:
+        got, _ = disaggregated(pre, dec, p, tamper=_zero(names))
+        assert got != want, f"a transfer without {sorted(names)} went unnoticed"
+    assert dec.engine.cache.all_free()
