@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, action=_LazySubParsers)
     sub.add_lazy("serve", "OpenAI-compatible HTTP server (default: bundled demo on "
                  "127.0.0.1:8000)", _from("kdaserve.server.args", "add_serve_arguments"))
+    sub.add_lazy("proxy", "OpenAI-compatible front of prefill and decode instances "
+                 "(disaggregated serving)", _from("kdaserve.disagg.proxy_cli"))
     sub.add_lazy("generate", "one-shot generation from a prompt", _generate_args)
     sub.add_lazy("inspect", "parameter counts and cache sizes of a config, without weights",
                  _from("kdaserve.model.inspect"))
@@ -131,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         from kdaserve.server.cli import run_serve
 
         return run_serve(args)
+    if args.command == "proxy":
+        from kdaserve.disagg.proxy_cli import run as run_proxy
+
+        return run_proxy(args)
     if args.command == "generate":
         return _run_generate(args)
     if args.command == "inspect":

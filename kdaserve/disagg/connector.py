@@ -21,6 +21,11 @@ from typing import Protocol
 from kdaserve.disagg.wire import TransferHeader
 
 
+# how a request's error starts when its cache transfer failed: the server answers it with a
+# 503 `kv_transfer_failed` (kdaserve/server/errors.py), which the proxy retries elsewhere
+FAILED_PREFIX = "kv transfer failed: "
+
+
 class TransferFailed(RuntimeError):
     """A send that was not acknowledged (peer gone, refused), or a transfer that never came."""
 

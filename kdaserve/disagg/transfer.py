@@ -11,13 +11,13 @@ token) and scatters the latents into the receiver's own blocks, the states into 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from kdaserve.cache.ops import DISAGG, OpFailure, ReceiveRequest, SendRequest
 from kdaserve.disagg import wire
-from kdaserve.disagg.connector import Connector, TransferFailed
+from kdaserve.disagg.connector import FAILED_PREFIX, Connector, TransferFailed
 from kdaserve.disagg.wire import BufferSpec, CacheLayout, TransferHeader, TransferRefused
 from kdaserve.model.hybrid_cache import HybridCache
 
@@ -38,6 +38,10 @@ class CacheTransfer:
         self.receive_timeout_s = receive_timeout_s
         self.times = TransferTimes()
 
+    def metrics(self) -> dict[str, float]:
+        """The connector's counters, for /metrics."""
+        return {k: float(v) for k, v in asdict(self.connector.stats).items()}
+
     def run(self, op: SendRequest | ReceiveRequest) -> list[OpFailure]:
         """Carry out one op; a failure is reported (the request ends with it), never raised."""
         try:
@@ -47,7 +51,7 @@ class CacheTransfer:
                 self.receive(op)
         except (TransferFailed, TransferRefused) as exc:
             return [OpFailure(DISAGG, "request", op.transfer_id.encode(), op.request_id,
-                              str(exc))]
+                              FAILED_PREFIX + str(exc))]
         return []
 
     # ---- prefill side -----------------------------------------------------------------------
