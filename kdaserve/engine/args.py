@@ -160,6 +160,8 @@ class EngineArgs:
                                  "caches on (and the one peers are told)")
     kv_transfer_timeout: float = _arg(10.0, "seconds a cache send waits for its "
                                       "acknowledgement, and a decode request for its cache")
+    kv_transfer_ttl: float = _arg(60.0, "with --role decode: seconds an arrived cache waits "
+                                  "for its request before it is dropped")
     distributed_executor: str | None = _arg(
         None, "in-process (one rank), one spawned process per rank (mp), the ranks torchrun "
         "started, or one Ray actor per rank (ray) (default: torchrun's ranks under torchrun, "
@@ -242,7 +244,7 @@ class EngineArgs:
             speculative=self._speculative(),
             kv_transfer=None if self.role is None else KVTransferConfig(
                 self.role, self.kv_transfer_port, self.kv_transfer_host,
-                self.kv_transfer_timeout),
+                self.kv_transfer_timeout, self.kv_transfer_ttl),
         )
 
 
