@@ -20,7 +20,6 @@ from typing import Protocol
 
 from kdaserve.disagg.wire import TransferHeader
 
-
 # how a request's error starts when its cache transfer failed: the server answers it with a
 # 503 `kv_transfer_failed` (kdaserve/server/errors.py), which the proxy retries elsewhere
 FAILED_PREFIX = "kv transfer failed: "

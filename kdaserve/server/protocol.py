@@ -15,7 +15,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kdaserve.disagg.params import parse_kv_transfer
+from kdaserve.disagg.field import parse_kv_transfer
 from kdaserve.request import SamplingParams, SamplingParamsError
 from kdaserve.structured.spec import GuidedDecoding, GuidedDecodingError
 

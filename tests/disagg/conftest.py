@@ -6,7 +6,7 @@ from pathlib import Path
 # the server tests' harness (a tiny model directory, servers as subprocesses)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session")

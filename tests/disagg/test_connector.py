@@ -10,7 +10,7 @@ import pytest
 
 from kdaserve.disagg import wire
 from kdaserve.disagg.connector import TransferFailed
-from kdaserve.disagg.params import parse_kv_transfer
+from kdaserve.disagg.field import parse_kv_transfer
 from kdaserve.disagg.wire import BufferSpec, CacheLayout, TransferHeader
 from kdaserve.disagg.zmq_connector import ZmqConnector
 from kdaserve.request import SamplingParamsError
