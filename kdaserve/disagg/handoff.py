@@ -76,5 +76,8 @@ def check_request(params: SamplingParams, config: KVTransferConfig | None,
         if params.prompt_logprobs is not None:
             raise SamplingParamsError("prompt_logprobs cannot be computed from an imported "
                                       "cache", "prompt_logprobs")
+        if params.logprobs is not None:     # the first token's were the prefill side's
+            raise SamplingParamsError("logprobs are not served on an imported request (the "
+                                      "proxy sends such requests whole)", "logprobs")
         return [kt.first_token_id]
     return []

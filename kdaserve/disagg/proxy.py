@@ -6,9 +6,9 @@ it computes the prompt and the first token, pushes the request's cache to the de
 and answers once that instance acknowledged. Then the same request goes to the decode instance
 with `{transfer_id, first_token_id}`; it imports the cache and answers the client, streaming or
 not, exactly as `kdaserve serve` would (its response is passed through byte for byte, errors
-included). Requests the split does not serve (n > 1, several prompts, prompt_logprobs,
-max_tokens = 1) go whole to a decode instance, which is a complete engine; a request whose
-first token already ends it is answered whole by the prefill instance (its prefix is cached).
+included). Requests the split does not serve (n > 1, several prompts, logprobs,
+prompt_logprobs, max_tokens = 1) go whole to a decode instance, which is a complete engine; a
+request whose first token already ends it is answered whole by the prefill instance.
 
 Failures, each bounded in time: a decode instance that is gone or refuses the cache (the
 prefill side's send is not acknowledged: a 503 `kv_transfer_failed`) is set aside and the
@@ -58,8 +58,16 @@ class Proxy:
         stream = body.get("stream") is True
         if not _splittable(path, body):
             self.counts["whole"] += 1
-            ranked = await self.decodes.ranked()
-            return await self._whole(ranked[0], path, body, headers, stream)
+            why = "no decode instance is configured"
+            for decode in await self.decodes.ranked():
+                try:
+                    return await self._forward(decode, path, body, headers, stream)
+                except _Retry as exc:
+                    why = str(exc)
+                    self.decodes.failed(decode)
+            self.counts["failures"] += 1
+            raise APIError(503, f"no decode instance could take the request ({why})",
+                           code="no_decode_instance")
         self.counts["disaggregated"] += 1
         why = "no decode instance is configured"
         for attempt, decode in enumerate(await self.decodes.ranked()):
@@ -220,6 +228,8 @@ def _message(r: httpx.Response) -> str:
 def _splittable(path: str, body: dict[str, Any]) -> bool:
     """Requests the prefill/decode split serves; the rest go whole to one instance."""
     if body.get("n", 1) != 1 or body.get("prompt_logprobs") is not None:
+        return False
+    if body.get("logprobs") not in (None, False):   # the first token's live on the prefill side
         return False
     if "kv_transfer_params" in body:
         return False
