@@ -2,13 +2,11 @@
 a real ZeroMQ socket on loopback: greedy output equals the colocated engine's, token for token,
 over prompts of several lengths, different block sizes on the two sides, prefix-cache hits on
 the prefill side and speculative decoding (n-gram) on the decode side, for Kimi Linear and for
-K3 (attention residuals, MXFP4 experts); a transfer whose
-KDA states (or one KDA layer's) are dropped fails that equality (the mutation test: the check
-catches the failure the field shipped); mismatches are refused with a clear error."""
+K3 (attention residuals, MXFP4 experts), one request at a time and all at once; a transfer
+whose KDA states (or one KDA layer's) are dropped fails that equality (the mutation test: the
+check catches the failure the field shipped)."""
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
@@ -16,10 +14,10 @@ import torch
 from kdaserve import LLM, SamplingParams
 from kdaserve.disagg import wire
 from kdaserve.disagg.connector import Arrived
-from kdaserve.disagg.params import KVTransferParams
+from kdaserve.disagg.local import run_colocated, run_disaggregated
 
 MAX_TOKENS = 6
-_ids = itertools.count()
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -27,36 +25,9 @@ def prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 5, 8, 13, 37)]
 
 
-def run(llm: LLM, rid: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
-    eng = llm.engine
-    eng.add_request(rid, prompt, params)
-    ids, reason, error = [], None, None
-    for _ in range(200):
-        for d in eng.step():
-            ids += d.new_token_ids
-            if d.finished:
-                reason, error = d.finish_reason, d.error
-        if reason is not None:
-            return ids, error or reason
-    raise AssertionError("the request never finished")
-
-
-def disaggregated(pre: LLM, dec: LLM, prompt: list[int], tamper=None) -> tuple[list[int], str]:
-    """The proxy's two calls, without HTTP: prefill with max_tokens=1, then decode."""
-    tid = f"t{next(_ids)}"
-    address = dec.engine.transfer.connector.address
-    first, why = run(pre, tid, prompt, SamplingParams(
-        temperature=0.0, max_tokens=1, ignore_eos=True,
-        kv_transfer=KVTransferParams(tid, peer=address)))
-    assert why == "length", why
-    if tamper is not None:
-        inbox = dec.engine.transfer.connector.inbox
-        got = inbox.take(tid, 1.0)
-        inbox.put(tamper(got))
-    rest, why = run(dec, tid, prompt, SamplingParams(
-        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-        kv_transfer=KVTransferParams(tid, first_token_id=first[0])))
-    return rest, why
+def tokens(traces) -> list[list[int]]:
+    assert all(t.error is None for t in traces), [t.error for t in traces]
+    return [t.tokens for t in traces]
 
 
 @pytest.fixture(scope="module", params=["kimi_linear", "k3_mxfp4"])
@@ -79,12 +50,11 @@ def engines(request, tmp_path_factory):
     dec = LLM(model, block_size=8, role="decode", kv_transfer_port=0,
               speculative_method="ngram", num_speculative_tokens=2,
               speculative_adaptive=False, **common)
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     ps = prompts(vocab)
-    expected = [run(pre, f"r{i}", p, greedy)[0] for i, p in enumerate(ps)]
+    expected = tokens(run_colocated(pre.engine, ps, GREEDY))
     # a prompt that holds its own continuation: the n-gram drafter finds drafts
     ps.append(ps[2] + expected[2] + ps[2])
-    expected.append(run(pre, "r-rep", ps[-1], greedy)[0])
+    expected += tokens(run_colocated(pre.engine, ps[-1:], GREEDY))
     yield pre, dec, ps, expected, request.param
     for e in (pre, dec):
         e.engine.transfer.connector.close()
@@ -92,10 +62,10 @@ def engines(request, tmp_path_factory):
 
 def test_disaggregated_equals_colocated(engines):
     pre, dec, ps, expected, name = engines
-    for p, want in zip(ps, expected):
-        got, why = disaggregated(pre, dec, p)
-        assert why == "length"
-        assert got == want, (len(p), got, want)
+    for p, want in zip(ps, expected):               # one at a time
+        assert tokens(run_disaggregated(pre.engine, dec.engine, [p], GREEDY)) == [want]
+    # all at once: batched on both sides, requests moving over while others prefill
+    assert tokens(run_disaggregated(pre.engine, dec.engine, ps, GREEDY)) == expected
     assert pre.engine.cache.stats.hit_tokens > 0
     if name == "kimi_linear":     # the K3 prompts give the n-gram drafter no match
         assert dec.engine.scheduler.num_draft_tokens > 0
@@ -103,9 +73,9 @@ def test_disaggregated_equals_colocated(engines):
         assert e.engine.cache.block_pool.num_free == e.engine.cache.block_pool.num_blocks
         assert e.engine.cache.state_pool.num_free == e.engine.cache.state_pool.num_slots
     stats = dec.engine.transfer.connector.stats
-    assert stats.pending == 0 and stats.taken == len(ps)
+    assert stats.pending == 0 and stats.taken == 2 * len(ps)
     sent = pre.engine.transfer.connector.stats
-    assert sent.sent == len(ps) and sent.sent_mla_bytes > 0 and sent.sent_kda_bytes > 0
+    assert sent.sent == 2 * len(ps) and sent.sent_mla_bytes > 0 and sent.sent_kda_bytes > 0
 
 
 def _zero(names):
@@ -130,6 +100,6 @@ def test_dropping_kda_states_fails_the_equality(engines):
     cases = [all_kda] + [{f"kda_state.{j}", f"kda_conv.{j}"} for j in range(nk)]
     p, want = ps[-2], expected[-2]
     for names in cases:
-        got, _ = disaggregated(pre, dec, p, tamper=_zero(names))
-        assert got != want, f"a transfer without {sorted(names)} went unnoticed"
+        got = tokens(run_disaggregated(pre.engine, dec.engine, [p], GREEDY, _zero(names)))
+        assert got != [want], f"a transfer without {sorted(names)} went unnoticed"
     assert dec.engine.cache.state_pool.num_free == dec.engine.cache.state_pool.num_slots
