@@ -111,6 +111,8 @@ def _bench_args(bench: argparse.ArgumentParser) -> None:
     for name, help, fill in [
         ("offline", "offline throughput vs transformers", _from("kdaserve.bench.offline")),
         ("prefix", "shared-prefix TTFT, caching off vs on", _from("kdaserve.bench.prefix")),
+        ("disagg", "prefill/decode disaggregation vs colocated: bytes, transfer time, "
+         "TTFT/TPOT, identical output", _from("kdaserve.bench.disagg")),
         ("spec", "speculative decoding vs plain decode", _from("kdaserve.bench.spec")),
         ("kda", "KDA recurrence: torch vs compiled CPU kernel", _from("kdaserve.bench.kda")),
         ("reference", "model vs transformers, fla-core (kimi_linear) or mlx-lm (kimi_k3)",
@@ -160,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
             from kdaserve.bench.reference import run as run_reference
 
             return run_reference(args)
+        if args.bench == "disagg":
+            from kdaserve.bench.disagg import run as run_disagg
+
+            return run_disagg(args)
         if args.bench == "prefix":
             from kdaserve.bench.prefix import run as run_prefix
 
