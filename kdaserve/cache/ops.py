@@ -150,8 +150,9 @@ class SendRequest:
 class ReceiveRequest:
     """Fill `block_ids` (the first `num_tokens` tokens, in this instance's own block size) and
     live slot `slot` of `request_id` with transfer `transfer_id` from the connector's inbox.
-    A transfer that is missing, late, or fails a check (model, layout, checksum, tokens) fails
-    the op: the request ends with that error."""
+    The first `skip_tokens` (whole blocks) are a prefix hit this instance already holds: those
+    blocks are shared and left as they are. A transfer that is missing, late, or fails a check
+    (model, layout, checksum, tokens) fails the op: the request ends with that error."""
 
     request_id: str
     transfer_id: str
@@ -160,6 +161,7 @@ class ReceiveRequest:
     num_tokens: int
     token_hash: int
     first_token_id: int
+    skip_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@
   otherwise (a stop, an abort, an error) sends nothing: there is nothing to continue.
 - A decode instance's request that imports is admitted with its prompt already computed and
   the prefill instance's first token as its first output: `receive_op` fills the blocks and
-  the slot it was given before the step computes that token.
+  the slot it was given before the step computes that token, all but the blocks of a prefix
+  hit on the decode instance (decode-side prefix caching: whatever the two block sizes, the
+  hit is in this instance's blocks, and the transfer's state replaces the hit's snapshot).
 """
 
 from __future__ import annotations
@@ -43,12 +45,15 @@ def send_op(req: Request, cache: _Holds) -> SendRequest | None:
                        req.output_token_ids[0])
 
 
-def receive_op(req: Request, block_ids: list[int], slot: int) -> ReceiveRequest:
+def receive_op(req: Request, block_ids: list[int], slot: int, held_tokens: int = 0
+               ) -> ReceiveRequest:
+    """`held_tokens`: a prefix hit on this instance (blocks it already holds, shared); the
+    transfer's state, taken at the end of the prompt, replaces the hit's snapshot."""
     kt = req.sampling_params.kv_transfer
     assert kt is not None and kt.first_token_id is not None
     return ReceiveRequest(req.request_id, kt.transfer_id, tuple(block_ids), slot,
                           req.num_prompt_tokens, token_hash(req.prompt_token_ids),
-                          kt.first_token_id)
+                          kt.first_token_id, held_tokens)
 
 
 def check_request(params: SamplingParams, config: KVTransferConfig | None,

@@ -104,12 +104,16 @@ class CacheTransfer:
         bs = c.block_size
         n = op.num_tokens
         nblocks = -(-n // bs)
+        first = op.skip_tokens // bs      # blocks of a prefix hit here: shared, left alone
+        start = first * bs
+        ids = torch.tensor(op.block_ids[first:nblocks], dtype=torch.long)
         for i, p in enumerate(c.mla_pages):
             src = _tensor(got.frames[i], h.buffers[i], p.dtype, (n, p.shape[-1]))
-            pad = torch.zeros(nblocks * bs, p.shape[-1], dtype=p.dtype)
-            pad[:n] = src
-            ids = torch.tensor(op.block_ids[:nblocks], dtype=torch.long, device=p.device)
-            p.index_copy_(0, ids, pad.view(nblocks, bs, -1).to(p.device))
+            if first == nblocks:
+                continue
+            pad = torch.zeros((nblocks - first) * bs, p.shape[-1], dtype=p.dtype)
+            pad[:n - start] = src[start:]
+            p.index_copy_(0, ids.to(p.device), pad.view(nblocks - first, bs, -1).to(p.device))
         for k, v in enumerate(c.slot_views(op.slot)):
             spec = h.buffers[nm + k]
             v.copy_(_tensor(got.frames[nm + k], spec, v.dtype, tuple(v.shape)))

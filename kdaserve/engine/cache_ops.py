@@ -101,7 +101,10 @@ class CacheOpExecutor:
         # the scheduler lists frees and tier operations before any request's restore
         if tier_ops:
             step.outcome.failures = self.tiers.run(tier_ops)
-        for op in moves:      # their blocks and slots are their own: no order with the tiers'
+        lost = {f.request_id for f in step.outcome.failures if f.request_id is not None}
+        for op in moves:      # after the tiers' loads: a hit's blocks are in place first
+            if op.request_id in lost:
+                continue      # it sits the step out and is recomputed; the transfer expires
             if self.transfer is None:
                 raise ValueError(f"{type(op).__name__} on an instance without a kv-transfer "
                                  "connector (serve --role prefill|decode)")

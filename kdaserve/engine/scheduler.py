@@ -245,11 +245,12 @@ class Scheduler:
                 break
             hit = None
             imports = handoff.imports(req) and req.request_id not in self._imported
+            if (req.num_computed_tokens == 0 and not wants_prompt_logprobs(req)) or imports:
+                # an import's hit: blocks this instance holds need not be written again
+                hit = self.cache.find_hit(req.all_token_ids, req.extra_keys, req.cache_salt)
             if imports:               # the prompt's cache comes from a prefill instance
                 computed = req.num_prompt_tokens
-            elif req.num_computed_tokens == 0 and not wants_prompt_logprobs(req):
-                hit = self.cache.find_hit(req.all_token_ids, req.extra_keys, req.cache_salt)
-            if not imports:
+            else:
                 computed = hit.num_tokens if hit is not None else req.num_computed_tokens
             n = prompt_logprobs.chunk(req, min(req.num_tokens - computed, budget, chunk_cap),
                                       self._scoring_left)
@@ -265,10 +266,13 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             if imports:
-                req.num_computed_tokens = computed
+                held = hit.num_tokens if hit is not None else 0
+                req.num_computed_tokens, req.num_cached_tokens = computed, held
                 self._imported.add(req.request_id)
                 self._receives[req.request_id] = handoff.receive_op(
-                    req, self.cache.block_ids(req.request_id), self.cache.slot(req.request_id))
+                    req, self.cache.block_ids(req.request_id), self.cache.slot(req.request_id),
+                    held)
+                hit = None            # the transfer's state replaces the hit's snapshot
             if hit is not None:
                 req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
                 if hit.snapshot is not None:

@@ -103,3 +103,19 @@ def test_dropping_kda_states_fails_the_equality(engines):
         got = tokens(run_disaggregated(pre.engine, dec.engine, [p], GREEDY, _zero(names)))
         assert got != [want], f"a transfer without {sorted(names)} went unnoticed"
     assert dec.engine.cache.state_pool.num_free == dec.engine.cache.state_pool.num_slots
+
+
+def test_decode_side_prefix_hits(engines):
+    """A second turn (the first turn's prompt and answer, then more) hits the decode
+    instance's own prefix cache (its blocks of 8 and the snapshot it took while decoding the
+    first turn): those blocks are shared, not written again, and the output is unchanged."""
+    pre, dec, ps, expected, _ = engines
+    first = ps[4]
+    assert tokens(run_disaggregated(pre.engine, dec.engine, [first], GREEDY)) == [expected[4]]
+    second = first + expected[4] + ps[1][:3]
+    want = tokens(run_colocated(pre.engine, [second], GREEDY))
+    stats = dec.engine.cache.stats
+    before = stats.hit_tokens
+    assert tokens(run_disaggregated(pre.engine, dec.engine, [second], GREEDY)) == want
+    assert stats.hit_tokens - before == 40          # 5 blocks of 8, up to the snapshot at 40
+    assert dec.engine.cache.state_pool.num_free == dec.engine.cache.state_pool.num_slots
