@@ -94,16 +94,18 @@ class ZmqConnector:
                 self.inbox.expire()
                 continue
             parts = sock.recv_multipart(copy=False)
-            peer, head, frames = parts[0], parts[1], [p.buffer for p in parts[2:]]
+            peer, head, frames = parts[0], parts[1:2], [p.buffer for p in parts[2:]]
             tid = ""
             try:
-                header = wire.decode_header(head.bytes)
+                if not head:
+                    raise TransferRefused("an empty message")
+                header = wire.decode_header(head[0].bytes)
                 tid = header.transfer_id
                 wire.check_compatible(header, self.identity, self.layout)
                 wire.check_buffers(header, frames)
                 self.inbox.put(Arrived(header, frames))
                 ack = wire.Ack(tid, True)
-            except TransferRefused as exc:
+            except Exception as exc:     # noqa: BLE001 (whatever a peer sends, this loop lives)
                 self.stats.refused += 1
                 logger.warning("kv transfer refused: %s", exc)
                 ack = wire.Ack(tid, False, str(exc))

@@ -97,3 +97,20 @@ def test_request_field_checked():
                 {"transfer_id": "t", "first_token_id": -1}, {"transfer_id": "t", "foo": 1}, []):
         with pytest.raises(SamplingParamsError):
             parse_kv_transfer(bad)
+
+
+def test_malformed_messages_are_refused_and_the_receiver_lives_on(pair):
+    import zmq
+
+    send, recv = pair
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(recv.address)
+    for msg in ([b"not msgpack"], [b""], [wire.encode(wire.Ack("x", True))]):
+        sock.send_multipart(msg)
+        assert sock.poll(2000)
+        assert not wire.decode_ack(sock.recv()).ok
+    sock.close()
+    header, frames = transfer("after")
+    send.send(recv.address, header, frames)
+    assert recv.take("after", 1.0).header == header
