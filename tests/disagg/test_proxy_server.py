@@ -5,8 +5,9 @@ official `openai` client.
 - Greedy output through the proxy equals colocated output (the decode instance serving the
   request whole), token for token, over prompts of several lengths, streaming and not, chat too.
 - Faults, each bounded in time: a decode instance that stops acknowledging mid-transfer (its
-  engine frozen) gives a clear 503; a prefill instance that never answers gives a 504; a decode
-  instance that is gone is passed over for another.
+  engine frozen) makes the proxy start over on another one, or gives a clear 503 when there is
+  none; a prefill instance that never answers gives a 504; a decode instance that is gone is
+  passed over for another.
 - Afterwards no instance holds a page, a slot or an arrived cache (/metrics).
 """
 
@@ -72,8 +73,9 @@ def _wait_healthy(servers: list[Server], timeout: float = 240.0) -> None:
 def cluster(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("disagg_logs")
     p = _serve(tiny_model_dir, logs, "prefill", "--block-size", "4", "--role", "prefill", *KV)
+    # a frozen engine shows in its /metrics after 2 s (no engine gauges: it looks idle)
     d1 = _serve(tiny_model_dir, logs, "decode1", "--block-size", "8", "--role", "decode",
-                "--kv-transfer-port", str(free_port()), *KV)
+                "--kv-transfer-port", str(free_port()), "--health-timeout", "2", *KV)
     d2 = _serve(tiny_model_dir, logs, "decode2", "--block-size", "16", "--role", "decode",
                 "--kv-transfer-port", str(free_port()), *KV)
     front = _proxy(logs, "proxy", [p], [d1, d2])
@@ -145,6 +147,21 @@ def test_decode_gone_mid_transfer_is_a_clear_503(cluster):
         assert err.value.body["code"] == "no_decode_instance"
         assert "did not acknowledge" in err.value.body["message"]
         assert time.monotonic() - start < 30
+    finally:
+        thaw()
+
+
+def test_decode_gone_mid_transfer_retries_on_another(cluster):
+    """The proxy picks the frozen decode instance (its /metrics shows no load), the prefill
+    instance's push is not acknowledged, and the request starts over on the other one."""
+    _, d1, d2, front, _ = cluster
+    want = complete(client(d2), "the crown of the old king")
+    retries = metrics(front.url)["kdaserve_proxy_retries_total"]
+    thaw = _freeze(d1)
+    try:
+        time.sleep(2.5)                       # past d1's --health-timeout
+        assert complete(client(front), "the crown of the old king") == want
+        assert metrics(front.url)["kdaserve_proxy_retries_total"] == retries + 1
     finally:
         thaw()
 
