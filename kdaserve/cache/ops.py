@@ -7,8 +7,8 @@ back in `ModelRunnerOutput.cache`: the entries that failed (the manager forgets 
 snapshots that were planned but never written (the manager drops them).
 
 When each kind runs, in the list's order within its phase:
-- before the forward: `FreeRequest`, `SendRequest` / `ReceiveRequest` (disaggregation), the
-  offload ops (`StoreBlock`, `StoreSnapshot`,
+- before the forward: `FreeRequest`, `PushBlocks` / `SendRequest` / `ReceiveRequest`
+  (disaggregation), the offload ops (`StoreBlock`, `StoreSnapshot`,
   `LoadBlock`, `LoadState`, `KeepState`, `DropEntry`) and `RestoreSnapshot`;
 - during the forward: `TakeSnapshot` (a state inside the step's tokens; the layout plans it);
 - after verification: `SettleDrafts`, and the `TakeSnapshot`s of a request that verifies
@@ -144,6 +144,25 @@ class SendRequest:
     num_tokens: int
     token_hash: int
     first_token_id: int
+    token_start: int = 0          # push mode: tokens before it went in `parts` PushBlocks
+    parts: int = 0
+
+
+@dataclass(frozen=True)
+class PushBlocks:
+    """Push mode: send the latents of tokens [token_start, token_end) of `request_id`, still
+    computing its prompt, from `block_ids` (whole blocks, written by earlier steps) as part
+    `part` of transfer `transfer_id` to `peer`, without waiting: the network moves them while
+    the next chunk computes. The request's SendRequest sends the rest and the KDA states, and
+    waits for every part's acknowledgement."""
+
+    request_id: str
+    transfer_id: str
+    peer: str
+    block_ids: tuple[int, ...]
+    token_start: int
+    token_end: int
+    part: int
 
 
 @dataclass(frozen=True)
@@ -174,13 +193,13 @@ class FreeRequest:
 
 
 CacheOp = Union[StoreBlock, StoreSnapshot, LoadBlock, LoadState, KeepState, DropEntry,
-                RestoreSnapshot, TakeSnapshot, SettleDrafts, SendRequest, ReceiveRequest,
-                FreeRequest]
+                RestoreSnapshot, TakeSnapshot, SettleDrafts, PushBlocks, SendRequest,
+                ReceiveRequest, FreeRequest]
 # the offload tiers' operations (kdaserve/engine/tier_transfer.py carries them out)
 TIER_OPS = (StoreBlock, StoreSnapshot, LoadBlock, LoadState, KeepState, DropEntry)
 # disaggregation's (kdaserve/disagg/transfer.py carries them out); their failures name the
 # tier DISAGG
-DISAGG_OPS = (SendRequest, ReceiveRequest)
+DISAGG_OPS = (PushBlocks, SendRequest, ReceiveRequest)
 DISAGG = "disagg"
 
 

@@ -18,7 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kdaserve.disagg.wire import TransferHeader
+import msgspec
+
+from kdaserve.disagg import wire
+from kdaserve.disagg.wire import BufferSpec, TransferHeader, TransferRefused
 
 # how a request's error starts when its cache transfer failed: the server answers it with a
 # 503 `kv_transfer_failed` (kdaserve/server/errors.py), which the proxy retries elsewhere
@@ -43,6 +46,7 @@ class Arrived:
 @dataclass
 class ConnectorStats:
     sent: int = 0
+    parts_pushed: int = 0        # push mode: parts sent while their prompt was computed
     sent_mla_bytes: int = 0
     sent_kda_bytes: int = 0
     send_seconds: float = 0.0
@@ -61,8 +65,12 @@ class Connector(Protocol):
     address: str | None          # where peers push to (None: this instance only sends)
     stats: ConnectorStats
 
+    def push(self, peer: str, header: TransferHeader, frames: Sequence[memoryview]) -> None:
+        """Push mode: send a part that is not the last without waiting (`header.final` False);
+        the send of the last part waits for every acknowledgement."""
+
     def send(self, peer: str, header: TransferHeader, frames: Sequence[memoryview]) -> None:
-        """Raises TransferFailed unless `peer` acknowledged the whole transfer."""
+        """Raises TransferFailed unless `peer` acknowledged the whole transfer (every part)."""
 
     def take(self, transfer_id: str, timeout_s: float) -> Arrived:
         """The transfer, waiting up to `timeout_s` for it; TransferFailed if it never came."""
@@ -77,15 +85,23 @@ class Inbox:
         self.stats = stats
         self.ttl_s = ttl_s
         self._items: dict[str, Arrived] = {}
+        self._parts: dict[str, list[Arrived]] = {}       # push mode: parts before the last
         self._cv = threading.Condition()
 
     def put(self, item: Arrived) -> None:
+        """Raises TransferRefused when the last part does not complete the parts before it."""
+        tid = item.header.transfer_id
         with self._cv:
             self._expire()
-            old = self._items.pop(item.header.transfer_id, None)
-            if old is not None:
-                self.stats.pending_bytes -= old.nbytes
-            self._items[item.header.transfer_id] = item
+            if not item.header.final:
+                self._parts.setdefault(tid, []).append(item)
+                self._count()
+                return
+            parts = self._parts.pop(tid, [])
+            if parts or item.header.part:
+                item = assemble(parts, item)
+            self._items.pop(tid, None)
+            self._items[tid] = item
             self.stats.received += 1
             self.stats.received_bytes += item.nbytes
             self._count()
@@ -118,7 +134,39 @@ class Inbox:
         for tid in [t for t, a in self._items.items() if now - a.at > self.ttl_s]:
             del self._items[tid]
             self.stats.expired += 1
+        for tid in [t for t, ps in self._parts.items() if now - ps[-1].at > self.ttl_s]:
+            del self._parts[tid]         # a push whose request never finished (aborted)
+            self.stats.expired += 1
 
     def _count(self) -> None:
-        self.stats.pending = len(self._items)
-        self.stats.pending_bytes = sum(a.nbytes for a in self._items.values())
+        self.stats.pending = len(self._items) + len(self._parts)
+        self.stats.pending_bytes = (sum(a.nbytes for a in self._items.values())
+                                    + sum(a.nbytes for ps in self._parts.values() for a in ps))
+
+
+def assemble(parts: list[Arrived], last: Arrived) -> Arrived:
+    """One transfer from its pushed parts and its last part: each MLA layer's latents joined
+    in token order, the KDA states from the last part."""
+    heads = [p.header for p in parts] + [last.header]
+    tid = last.header.transfer_id
+    if [h.part for h in heads] != list(range(len(heads))):
+        raise TransferRefused(f"transfer {tid}: parts {[h.part for h in heads]} arrived, not "
+                              f"0..{len(heads) - 1}")
+    at = 0
+    for h in heads:
+        if h.token_start != at:
+            raise TransferRefused(f"transfer {tid}: part {h.part} starts at token "
+                                  f"{h.token_start}, the parts before end at {at}")
+        at = h.num_tokens
+    nm = len(last.header.layout.mla_layers)
+    frames: list[memoryview] = []
+    specs: list[BufferSpec] = []
+    for i in range(nm):
+        joined = memoryview(b"".join(bytes(p.frames[i]) for p in [*parts, last]))
+        s = last.header.buffers[i]
+        specs.append(BufferSpec(s.name, s.dtype, [last.header.num_tokens, *s.shape[1:]],
+                                len(joined), wire.checksum(joined)))
+        frames.append(joined)
+    header = msgspec.structs.replace(last.header, buffers=specs + last.header.buffers[nm:],
+                                     part=0, token_start=0)
+    return Arrived(header, frames + last.frames[nm:])

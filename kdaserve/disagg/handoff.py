@@ -1,5 +1,7 @@
 """Which cache operations a request's transfer needs, for the scheduler (torch-free).
 
+- While a prefill instance computes a prompt in chunks, each step pushes the blocks the steps
+  before it completed (`push_op`: push mode, the network busy while the next chunk computes).
 - A prefill instance's request that ended by length (it computed the prompt and its first
   token, as the proxy asked with max_tokens = 1) pushes the prompt's cache: `send_op`, built
   from the blocks and slot it held, just before the scheduler frees them. One that ended
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kdaserve.cache.ops import ReceiveRequest, SendRequest
+from kdaserve.cache.ops import PushBlocks, ReceiveRequest, SendRequest
 from kdaserve.config import KVTransferConfig
 from kdaserve.disagg.wire import token_hash
 from kdaserve.request import Request, RequestStatus, SamplingParams, SamplingParamsError
@@ -32,7 +34,9 @@ def imports(req: Request) -> bool:
     return kt is not None and kt.is_import
 
 
-def send_op(req: Request, cache: _Holds) -> SendRequest | None:
+def send_op(req: Request, cache: _Holds, pushed: tuple[int, int] = (0, 0)
+            ) -> SendRequest | None:
+    """`pushed`: (tokens, parts) already pushed while the prompt was computed."""
     kt = req.sampling_params.kv_transfer
     if kt is None or not kt.is_export or req.status != RequestStatus.FINISHED_LENGTH:
         return None
@@ -42,7 +46,22 @@ def send_op(req: Request, cache: _Holds) -> SendRequest | None:
     rid = req.request_id
     return SendRequest(rid, kt.transfer_id, kt.peer, tuple(cache.block_ids(rid)),
                        cache.slot(rid), n, token_hash(req.prompt_token_ids),
-                       req.output_token_ids[0])
+                       req.output_token_ids[0], *pushed)
+
+
+def push_op(req: Request, block_ids: list[int], block_size: int, pushed: tuple[int, int]
+            ) -> PushBlocks | None:
+    """Push mode: the prompt's blocks written by earlier steps and not pushed yet (whole blocks
+    only; the last, partial one goes with the states)."""
+    kt = req.sampling_params.kv_transfer
+    if kt is None or not kt.is_export:
+        return None
+    done = min(req.num_computed_tokens, req.num_prompt_tokens) // block_size * block_size
+    start, part = pushed
+    if done <= start or req.num_computed_tokens >= req.num_prompt_tokens:
+        return None
+    return PushBlocks(req.request_id, kt.transfer_id, kt.peer,
+                      tuple(block_ids[start // block_size:done // block_size]), start, done, part)
 
 
 def receive_op(req: Request, block_ids: list[int], slot: int, held_tokens: int = 0

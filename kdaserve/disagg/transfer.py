@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kdaserve.cache.ops import DISAGG, OpFailure, ReceiveRequest, SendRequest
+from kdaserve.cache.ops import DISAGG, OpFailure, PushBlocks, ReceiveRequest, SendRequest
 from kdaserve.disagg import wire
 from kdaserve.disagg.connector import FAILED_PREFIX, Connector, TransferFailed
 from kdaserve.disagg.wire import BufferSpec, CacheLayout, TransferHeader, TransferRefused
@@ -42,10 +42,12 @@ class CacheTransfer:
         """The connector's counters, for /metrics."""
         return {k: float(v) for k, v in asdict(self.connector.stats).items()}
 
-    def run(self, op: SendRequest | ReceiveRequest) -> list[OpFailure]:
+    def run(self, op: PushBlocks | SendRequest | ReceiveRequest) -> list[OpFailure]:
         """Carry out one op; a failure is reported (the request ends with it), never raised."""
         try:
-            if isinstance(op, SendRequest):
+            if isinstance(op, PushBlocks):
+                self.push(op)
+            elif isinstance(op, SendRequest):
                 self.send(op)
             else:
                 self.receive(op)
@@ -55,33 +57,50 @@ class CacheTransfer:
         return []
 
     # ---- prefill side -----------------------------------------------------------------------
-    def send(self, op: SendRequest) -> None:
+    def push(self, op: PushBlocks) -> None:
+        """A part of the prompt's latents, sent without waiting for its acknowledgement."""
         start = time.perf_counter()
-        names, tensors = self._gather(op.block_ids, op.slot, op.num_tokens)
-        frames = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors]
-        specs = [BufferSpec(n, str(t.dtype).removeprefix("torch."), list(t.shape), len(f),
-                            wire.checksum(f)) for n, t, f in zip(names, tensors, frames)]
-        header = TransferHeader(wire.VERSION, op.transfer_id, self.identity, self.layout,
-                                op.num_tokens, op.token_hash, op.first_token_id, specs)
+        tensors = self._latents(op.block_ids, op.token_end - op.token_start)
+        names = wire.expected_names(self.layout)[: len(tensors)]
+        header, frames = self._message(op.transfer_id, op.token_end, 0, -1, names, tensors,
+                                       op.part, op.token_start, final=False)
+        self.connector.push(op.peer, header, frames)
+        self.times.send_seconds += time.perf_counter() - start
+
+    def send(self, op: SendRequest) -> None:
+        """The latents not pushed yet and the KDA states; returns once every part of the
+        transfer was acknowledged."""
+        start = time.perf_counter()
+        bs = self.cache.block_size
+        first = op.token_start // bs
+        tensors = self._latents(op.block_ids[first:], op.num_tokens - op.token_start)
+        tensors += [v.contiguous().cpu() for v in self.cache.slot_views(op.slot)]
+        names = wire.expected_names(self.layout)
+        assert len(names) == len(tensors)
+        header, frames = self._message(op.transfer_id, op.num_tokens, op.token_hash,
+                                       op.first_token_id, names, tensors, op.parts,
+                                       op.token_start, final=True)
         self.connector.send(op.peer, header, frames)
         self.times.send_seconds += time.perf_counter() - start
 
-    def _gather(self, block_ids: tuple[int, ...], slot: int, num_tokens: int
-                ) -> tuple[list[str], list[torch.Tensor]]:
-        """Host copies of the request's cache, in wire order (wire.expected_names)."""
-        c = self.cache
-        bs = c.block_size
+    def _message(self, tid: str, num_tokens: int, token_hash: int, first: int,
+                 names: list[str], tensors: list[torch.Tensor], part: int, token_start: int,
+                 final: bool) -> tuple[TransferHeader, list[memoryview]]:
+        frames = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors]
+        specs = [BufferSpec(n, str(t.dtype).removeprefix("torch."), list(t.shape), len(f),
+                            wire.checksum(f)) for n, t, f in zip(names, tensors, frames)]
+        return TransferHeader(wire.VERSION, tid, self.identity, self.layout, num_tokens,
+                              token_hash, first, specs, part, token_start, final), frames
+
+    def _latents(self, block_ids: tuple[int, ...], num_tokens: int) -> list[torch.Tensor]:
+        """Host copies of the first `num_tokens` latents in `block_ids`, one per MLA layer."""
+        bs = self.cache.block_size
         ids = torch.tensor(block_ids[: -(-num_tokens // bs)], dtype=torch.long)
         out = []
-        for p in c.mla_pages:     # [blocks, bs, D] -> [num_tokens, D]
+        for p in self.cache.mla_pages:     # [blocks, bs, D] -> [num_tokens, D]
             rows = p.index_select(0, ids.to(p.device)).reshape(-1, p.shape[-1])[:num_tokens]
             out.append(rows.contiguous().cpu())
-        nk = len(c.kda_states)
-        views = c.slot_views(slot)        # states of every KDA layer, then conv windows
-        out += [v.contiguous().cpu() for v in views]
-        names = wire.expected_names(self.layout)
-        assert len(names) == len(out) and nk == len(self.layout.kda_layers)
-        return names, out
+        return out
 
     # ---- decode side ------------------------------------------------------------------------
     def receive(self, op: ReceiveRequest) -> None:

@@ -2,7 +2,7 @@
 
 Never pickle: the header is msgpack of the Structs below, and each buffer is the raw bytes of
 one tensor (C order), described in the header by name, dtype, shape and an xxh3-64 checksum.
-The buffers of one request, in this order:
+The buffers of one request (or of one part of it, in push mode), in this order:
   mla.{i}        [num_tokens, latent_dim]  the i-th MLA layer's latents, token by token (not
                                            by block: the receiver may use another block size)
   kda_state.{j}  [H, K, V] fp32            the j-th KDA layer's recurrent state
@@ -54,6 +54,12 @@ class TransferHeader(msgspec.Struct, frozen=True, tag="transfer"):
     token_hash: int               # xxh3-64 of the first num_tokens token ids
     first_token_id: int
     buffers: list[BufferSpec]
+    # push mode: the latents of tokens [token_start, num_tokens) in part `part`; parts before
+    # the last (`final` False, MLA buffers only, first_token_id -1) are pushed while the
+    # prompt is still being computed; the final one adds the KDA states
+    part: int = 0
+    token_start: int = 0
+    final: bool = True
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):

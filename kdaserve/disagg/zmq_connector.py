@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -19,6 +20,14 @@ from kdaserve.disagg.connector import Arrived, ConnectorStats, Inbox, TransferFa
 from kdaserve.disagg.wire import CacheLayout, TransferHeader, TransferRefused
 
 logger = logging.getLogger("kdaserve")
+
+
+@dataclass
+class _Open:
+    sock: zmq.Socket
+    parts: int = 0
+    frames: list = field(default_factory=list)
+    at: float = field(default_factory=time.monotonic)
 
 
 class ZmqConnector:
@@ -32,6 +41,7 @@ class ZmqConnector:
         self.stats = ConnectorStats()
         self.inbox = Inbox(self.stats, ttl_s)
         self._ctx = zmq.Context()
+        self._open: dict[str, _Open] = {}     # transfers with parts pushed, by id
         self._stop = threading.Event()
         self.address: str | None = None
         self._thread: threading.Thread | None = None
@@ -48,39 +58,72 @@ class ZmqConnector:
             self._thread.start()
 
     # ---- sending ----------------------------------------------------------------------------
+    # One DEALER socket per transfer: its parts go out in order on it, and their
+    # acknowledgements come back on it. The frames stay referenced until the last
+    # acknowledgement (zero-copy: ZeroMQ's I/O thread reads them while the engine computes).
+    def push(self, peer: str, header: TransferHeader, frames: Sequence[memoryview]) -> None:
+        self._drop_abandoned()
+        tid = header.transfer_id
+        if tid not in self._open:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(peer)
+            self._open[tid] = _Open(sock)
+        o = self._open[tid]
+        o.sock.send_multipart([wire.encode(header), *frames], copy=False)
+        o.parts += 1
+        o.frames.append(frames)
+        self.stats.parts_pushed += not header.final
+        self._count(header)
+
     def send(self, peer: str, header: TransferHeader, frames: Sequence[memoryview]) -> None:
         start = time.perf_counter()
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
         try:
-            sock.connect(peer)
-            # zero-copy: the frames are views of host tensors the caller holds until we return
-            sock.send_multipart([wire.encode(header), *frames], copy=False)
-            if not sock.poll(int(self.send_timeout_s * 1000)):
-                raise TransferFailed(f"the decode instance at {peer} did not acknowledge "
-                                     f"transfer {header.transfer_id} within "
-                                     f"{self.send_timeout_s:g} s")
-            ack = wire.decode_ack(sock.recv())
-            if not ack.ok:
-                raise TransferFailed(f"the decode instance at {peer} refused transfer "
-                                     f"{header.transfer_id}: {ack.error}")
+            self.push(peer, header, frames)
+            o = self._open.pop(header.transfer_id)
+        except Exception as exc:
+            self.stats.send_failures += 1
+            self._close(header.transfer_id)
+            raise TransferFailed(f"sending transfer {header.transfer_id} to {peer} failed: "
+                                 f"{exc}") from None
+        try:
+            deadline = time.monotonic() + self.send_timeout_s
+            for _ in range(o.parts):          # every part's acknowledgement, in order
+                left = deadline - time.monotonic()
+                if left <= 0 or not o.sock.poll(int(left * 1000)):
+                    raise TransferFailed(f"the decode instance at {peer} did not acknowledge "
+                                         f"transfer {header.transfer_id} within "
+                                         f"{self.send_timeout_s:g} s")
+                ack = wire.decode_ack(o.sock.recv())
+                if not ack.ok:
+                    raise TransferFailed(f"the decode instance at {peer} refused transfer "
+                                         f"{header.transfer_id}: {ack.error}")
         except TransferFailed:
             self.stats.send_failures += 1
             raise
-        except Exception as exc:
-            self.stats.send_failures += 1
-            raise TransferFailed(f"sending transfer {header.transfer_id} to {peer} failed: "
-                                 f"{exc}") from None
         finally:
-            sock.close(linger=0)
+            o.sock.close(linger=0)
         self.stats.sent += 1
+        self.stats.send_seconds += time.perf_counter() - start
+
+    def _count(self, header: TransferHeader) -> None:
         for spec in header.buffers:
             if spec.name.startswith("mla."):
                 self.stats.sent_mla_bytes += spec.nbytes
             else:
                 self.stats.sent_kda_bytes += spec.nbytes
-        self.stats.send_seconds += time.perf_counter() - start
+
+    def _close(self, tid: str) -> None:
+        o = self._open.pop(tid, None)
+        if o is not None:
+            o.sock.close(linger=0)
+
+    def _drop_abandoned(self) -> None:
+        """Pushes whose request never sent its last part (aborted) are let go."""
+        now = time.monotonic()
+        for tid in [t for t, o in self._open.items() if now - o.at > self.inbox.ttl_s]:
+            self._close(tid)
 
     # ---- receiving --------------------------------------------------------------------------
     def take(self, transfer_id: str, timeout_s: float) -> Arrived:
@@ -113,6 +156,8 @@ class ZmqConnector:
         sock.close(linger=0)
 
     def close(self) -> None:
+        for tid in list(self._open):
+            self._close(tid)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)

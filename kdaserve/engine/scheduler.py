@@ -71,6 +71,7 @@ class Scheduler:
         self._receives: dict[str, CacheOp] = {}
         self._imported: set[str] = set()
         self._failed: dict[str, str] = {}
+        self._pushed: dict[str, tuple[int, int]] = {}    # export: (tokens, parts) pushed
 
     # ---- intake ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -106,7 +107,9 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        send = handoff.send_op(req, self.cache) if self.cache.holds(request_id) else None
+        pushed = self._pushed.pop(request_id, (0, 0))
+        send = (handoff.send_op(req, self.cache, pushed) if self.cache.holds(request_id)
+                else None)
         if send is not None:
             self._sends.append(send)   # reads the blocks and slot freed below, before reuse
         self._imported.discard(request_id)
@@ -377,6 +380,11 @@ class Scheduler:
             tokens += req.spec_token_ids[:num_drafts]
         if rid in self._receives:
             ops.append(self._receives.pop(rid))
+        push = handoff.push_op(req, self.cache.block_ids(rid), self.cache.block_size,
+                               self._pushed.get(rid, (0, 0)))
+        if push is not None:
+            ops.append(push)
+            self._pushed[rid] = (push.token_end, push.part + 1)
         if rid in self._restore:
             ops.append(RestoreSnapshot(rid, self._restore[rid], slot))
         if self.cache.prefix_caching:

@@ -113,6 +113,8 @@ _SPEC_METRICS = (
 # counter?)
 _KV_METRICS = (
     ("kdaserve:kv_transfer_sent", "sent", "Request caches pushed to a decode instance.", True),
+    ("kdaserve:kv_transfer_parts_pushed", "parts_pushed",
+     "Parts pushed while their prompt was still being computed (push mode).", True),
     ("kdaserve:kv_transfer_sent_mla_bytes", "sent_mla_bytes", "MLA latent bytes pushed.", True),
     ("kdaserve:kv_transfer_sent_kda_bytes", "sent_kda_bytes",
      "KDA state and conv window bytes pushed.", True),

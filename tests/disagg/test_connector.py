@@ -114,3 +114,33 @@ def test_malformed_messages_are_refused_and_the_receiver_lives_on(pair):
     header, frames = transfer("after")
     send.send(recv.address, header, frames)
     assert recv.take("after", 1.0).header == header
+
+
+def _part(tid: str, part: int, start: int, end: int, final: bool, rows: bytes):
+    frames = [memoryview(rows)] + ([memoryview(b"s" * 8)] if final else [])
+    names = ["mla.0"] + (["kda_state.0"] if final else [])
+    specs = [BufferSpec(n, "uint8", [len(f)], len(f), wire.checksum(f))
+             for n, f in zip(names, frames)]
+    layout = msgspec.structs.replace(LAYOUT, mla_layers=[3], kda_layers=[0])
+    return TransferHeader(wire.VERSION, tid, "m1", layout, end, 7 if final else 0,
+                          11 if final else -1, specs, part, start, final), frames
+
+
+def test_pushed_parts_join_in_token_order():
+    layout = msgspec.structs.replace(LAYOUT, mla_layers=[3], kda_layers=[0])
+    recv = ZmqConnector("m1", layout, port=0, send_timeout_s=2.0)
+    send = ZmqConnector("m1", layout, send_timeout_s=2.0)
+    try:
+        send.push(recv.address, *_part("p", 0, 0, 2, False, b"ab"))
+        send.push(recv.address, *_part("p", 1, 2, 4, False, b"cd"))
+        send.send(recv.address, *_part("p", 2, 4, 5, True, b"e"))
+        got = recv.take("p", 1.0)
+        assert bytes(got.frames[0]) == b"abcde" and bytes(got.frames[1]) == b"s" * 8
+        assert got.header.num_tokens == 5 and got.header.buffers[0].shape == [5]
+        assert send.stats.parts_pushed == 2 and send.stats.sent == 1
+        # a last part whose earlier parts never came is refused
+        with pytest.raises(TransferFailed, match=r"parts \[2\] arrived, not 0..0"):
+            send.send(recv.address, *_part("q", 2, 4, 5, True, b"e"))
+    finally:
+        send.close()
+        recv.close()

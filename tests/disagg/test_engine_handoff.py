@@ -45,8 +45,9 @@ def engines(request, tmp_path_factory):
         write_k3_checkpoint(out, k3_raw(mxfp4=True), seed=5)
         model, vocab = str(out), 96
     common = {"num_threads": 1}
+    # chunks of 8 tokens: a long prompt's blocks are pushed while its next chunks compute
     pre = LLM(model, block_size=4, role="prefill", enable_prefix_caching=True,
-              state_snapshot_interval=4, **common)
+              state_snapshot_interval=4, max_num_batched_tokens=8, **common)
     dec = LLM(model, block_size=8, role="decode", kv_transfer_port=0,
               speculative_method="ngram", num_speculative_tokens=2,
               speculative_adaptive=False, **common)
@@ -76,6 +77,7 @@ def test_disaggregated_equals_colocated(engines):
     assert stats.pending == 0 and stats.taken == 2 * len(ps)
     sent = pre.engine.transfer.connector.stats
     assert sent.sent == 2 * len(ps) and sent.sent_mla_bytes > 0 and sent.sent_kda_bytes > 0
+    assert sent.parts_pushed > 0
 
 
 def _zero(names):
