@@ -38,10 +38,10 @@ _FORWARD_HEADERS = ("authorization",)
 
 class Proxy:
     def __init__(self, prefill: list[str], decode: list[str], prefill_timeout_s: float = 60.0,
-                 connect_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 5.0, probe_timeout_s: float = 1.0) -> None:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout_s))
-        self.prefills = BackendPool(prefill, self.client)
-        self.decodes = BackendPool(decode, self.client)
+        self.prefills = BackendPool(prefill, self.client, probe_timeout_s)
+        self.decodes = BackendPool(decode, self.client, probe_timeout_s)
         self.prefill_timeout_s = prefill_timeout_s
         self.counts = {"requests": 0, "disaggregated": 0, "whole": 0, "retries": 0,
                        "failures": 0}
