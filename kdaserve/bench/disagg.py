@@ -93,9 +93,10 @@ def measure(model: str, long_len: int, num_long: int, short_len: int, num_short:
             "bytes_per_request": {"mla": (conn.sent_mla_bytes - sent0[1]) // n,
                                   "kda": (conn.sent_kda_bytes - sent0[2]) // n},
             "bytes_per_long_request_mla": _latents(pre) * long_len,
+            "parts_pushed": conn.parts_pushed,       # while prompts were still computing
             "transfer_s_per_request": round(send_s / n, 5),
             "prefill_s_per_request": round(prefill_s, 5),
-            # the whole transfer runs after the last prefill chunk here (no push overlap yet)
+            # send time (pushes, the last part, waiting for acknowledgements) over prefill time
             "transfer_after_prefill_frac": round(send_s / n / prefill_s, 4) if prefill_s > 0
             else None,
             "decode_prefix_hit_tokens": dec.engine.cache.stats.hit_tokens,
