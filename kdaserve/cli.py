@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, action=_LazySubParsers)
     sub.add_lazy("serve", "OpenAI-compatible HTTP server (default: bundled demo on "
                  "127.0.0.1:8000)", _from("kdaserve.server.args", "add_serve_arguments"))
+    sub.add_lazy("proxy", "OpenAI-compatible front of prefill and decode instances "
+                 "(disaggregated serving)", _from("kdaserve.disagg.proxy_cli"))
     sub.add_lazy("generate", "one-shot generation from a prompt", _generate_args)
     sub.add_lazy("inspect", "parameter counts and cache sizes of a config, without weights",
                  _from("kdaserve.model.inspect"))
@@ -110,6 +112,8 @@ def _bench_args(bench: argparse.ArgumentParser) -> None:
     for name, help, fill in [
         ("offline", "offline throughput vs transformers", _from("kdaserve.bench.offline")),
         ("prefix", "shared-prefix TTFT, caching off vs on", _from("kdaserve.bench.prefix")),
+        ("disagg", "prefill/decode disaggregation vs colocated: bytes, transfer time, "
+         "TTFT/TPOT, identical output", _from("kdaserve.bench.disagg")),
         ("spec", "speculative decoding vs plain decode", _from("kdaserve.bench.spec")),
         ("kda", "KDA recurrence: torch vs compiled CPU kernel", _from("kdaserve.bench.kda")),
         ("reference", "model vs transformers, fla-core (kimi_linear) or mlx-lm (kimi_k3)",
@@ -133,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         from kdaserve.server.cli import run_serve
 
         return run_serve(args)
+    if args.command == "proxy":
+        from kdaserve.disagg.proxy_cli import run as run_proxy
+
+        return run_proxy(args)
     if args.command == "generate":
         return _run_generate(args)
     if args.command == "inspect":
@@ -156,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
             from kdaserve.bench.reference import run as run_reference
 
             return run_reference(args)
+        if args.bench == "disagg":
+            from kdaserve.bench.disagg import run as run_disagg
+
+            return run_disagg(args)
         if args.bench == "prefix":
             from kdaserve.bench.prefix import run as run_prefix
 

@@ -209,6 +209,30 @@ class ParallelConfig:
         return "uni" if self.world_size == 1 else "mp"
 
 
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (kdaserve/disagg). A decode instance receives on
+    `host:port`; a prefill instance only sends (to the peer each request names)."""
+
+    role: str
+    port: int | None = None
+    host: str = "127.0.0.1"
+    timeout_s: float = 10.0      # a send's wait for its acknowledgement; a receive's wait
+    ttl_s: float = 60.0          # an arrived transfer nobody takes is dropped after this
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role == "decode" and self.port is None:
+            raise ConfigError("--role decode needs --kv-transfer-port (where prefill "
+                              "instances push caches to)")
+        if self.timeout_s <= 0 or self.ttl_s <= 0:
+            raise ConfigError("kv-transfer timeouts must be positive")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the weights."""
@@ -228,6 +252,7 @@ class EngineConfig:
     # weight-only quantization on load: None, "int8" or "int4" (kdaserve/quant_config.py)
     quantization: str | None = None
     quantization_group_size: int = 128
+    kv_transfer: KVTransferConfig | None = None   # a prefill or decode instance
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

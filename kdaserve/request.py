@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kdaserve.disagg.params import KVTransferParams
 from kdaserve.structured.spec import GuidedDecoding, GuidedDecodingError
 
 
@@ -74,6 +75,9 @@ class SamplingParams:
     guided: GuidedDecoding | None = None       # structured outputs (kdaserve/structured)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     prompt_logprobs: int | None = None          # logprobs of each prompt token (top-k extra)
+    # prefill/decode disaggregation: this request's cache goes to, or comes from, another
+    # instance (kdaserve/disagg/params.py)
+    kv_transfer: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +97,9 @@ class SamplingParams:
 
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be an integer in [1, {MAX_N}]")
+        if self.kv_transfer is not None and self.n != 1:
+            raise SamplingParamsError("kv_transfer_params needs n = 1 (one cache per request)",
+                                      "kv_transfer_params")
         if self.max_tokens is not None and (not _is_int(self.max_tokens)
                                             or not 1 <= self.max_tokens <= MAX_INT32):
             raise bad("max_tokens", f"must be an integer in [1, {MAX_INT32}]")

@@ -95,6 +95,9 @@ class CacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return list(self._held[request_id].block_ids)
 
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._held
+
     def slot(self, request_id: str) -> int:
         slot = self._held[request_id].slot
         assert slot is not None

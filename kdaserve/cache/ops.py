@@ -7,7 +7,8 @@ back in `ModelRunnerOutput.cache`: the entries that failed (the manager forgets 
 snapshots that were planned but never written (the manager drops them).
 
 When each kind runs, in the list's order within its phase:
-- before the forward: `FreeRequest`, the offload ops (`StoreBlock`, `StoreSnapshot`,
+- before the forward: `FreeRequest`, `PushBlocks` / `SendRequest` / `ReceiveRequest`
+  (disaggregation), the offload ops (`StoreBlock`, `StoreSnapshot`,
   `LoadBlock`, `LoadState`, `KeepState`, `DropEntry`) and `RestoreSnapshot`;
 - during the forward: `TakeSnapshot` (a state inside the step's tokens; the layout plans it);
 - after verification: `SettleDrafts`, and the `TakeSnapshot`s of a request that verifies
@@ -127,6 +128,62 @@ class SettleDrafts:
 
 
 @dataclass(frozen=True)
+class SendRequest:
+    """Push the cache of finished request `request_id` to another instance (disaggregation,
+    kdaserve/disagg): the latents of its first `num_tokens` tokens in `block_ids` (every MLA
+    layer) and its live KDA slot `slot` (state + conv window, every KDA layer), under
+    `transfer_id`, to `peer`. The bookkeeping freed both already; the op runs before any
+    forward can reuse them. `token_hash` (xxh3-64 of the tokens) and `first_token_id` let the
+    receiver check it continues the same request."""
+
+    request_id: str
+    transfer_id: str
+    peer: str
+    block_ids: tuple[int, ...]
+    slot: int
+    num_tokens: int
+    token_hash: int
+    first_token_id: int
+    token_start: int = 0          # push mode: tokens before it went in `parts` PushBlocks
+    parts: int = 0
+
+
+@dataclass(frozen=True)
+class PushBlocks:
+    """Push mode: send the latents of tokens [token_start, token_end) of `request_id`, still
+    computing its prompt, from `block_ids` (whole blocks, written by earlier steps) as part
+    `part` of transfer `transfer_id` to `peer`, without waiting: the network moves them while
+    the next chunk computes. The request's SendRequest sends the rest and the KDA states, and
+    waits for every part's acknowledgement."""
+
+    request_id: str
+    transfer_id: str
+    peer: str
+    block_ids: tuple[int, ...]
+    token_start: int
+    token_end: int
+    part: int
+
+
+@dataclass(frozen=True)
+class ReceiveRequest:
+    """Fill `block_ids` (the first `num_tokens` tokens, in this instance's own block size) and
+    live slot `slot` of `request_id` with transfer `transfer_id` from the connector's inbox.
+    The first `skip_tokens` (whole blocks) are a prefix hit this instance already holds: those
+    blocks are shared and left as they are. A transfer that is missing, late, or fails a check
+    (model, layout, checksum, tokens) fails the op: the request ends with that error."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    slot: int
+    num_tokens: int
+    token_hash: int
+    first_token_id: int
+    skip_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class FreeRequest:
     """`request_id` is gone (finished, aborted): the runner forgets what it holds for it
     (its copy of the request, sampling generator, draft probabilities, grammar state). Its
@@ -136,9 +193,14 @@ class FreeRequest:
 
 
 CacheOp = Union[StoreBlock, StoreSnapshot, LoadBlock, LoadState, KeepState, DropEntry,
-                RestoreSnapshot, TakeSnapshot, SettleDrafts, FreeRequest]
+                RestoreSnapshot, TakeSnapshot, SettleDrafts, PushBlocks, SendRequest,
+                ReceiveRequest, FreeRequest]
 # the offload tiers' operations (kdaserve/engine/tier_transfer.py carries them out)
 TIER_OPS = (StoreBlock, StoreSnapshot, LoadBlock, LoadState, KeepState, DropEntry)
+# disaggregation's (kdaserve/disagg/transfer.py carries them out); their failures name the
+# tier DISAGG
+DISAGG_OPS = (PushBlocks, SendRequest, ReceiveRequest)
+DISAGG = "disagg"
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,11 @@ from kdaserve import arg_types
 from kdaserve.config import (
     EXECUTORS,
     MOE_BACKENDS,
+    ROLES,
     CacheConfig,
     ConfigError,
     EngineConfig,
+    KVTransferConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -151,6 +153,18 @@ class EngineArgs:
                                        "the other parallel sizes 1", parse=arg_types.positive_int)
     moe_backend: str = _arg("auto", "how routed experts run; auto picks by topology and logs "
                             "why", choices=MOE_BACKENDS)
+    # prefill/decode disaggregation (docs/disaggregation.md)
+    role: str | None = _arg(None, "disaggregated serving: this instance computes prompts and "
+                            "pushes their caches (prefill) or takes them in and decodes "
+                            "(decode); default: both, colocated", choices=ROLES)
+    kv_transfer_port: int | None = _arg(None, "with --role decode: the port prefill instances "
+                                        "push caches to", parse=arg_types.positive_int)
+    kv_transfer_host: str = _arg("127.0.0.1", "with --role decode: the address to receive "
+                                 "caches on (and the one peers are told)")
+    kv_transfer_timeout: float = _arg(10.0, "seconds a cache send waits for its "
+                                      "acknowledgement, and a decode request for its cache")
+    kv_transfer_ttl: float = _arg(60.0, "with --role decode: seconds an arrived cache waits "
+                                  "for its request before it is dropped")
     distributed_executor: str | None = _arg(
         None, "in-process (one rank), one spawned process per rank (mp), the ranks torchrun "
         "started, or one Ray actor per rank (ray) (default: torchrun's ranks under torchrun, "
@@ -232,6 +246,9 @@ class EngineArgs:
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=self.long_prefill_token_threshold),
             speculative=self._speculative(),
+            kv_transfer=None if self.role is None else KVTransferConfig(
+                self.role, self.kv_transfer_port, self.kv_transfer_host,
+                self.kv_transfer_timeout, self.kv_transfer_ttl),
         )
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kdaserve.cache.ops import (
+    DISAGG_OPS,
     TIER_OPS,
     CacheOp,
     CacheOutcome,
@@ -59,6 +60,9 @@ class CacheOpExecutor:
         self.cache = cache
         self.tiers = TierTransfer(cache, stores)
         self.on_free = on_free
+        # disaggregation's sends and receives (kdaserve/disagg/transfer.py); None: not a
+        # prefill or decode instance
+        self.transfer = None
 
     @property
     def stores(self) -> dict[str, Store]:
@@ -78,9 +82,12 @@ class CacheOpExecutor:
         step = StepOps()
         tier_ops: list[CacheOp] = []
         restores: list[RestoreSnapshot] = []
+        moves = []
         for op in ops:
             if isinstance(op, FreeRequest):
                 self.on_free(op.request_id)
+            elif isinstance(op, DISAGG_OPS):
+                moves.append(op)
             elif isinstance(op, TIER_OPS):
                 tier_ops.append(op)
             elif isinstance(op, RestoreSnapshot):
@@ -94,8 +101,15 @@ class CacheOpExecutor:
         # the scheduler lists frees and tier operations before any request's restore
         if tier_ops:
             step.outcome.failures = self.tiers.run(tier_ops)
-            step.lost = {f.request_id for f in step.outcome.failures
-                         if f.request_id is not None}
+        lost = {f.request_id for f in step.outcome.failures if f.request_id is not None}
+        for op in moves:      # after the tiers' loads: a hit's blocks are in place first
+            if op.request_id in lost:
+                continue      # it sits the step out and is recomputed; the transfer expires
+            if self.transfer is None:
+                raise ValueError(f"{type(op).__name__} on an instance without a kv-transfer "
+                                 "connector (serve --role prefill|decode)")
+            step.outcome.failures += self.transfer.run(op)
+        step.lost = {f.request_id for f in step.outcome.failures if f.request_id is not None}
         restores = [r for r in restores if r.request_id not in step.lost]
         if restores:
             dev = self.cache.kda_states[0].device if self.cache.kda_states else "cpu"

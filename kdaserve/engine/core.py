@@ -153,7 +153,15 @@ class EngineCore:
         # their shape); synchronous steps only
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None
         self._pipeline: StepPipeline | None = None
-        if config.async_scheduling:
+        self.transfer = None          # disaggregation's connector side (kdaserve/disagg)
+        if config.kv_transfer is not None:
+            from kdaserve.disagg.setup import attach_transfer
+
+            self.transfer = attach_transfer(config, rank_cfg, self.runner)
+        if config.async_scheduling and config.kv_transfer is not None:
+            logger.warning("async scheduling is off on a prefill or decode instance (a "
+                           "finished request's cache is sent between steps)")
+        elif config.async_scheduling:
             if par.executor != "uni" or config.speculative is not None:
                 logger.warning("async scheduling needs the in-process executor and no "
                                "speculative decoding; steps run synchronously")
@@ -191,6 +199,11 @@ class EngineCore:
             extra_keys = tuple(extra_keys) + tuple(m.placed_key() for m in media)
         if params.guided is not None:    # compiled (and cached) now: a bad spec is a 400
             self.executor.validate_guided(params.guided)
+        first_output: list[int] = []
+        if params.kv_transfer is not None:
+            from kdaserve.disagg.handoff import check_request
+
+            first_output = check_request(params, self.config.kv_transfer, vocab)
         children = []
         leader = None               # the child that scores the prompt for all n (i > 0 wait)
         for i in range(params.n):
@@ -204,7 +217,8 @@ class EngineCore:
                 if params.prompt_logprobs is not None and leader is None:
                     leader = cid
             req = Request(cid, list(prompt_token_ids), child_params, eos_token_ids=self.eos_ids,
-                          priority=priority, arrival_time=arrival_time or time.monotonic(),
+                          output_token_ids=list(first_output), priority=priority,
+                          arrival_time=arrival_time or time.monotonic(),
                           cache_salt=cache_salt, extra_keys=tuple(extra_keys),
                           media=tuple(media), group=group or request_id,
                           prompt_leader=leader if leader != cid else None)
@@ -367,7 +381,13 @@ class EngineCore:
         touched = (settle_results(self.scheduler, out, result) if dispatched
                    else self.scheduler.update(out, result))
         deltas = []
+        unsent = self._send_caches()
         for req in touched:
+            if req.request_id in unsent and req.request_id in self._tracked:
+                self.stats.failed += 1
+                deltas.append(self._final_delta(req.request_id, "error",
+                                                error=unsent[req.request_id]))
+                continue
             why = result.grammar_errors.get(req.request_id)
             if why is not None and req.request_id in self._tracked:
                 deltas.append(self._grammar_failed(req.request_id, why))
@@ -386,6 +406,10 @@ class EngineCore:
         # requests the scheduler ended on its own (too large for the cache) owe a final delta
         deltas += [self._final_delta(rid, "length") for rid in self.scheduler.pop_ended()
                    if rid in self._tracked]
+        for rid, why in self.scheduler.pop_failed().items():   # their cache never came
+            if rid in self._tracked:
+                self.stats.failed += 1
+                deltas.append(self._final_delta(rid, "error", error=why))
         return deltas
 
     def _spec_time(self, out, result, seconds: float) -> None:
@@ -395,6 +419,16 @@ class EngineCore:
             st.spec_dormant_seconds += seconds
         elif any(s.num_draft_tokens for s in out.sequences):
             st.spec_verify_seconds += max(0.0, seconds - result.draft_seconds)
+
+    def _send_caches(self) -> dict[str, str]:
+        """Push the caches of requests that just ended on a prefill instance, before the next
+        step reuses their blocks; returns those that failed, with why (the request then
+        ends with that error, and its client's proxy retries or reports it)."""
+        sends = self.scheduler.take_sends()
+        if not sends:
+            return {}
+        outcome = self.executor.run_cache_ops(sends)
+        return {f.request_id: f.reason for f in outcome.failures if f.request_id is not None}
 
     def _delta(self, req: Request) -> RequestDelta:
         tr = self._tracked[req.request_id]

@@ -215,4 +215,5 @@ class EngineLoop:
             spec_adaptive=(core.scheduler.spec_policy.decisions()
                            if core.scheduler.spec_policy is not None else {}),
             offload=(offload_stats(cache.offload, core.executor.transfer_stats())
-                     if cache.offload is not None else {}))
+                     if cache.offload is not None else {}),
+            kv_transfer=core.transfer.metrics() if core.transfer is not None else {})

@@ -20,8 +20,17 @@ from __future__ import annotations
 from collections import Counter, deque
 
 from kdaserve.cache.manager import CacheManager
-from kdaserve.cache.ops import CacheOp, FreeRequest, RestoreSnapshot, SettleDrafts, TakeSnapshot
+from kdaserve.cache.ops import (
+    DISAGG,
+    CacheOp,
+    FreeRequest,
+    RestoreSnapshot,
+    SendRequest,
+    SettleDrafts,
+    TakeSnapshot,
+)
 from kdaserve.config import SchedulerConfig
+from kdaserve.disagg import handoff
 from kdaserve.engine import prompt_logprobs
 from kdaserve.engine.fairness import fair_share_victim, next_waiting
 from kdaserve.engine.lookahead import may_look_ahead
@@ -56,6 +65,13 @@ class Scheduler:
         self._draft_plan: dict[str, int] = {}
         self._fair_preempted = 0
         self._suspects: set[str] = set()
+        # disaggregation (kdaserve/disagg/handoff.py): caches to push once their request ended,
+        # caches to take in when their request is admitted, requests whose transfer failed
+        self._sends: list[SendRequest] = []
+        self._receives: dict[str, CacheOp] = {}
+        self._imported: set[str] = set()
+        self._failed: dict[str, str] = {}
+        self._pushed: dict[str, tuple[int, int]] = {}    # export: (tokens, parts) pushed
 
     # ---- intake ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -91,6 +107,13 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
+        pushed = self._pushed.pop(request_id, (0, 0))
+        send = (handoff.send_op(req, self.cache, pushed) if self.cache.holds(request_id)
+                else None)
+        if send is not None:
+            self._sends.append(send)   # reads the blocks and slot freed below, before reuse
+        self._imported.discard(request_id)
+        self._receives.pop(request_id, None)
         self.cache.free(request_id)
         self._finished_since_step.append(request_id)
         if self.spec_policy is not None:
@@ -224,9 +247,14 @@ class Scheduler:
             if req.num_pending:           # preempted with a token in flight: next step
                 break
             hit = None
-            if req.num_computed_tokens == 0 and not wants_prompt_logprobs(req):
+            imports = handoff.imports(req) and req.request_id not in self._imported
+            if (req.num_computed_tokens == 0 and not wants_prompt_logprobs(req)) or imports:
+                # an import's hit: blocks this instance holds need not be written again
                 hit = self.cache.find_hit(req.all_token_ids, req.extra_keys, req.cache_salt)
-            computed = hit.num_tokens if hit is not None else req.num_computed_tokens
+            if imports:               # the prompt's cache comes from a prefill instance
+                computed = req.num_prompt_tokens
+            else:
+                computed = hit.num_tokens if hit is not None else req.num_computed_tokens
             n = prompt_logprobs.chunk(req, min(req.num_tokens - computed, budget, chunk_cap),
                                       self._scoring_left)
             if n == 0:
@@ -240,6 +268,14 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
+            if imports:
+                held = hit.num_tokens if hit is not None else 0
+                req.num_computed_tokens, req.num_cached_tokens = computed, held
+                self._imported.add(req.request_id)
+                self._receives[req.request_id] = handoff.receive_op(
+                    req, self.cache.block_ids(req.request_id), self.cache.slot(req.request_id),
+                    held)
+                hit = None            # the transfer's state replaces the hit's snapshot
             if hit is not None:
                 req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
                 if hit.snapshot is not None:
@@ -268,6 +304,17 @@ class Scheduler:
         candidates = {r.request_id: self.spec_policy.max_drafts for r in self.running
                       if r.num_computed_tokens == r.num_tokens - 1 or r.spec_token_ids}
         self._draft_plan = self.spec_policy.plan(candidates, max(1, len(self.running)))
+
+    def take_sends(self) -> list[SendRequest]:
+        """Caches to push now (their requests ended since the last call); the engine runs
+        them before the next step can reuse their blocks and slots."""
+        sends, self._sends = self._sends, []
+        return sends
+
+    def pop_failed(self) -> dict[str, str]:
+        """Requests ended because their cache transfer failed, with the reason."""
+        failed, self._failed = self._failed, {}
+        return failed
 
     def pop_ended(self) -> list[str]:
         """Requests the scheduler ended on its own since the last call (too large to fit)."""
@@ -331,6 +378,13 @@ class Scheduler:
         tokens = req.token_ids_between(start, start + n - num_drafts)
         if num_drafts:
             tokens += req.spec_token_ids[:num_drafts]
+        if rid in self._receives:
+            ops.append(self._receives.pop(rid))
+        push = handoff.push_op(req, self.cache.block_ids(rid), self.cache.block_size,
+                               self._pushed.get(rid, (0, 0)))
+        if push is not None:
+            ops.append(push)
+            self._pushed[rid] = (push.token_end, push.part + 1)
         if rid in self._restore:
             ops.append(RestoreSnapshot(rid, self._restore[rid], slot))
         if self.cache.prefix_caching:
@@ -404,7 +458,15 @@ class Scheduler:
         never computed on bad data)."""
         if not result.cache.failures:
             return set()
-        failed = self.cache.settle(result.cache.failures)
+        moved = {f.request_id for f in result.cache.failures if f.tier == DISAGG}
+        for f in result.cache.failures:
+            if f.tier == DISAGG and f.request_id in self.requests:
+                self.finish(f.request_id, RequestStatus.FINISHED_ABORTED)
+                self._failed[f.request_id] = f.reason
+        rest = [f for f in result.cache.failures if f.tier != DISAGG]
+        if not rest:
+            return moved
+        failed = self.cache.settle(rest)
         for rid in failed:
             req = self.requests.get(rid)
             if req is not None and req in self.running:
@@ -414,7 +476,7 @@ class Scheduler:
                 req.num_computed_tokens = req.num_cached_tokens = 0
                 req.spec_token_ids = []
                 self.waiting.appendleft(req)
-        return failed
+        return failed | moved
 
     def _commit(self, req: Request) -> None:
         if not self.cache.prefix_caching:

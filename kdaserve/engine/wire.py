@@ -97,6 +97,8 @@ class EngineStatsSnapshot(msgspec.Struct):
     spec_adaptive: dict[str, float] = {}
     # offload tiers: tier name -> counters (see kdaserve.engine.tier_transfer.offload_stats)
     offload: dict[str, dict[str, float]] = {}
+    # disaggregation: the connector's counters (kdaserve/disagg/connector.py); {} when off
+    kv_transfer: dict[str, float] = {}
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply"):

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kdaserve.config import KVTransferConfig
 from kdaserve.engine.async_engine import AsyncEngine, EngineError
 from kdaserve.image_io import ImageLimits
 from kdaserve.server.errors import APIError, install_error_handlers
@@ -48,7 +49,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_name: str,
               public_metrics: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, vision: VisionInput | None = None,
               image_limits: ImageLimits | None = None,
-              strict_schemas: bool = True) -> FastAPI:
+              strict_schemas: bool = True, kv_transfer: KVTransferConfig | None = None
+              ) -> FastAPI:
     """`generation_defaults` (SamplingParams names) fill fields a request leaves out. With an
     API key every endpoint but /health needs it; `public_metrics` exempts /metrics too."""
     metrics = metrics or ServerMetrics()
@@ -104,6 +106,15 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_name: str,
             with suppress(EngineError, asyncio.TimeoutError):
                 stats = await asyncio.wait_for(engine.stats(), limits.health_timeout_s)
         return Response(metrics.render(stats), media_type=CONTENT_TYPE)
+
+    @app.get("/kv_transfer")
+    async def kv_transfer_info() -> Response:
+        """This instance's part in disaggregated serving, for `kdaserve proxy`: its role and,
+        for a decode instance, where prefill instances push caches to."""
+        kt = kv_transfer
+        return JSONResponse({
+            "role": kt.role if kt is not None else "colocated",
+            "address": f"tcp://{kt.host}:{kt.port}" if kt is not None and kt.port else None})
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:

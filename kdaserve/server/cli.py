@@ -124,7 +124,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Toke
                         tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser, vision=vision,
                         strict_schemas=not args.open_json_objects,
-                        image_limits=image_limits)
+                        image_limits=image_limits, kv_transfer=config.kv_transfer)
         server = DrainingServer(uvicorn.Config(
             app, host=args.host, port=args.port, log_config=None, lifespan="off",
             log_level=args.log_level, timeout_graceful_shutdown=5,

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kdaserve.disagg.connector import FAILED_PREFIX
 from kdaserve.engine.async_engine import (
     EngineDeadError,
     EngineError,
@@ -74,6 +75,8 @@ def engine_error(exc: Exception) -> APIError:
         return APIError(504, str(exc), code="request_timeout")
     if isinstance(exc, ServerDrainingError):
         return APIError(503, str(exc), code="shutting_down")
+    if FAILED_PREFIX in str(exc):      # disaggregation: worth a retry elsewhere
+        return APIError(503, str(exc), code="kv_transfer_failed")
     return APIError(500, str(exc), code="engine_error")
 
 

@@ -119,6 +119,35 @@ _SPEC_METRICS = (
 )
 
 
+# Disaggregation's connector (kdaserve/disagg/connector.py ConnectorStats): (name, key, help,
+# counter?)
+_KV_METRICS = (
+    ("kdaserve:kv_transfer_sent", "sent", "Request caches pushed to a decode instance.", True),
+    ("kdaserve:kv_transfer_parts_pushed", "parts_pushed",
+     "Parts pushed while their prompt was still being computed (push mode).", True),
+    ("kdaserve:kv_transfer_sent_mla_bytes", "sent_mla_bytes", "MLA latent bytes pushed.", True),
+    ("kdaserve:kv_transfer_sent_kda_bytes", "sent_kda_bytes",
+     "KDA state and conv window bytes pushed.", True),
+    ("kdaserve:kv_transfer_send_seconds", "send_seconds",
+     "Seconds spent pushing caches (gather, send, acknowledgement).", True),
+    ("kdaserve:kv_transfer_send_failures", "send_failures",
+     "Pushes that were refused or not acknowledged in time.", True),
+    ("kdaserve:kv_transfer_received", "received", "Request caches that arrived.", True),
+    ("kdaserve:kv_transfer_received_bytes", "received_bytes", "Bytes that arrived.", True),
+    ("kdaserve:kv_transfer_refused", "refused",
+     "Arrivals refused (another model or layout, a bad checksum).", True),
+    ("kdaserve:kv_transfer_taken", "taken", "Arrived caches imported by their request.", True),
+    ("kdaserve:kv_transfer_expired", "expired",
+     "Arrived caches dropped because no request took them in time.", True),
+    ("kdaserve:kv_transfer_missing", "missing",
+     "Decode requests whose cache never arrived (timeout).", True),
+    ("kdaserve:kv_transfer_pending", "pending", "Arrived caches waiting for their request.",
+     False),
+    ("kdaserve:kv_transfer_pending_bytes", "pending_bytes",
+     "Host bytes held by arrived caches waiting for their request.", False),
+)
+
+
 class _EngineCollector(Collector):
     def __init__(self) -> None:
         self.snapshot: Mapping[str, Any] | None = None
@@ -144,6 +173,10 @@ class _EngineCollector(Collector):
         for name, key, doc, counter in _SPEC_METRICS if adaptive else ():
             kind = CounterMetricFamily if counter else GaugeMetricFamily
             yield kind(name, doc, value=float(adaptive.get(key, 0)))
+        kv = snap.get("kv_transfer") or {}
+        for name, key, doc, counter in _KV_METRICS if kv else ():
+            kind = CounterMetricFamily if counter else GaugeMetricFamily
+            yield kind(name, doc, value=float(kv.get(key, 0)))
         tiers = snap.get("offload") or {}
         if tiers:
             for name, key, doc, counter in _TIER_METRICS:

@@ -15,6 +15,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kdaserve.disagg.field import parse_kv_transfer
 from kdaserve.request import SamplingParams, SamplingParamsError
 from kdaserve.structured.spec import GuidedDecoding, GuidedDecodingError
 
@@ -81,6 +82,8 @@ class _SamplingRequest(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None                # Lark (llguidance's dialect)
     prompt_logprobs: int | None = None               # vLLM's extra: the prompt's logprobs
+    # disaggregation (kdaserve/disagg/params.py): set by `kdaserve proxy`, as vLLM's field
+    kv_transfer_params: dict[str, Any] | None = None
 
     def _guided_fields(self) -> list[str]:
         asked = [name for name in ("guided_json", "guided_regex", "guided_choice",
@@ -162,6 +165,7 @@ class _SamplingRequest(_Request):
             skip_special_tokens=self.skip_special_tokens,
             guided=guided, logit_bias=self.logit_bias_ids(),
             prompt_logprobs=self.prompt_logprobs,
+            kv_transfer=parse_kv_transfer(self.kv_transfer_params),
         )
 
     @property

@@ -25,8 +25,9 @@ BANNED_CALLS = {"eval", "exec", "compile", "__import__"}
 BANNED_MODULES = {"pickle", "cPickle", "dill", "marshal", "shelve", "ftplib", "socketserver"}
 NETWORK_CLIENTS = {"httpx", "urllib.request", "requests", "http.client"}
 # Clients by design: the load generator talks to the URL its user gives it; image_io fetches
-# http(s) images only from hosts on an opt-in allow-list, never following redirects.
-CLIENT_MODULES = {"bench/serve.py", "image_io.py"}
+# http(s) images only from hosts on an opt-in allow-list, never following redirects; the
+# disaggregation proxy talks to the prefill and decode instances its user lists.
+CLIENT_MODULES = {"bench/serve.py", "image_io.py", "disagg/proxy.py", "disagg/backends.py"}
 
 
 def _python_files():

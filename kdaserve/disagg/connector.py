@@ -1,0 +1,172 @@
+"""The connector interface: send one request's cache to another instance, or take one that
+arrived, by transfer id; and the inbox where arrived transfers wait for their request.
+
+A connector moves bytes and checks them; it decides nothing about scheduling. The prefill
+side sends when its request finished (the send returns once the receiver acknowledged, so the
+prefill instance answers only after the cache is safe on the other side). The decode side
+keeps each arrived transfer in host memory until its request takes it; one that nobody takes
+within `ttl_s` is dropped (a proxy that gave up, a decode request that never came), so host
+memory never leaks. Device pages are allocated only when the request is admitted.
+Implementations: zmq_connector.py (NIXL was checked; see docs/disaggregation.md).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+
+from kdaserve.disagg import wire
+from kdaserve.disagg.wire import BufferSpec, TransferHeader, TransferRefused
+
+# how a request's error starts when its cache transfer failed: the server answers it with a
+# 503 `kv_transfer_failed` (kdaserve/server/errors.py), which the proxy retries elsewhere
+FAILED_PREFIX = "kv transfer failed: "
+
+
+class TransferFailed(RuntimeError):
+    """A send that was not acknowledged (peer gone, refused), or a transfer that never came."""
+
+
+@dataclass
+class Arrived:
+    header: TransferHeader
+    frames: list[memoryview]
+    at: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(f) for f in self.frames)
+
+
+@dataclass
+class ConnectorStats:
+    sent: int = 0
+    parts_pushed: int = 0        # push mode: parts sent while their prompt was computed
+    sent_mla_bytes: int = 0
+    sent_kda_bytes: int = 0
+    send_seconds: float = 0.0
+    send_failures: int = 0
+    received: int = 0
+    received_bytes: int = 0
+    refused: int = 0
+    taken: int = 0
+    expired: int = 0
+    missing: int = 0
+    pending: int = 0             # transfers in the inbox now
+    pending_bytes: int = 0
+
+
+class Connector(Protocol):
+    address: str | None          # where peers push to (None: this instance only sends)
+    stats: ConnectorStats
+
+    def push(self, peer: str, header: TransferHeader, frames: Sequence[memoryview]) -> None:
+        """Push mode: send a part that is not the last without waiting (`header.final` False);
+        the send of the last part waits for every acknowledgement."""
+
+    def send(self, peer: str, header: TransferHeader, frames: Sequence[memoryview]) -> None:
+        """Raises TransferFailed unless `peer` acknowledged the whole transfer (every part)."""
+
+    def take(self, transfer_id: str, timeout_s: float) -> Arrived:
+        """The transfer, waiting up to `timeout_s` for it; TransferFailed if it never came."""
+
+    def close(self) -> None: ...
+
+
+class Inbox:
+    """Arrived transfers by id, thread-safe (the receiver thread puts, the runner takes)."""
+
+    def __init__(self, stats: ConnectorStats, ttl_s: float) -> None:
+        self.stats = stats
+        self.ttl_s = ttl_s
+        self._items: dict[str, Arrived] = {}
+        self._parts: dict[str, list[Arrived]] = {}       # push mode: parts before the last
+        self._cv = threading.Condition()
+
+    def put(self, item: Arrived) -> None:
+        """Raises TransferRefused when the last part does not complete the parts before it."""
+        tid = item.header.transfer_id
+        with self._cv:
+            self._expire()
+            if not item.header.final:
+                self._parts.setdefault(tid, []).append(item)
+                self._count()
+                return
+            parts = self._parts.pop(tid, [])
+            if parts or item.header.part:
+                item = assemble(parts, item)
+            self._items.pop(tid, None)
+            self._items[tid] = item
+            self.stats.received += 1
+            self.stats.received_bytes += item.nbytes
+            self._count()
+            self._cv.notify_all()
+
+    def take(self, transfer_id: str, timeout_s: float) -> Arrived:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while transfer_id not in self._items:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.stats.missing += 1
+                    raise TransferFailed(f"transfer {transfer_id} did not arrive within "
+                                         f"{timeout_s:g} s (the prefill instance never sent it, "
+                                         "or it expired)")
+                self._cv.wait(left)
+            item = self._items.pop(transfer_id)
+            self.stats.taken += 1
+            self._expire()
+            self._count()
+            return item
+
+    def expire(self) -> None:
+        with self._cv:
+            self._expire()
+            self._count()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for tid in [t for t, a in self._items.items() if now - a.at > self.ttl_s]:
+            del self._items[tid]
+            self.stats.expired += 1
+        for tid in [t for t, ps in self._parts.items() if now - ps[-1].at > self.ttl_s]:
+            del self._parts[tid]         # a push whose request never finished (aborted)
+            self.stats.expired += 1
+
+    def _count(self) -> None:
+        self.stats.pending = len(self._items) + len(self._parts)
+        self.stats.pending_bytes = (sum(a.nbytes for a in self._items.values())
+                                    + sum(a.nbytes for ps in self._parts.values() for a in ps))
+
+
+def assemble(parts: list[Arrived], last: Arrived) -> Arrived:
+    """One transfer from its pushed parts and its last part: each MLA layer's latents joined
+    in token order, the KDA states from the last part."""
+    heads = [p.header for p in parts] + [last.header]
+    tid = last.header.transfer_id
+    if [h.part for h in heads] != list(range(len(heads))):
+        raise TransferRefused(f"transfer {tid}: parts {[h.part for h in heads]} arrived, not "
+                              f"0..{len(heads) - 1}")
+    at = 0
+    for h in heads:
+        if h.token_start != at:
+            raise TransferRefused(f"transfer {tid}: part {h.part} starts at token "
+                                  f"{h.token_start}, the parts before end at {at}")
+        at = h.num_tokens
+    nm = len(last.header.layout.mla_layers)
+    frames: list[memoryview] = []
+    specs: list[BufferSpec] = []
+    for i in range(nm):
+        joined = memoryview(b"".join(bytes(p.frames[i]) for p in [*parts, last]))
+        s = last.header.buffers[i]
+        specs.append(BufferSpec(s.name, s.dtype, [last.header.num_tokens, *s.shape[1:]],
+                                len(joined), wire.checksum(joined)))
+        frames.append(joined)
+    header = msgspec.structs.replace(last.header, buffers=specs + last.header.buffers[nm:],
+                                     part=0, token_start=0)
+    return Arrived(header, frames + last.frames[nm:])

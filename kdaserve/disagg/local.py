@@ -1,0 +1,102 @@
+"""A prefill and a decode engine in one process, driven as the proxy drives two servers (for
+the benchmark and the tests): the prefill engine computes the prompt and the first token and
+pushes the cache over its connector; the decode engine imports it and decodes. Many requests
+interleave: each engine steps in turn, and a request moves to the decode engine as soon as
+its prefill ends."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from kdaserve.disagg.connector import Arrived
+from kdaserve.disagg.params import KVTransferParams
+from kdaserve.engine.core import EngineCore
+from kdaserve.request import SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass
+class Trace:
+    """One request: its output tokens, when each arrived (time.perf_counter), how it ended."""
+
+    tokens: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    reason: str | None = None
+    error: str | None = None
+    start: float = 0.0
+
+    @property
+    def ttft(self) -> float:
+        return self.times[0] - self.start
+
+    @property
+    def tpot(self) -> float:
+        n = len(self.times)
+        return (self.times[-1] - self.times[0]) / (n - 1) if n > 1 else 0.0
+
+
+def run_colocated(eng: EngineCore, prompts: list[list[int]], params: SamplingParams
+                  ) -> list[Trace]:
+    """All prompts at once on one engine."""
+    traces = {f"c{next(_ids)}": Trace(start=time.perf_counter()) for _ in prompts}
+    for rid, p in zip(traces, prompts):
+        eng.add_request(rid, p, params)
+    while eng.has_unfinished():
+        _take(eng.step(), traces)
+    return list(traces.values())
+
+
+def run_disaggregated(pre: EngineCore, dec: EngineCore, prompts: list[list[int]],
+                      params: SamplingParams,
+                      tamper: Callable[[Arrived], Arrived] | None = None) -> list[Trace]:
+    """All prompts at once: prefill with max_tokens = 1 on `pre`, then each goes on to `dec`
+    with the first token. `tamper` rewrites an arrived transfer before its request takes it
+    (the mutation test)."""
+    address = dec.transfer.connector.address
+    traces: dict[str, Trace] = {}
+    for p in prompts:
+        tid = f"t{next(_ids)}"
+        traces[tid] = Trace(start=time.perf_counter())
+        pre.add_request(tid, p, replace(params, max_tokens=1, kv_transfer=KVTransferParams(
+            tid, peer=address)))
+    by_id = dict(zip(traces, prompts))
+    while pre.has_unfinished() or dec.has_unfinished():
+        if pre.has_unfinished():
+            for d in pre.step():
+                tr = traces[d.request_id]
+                tr.tokens += d.new_token_ids
+                tr.times += [time.perf_counter()] * len(d.new_token_ids)
+                if not d.finished:
+                    continue
+                if d.finish_reason != "length" or params.max_tokens == 1:
+                    tr.reason, tr.error = d.finish_reason, d.error
+                    continue
+                if tamper is not None:
+                    inbox = dec.transfer.connector.inbox
+                    inbox.put(tamper(inbox.take(d.request_id, 1.0)))
+                dec.add_request(d.request_id, by_id[d.request_id], replace(
+                    params, kv_transfer=KVTransferParams(d.request_id,
+                                                         first_token_id=tr.tokens[0])))
+                tr.tokens, tr.times = [], tr.times[:1]    # the decode side repeats it
+        if dec.has_unfinished():
+            _take(dec.step(), traces, skip_first=True)
+    return list(traces.values())
+
+
+def _take(deltas, traces: dict[str, Trace], skip_first: bool = False) -> None:
+    now = time.perf_counter()
+    for d in deltas:
+        tr = traces[d.request_id]
+        new = d.new_token_ids
+        if skip_first and not tr.tokens and new:
+            tr.tokens += new        # the first token was timed when the prefill side sent it
+            tr.times += [now] * (len(new) - 1)
+        else:
+            tr.tokens += new
+            tr.times += [now] * len(new)
+        if d.finished:
+            tr.reason, tr.error = d.finish_reason, d.error

@@ -1,0 +1,40 @@
+"""`kdaserve proxy --prefill URL [URL ...] --decode URL [URL ...] --port P`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="prefill instances (kdaserve serve --role prefill), e.g. "
+                   "http://127.0.0.1:8100")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="decode instances (kdaserve serve --role decode --kv-transfer-port P)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill-timeout", type=float, default=60.0,
+                   help="seconds a prefill instance has to compute the prompt and push its "
+                   "cache (default: 60); past it the client gets a 504")
+    p.add_argument("--probe-timeout", type=float, default=1.0,
+                   help="seconds an instance's /metrics has to answer the load probe before "
+                   "it is ranked last (default: 1)")
+    p.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kdaserve.disagg.proxy import Proxy, build_proxy_app
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    proxy = Proxy(args.prefill, args.decode, prefill_timeout_s=args.prefill_timeout,
+                  probe_timeout_s=args.probe_timeout)
+    logging.getLogger("kdaserve").info("proxy on http://%s:%d/v1: prefill %s, decode %s",
+                                       args.host, args.port, args.prefill, args.decode)
+    uvicorn.run(build_proxy_app(proxy), host=args.host, port=args.port, log_config=None,
+                log_level=args.log_level)
+    return 0

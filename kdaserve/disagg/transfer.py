@@ -1,0 +1,149 @@
+"""The torch side of a transfer: carries out SendRequest and ReceiveRequest (cache/ops.py)
+against the device cache, through a connector.
+
+Sending gathers each MLA layer's latents of the request's first `num_tokens` tokens from its
+blocks into one [num_tokens, D] tensor (so the receiver may use another block size) and takes
+the request's live KDA slot through `HybridCache.slot_views`, the same views the offload tiers
+store a state through. Receiving checks the transfer continues this request (token hash, first
+token) and scatters the latents into the receiver's own blocks, the states into its slot.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kdaserve.cache.ops import DISAGG, OpFailure, PushBlocks, ReceiveRequest, SendRequest
+from kdaserve.disagg import wire
+from kdaserve.disagg.connector import FAILED_PREFIX, Connector, TransferFailed
+from kdaserve.disagg.wire import BufferSpec, CacheLayout, TransferHeader, TransferRefused
+from kdaserve.model.hybrid_cache import HybridCache
+
+
+@dataclass
+class TransferTimes:
+    send_seconds: float = 0.0
+    receive_seconds: float = 0.0
+
+
+class CacheTransfer:
+    def __init__(self, cache: HybridCache, connector: Connector, identity: str,
+                 layout: CacheLayout, receive_timeout_s: float = 10.0) -> None:
+        self.cache = cache
+        self.connector = connector
+        self.identity = identity
+        self.layout = layout
+        self.receive_timeout_s = receive_timeout_s
+        self.times = TransferTimes()
+
+    def metrics(self) -> dict[str, float]:
+        """The connector's counters, for /metrics."""
+        return {k: float(v) for k, v in asdict(self.connector.stats).items()}
+
+    def run(self, op: PushBlocks | SendRequest | ReceiveRequest) -> list[OpFailure]:
+        """Carry out one op; a failure is reported (the request ends with it), never raised."""
+        try:
+            if isinstance(op, PushBlocks):
+                self.push(op)
+            elif isinstance(op, SendRequest):
+                self.send(op)
+            else:
+                self.receive(op)
+        except (TransferFailed, TransferRefused) as exc:
+            return [OpFailure(DISAGG, "request", op.transfer_id.encode(), op.request_id,
+                              FAILED_PREFIX + str(exc))]
+        return []
+
+    # ---- prefill side -----------------------------------------------------------------------
+    def push(self, op: PushBlocks) -> None:
+        """A part of the prompt's latents, sent without waiting for its acknowledgement."""
+        start = time.perf_counter()
+        tensors = self._latents(op.block_ids, op.token_end - op.token_start)
+        names = wire.expected_names(self.layout)[: len(tensors)]
+        header, frames = self._message(op.transfer_id, op.token_end, 0, -1, names, tensors,
+                                       op.part, op.token_start, final=False)
+        self.connector.push(op.peer, header, frames)
+        self.times.send_seconds += time.perf_counter() - start
+
+    def send(self, op: SendRequest) -> None:
+        """The latents not pushed yet and the KDA states; returns once every part of the
+        transfer was acknowledged."""
+        start = time.perf_counter()
+        bs = self.cache.block_size
+        first = op.token_start // bs
+        tensors = self._latents(op.block_ids[first:], op.num_tokens - op.token_start)
+        tensors += [v.contiguous().cpu() for v in self.cache.slot_views(op.slot)]
+        names = wire.expected_names(self.layout)
+        assert len(names) == len(tensors)
+        header, frames = self._message(op.transfer_id, op.num_tokens, op.token_hash,
+                                       op.first_token_id, names, tensors, op.parts,
+                                       op.token_start, final=True)
+        self.connector.send(op.peer, header, frames)
+        self.times.send_seconds += time.perf_counter() - start
+
+    def _message(self, tid: str, num_tokens: int, token_hash: int, first: int,
+                 names: list[str], tensors: list[torch.Tensor], part: int, token_start: int,
+                 final: bool) -> tuple[TransferHeader, list[memoryview]]:
+        frames = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors]
+        specs = [BufferSpec(n, str(t.dtype).removeprefix("torch."), list(t.shape), len(f),
+                            wire.checksum(f)) for n, t, f in zip(names, tensors, frames)]
+        return TransferHeader(wire.VERSION, tid, self.identity, self.layout, num_tokens,
+                              token_hash, first, specs, part, token_start, final), frames
+
+    def _latents(self, block_ids: tuple[int, ...], num_tokens: int) -> list[torch.Tensor]:
+        """Host copies of the first `num_tokens` latents in `block_ids`, one per MLA layer."""
+        bs = self.cache.block_size
+        ids = torch.tensor(block_ids[: -(-num_tokens // bs)], dtype=torch.long)
+        out = []
+        for p in self.cache.mla_pages:     # [blocks, bs, D] -> [num_tokens, D]
+            rows = p.index_select(0, ids.to(p.device)).reshape(-1, p.shape[-1])[:num_tokens]
+            out.append(rows.contiguous().cpu())
+        return out
+
+    # ---- decode side ------------------------------------------------------------------------
+    def receive(self, op: ReceiveRequest) -> None:
+        start = time.perf_counter()
+        got = self.connector.take(op.transfer_id, self.receive_timeout_s)
+        h = got.header
+        if h.num_tokens != op.num_tokens or h.token_hash != op.token_hash:
+            raise TransferRefused(f"transfer {op.transfer_id} holds another prompt ({h.num_tokens} "
+                                  f"tokens; this request has {op.num_tokens}, or its tokens "
+                                  "differ): both sides must tokenize the request the same way")
+        if h.first_token_id != op.first_token_id:
+            raise TransferRefused(f"transfer {op.transfer_id} was sent with first token "
+                                  f"{h.first_token_id}, the request says {op.first_token_id}")
+        names = wire.expected_names(self.layout)
+        if [b.name for b in h.buffers] != names:
+            raise TransferRefused(f"transfer {op.transfer_id} lists buffers "
+                                  f"{[b.name for b in h.buffers]}, this layout needs {names}")
+        c = self.cache
+        nm = len(c.mla_pages)
+        bs = c.block_size
+        n = op.num_tokens
+        nblocks = -(-n // bs)
+        first = op.skip_tokens // bs      # blocks of a prefix hit here: shared, left alone
+        start = first * bs
+        ids = torch.tensor(op.block_ids[first:nblocks], dtype=torch.long)
+        for i, p in enumerate(c.mla_pages):
+            src = _tensor(got.frames[i], h.buffers[i], p.dtype, (n, p.shape[-1]))
+            if first == nblocks:
+                continue
+            pad = torch.zeros((nblocks - first) * bs, p.shape[-1], dtype=p.dtype)
+            pad[:n - start] = src[start:]
+            p.index_copy_(0, ids.to(p.device), pad.view(nblocks - first, bs, -1).to(p.device))
+        for k, v in enumerate(c.slot_views(op.slot)):
+            spec = h.buffers[nm + k]
+            v.copy_(_tensor(got.frames[nm + k], spec, v.dtype, tuple(v.shape)))
+        self.times.receive_seconds += time.perf_counter() - start
+
+
+def _tensor(frame: memoryview, spec: BufferSpec, dtype: torch.dtype, shape: tuple[int, ...]
+            ) -> torch.Tensor:
+    if spec.dtype != str(dtype).removeprefix("torch.") or tuple(spec.shape) != shape:
+        raise TransferRefused(f"buffer {spec.name} is {spec.dtype} {spec.shape}; this instance "
+                              f"needs {dtype} {list(shape)}")
+    if frame.readonly:            # torch wants a writable buffer; the bytes are copied anyway
+        frame = memoryview(bytearray(frame))
+    return torch.frombuffer(frame, dtype=torch.uint8).view(dtype).view(shape)
