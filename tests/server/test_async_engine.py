@@ -25,7 +25,7 @@ STATS_KEYS = {"num_running", "num_waiting", "cache_usage", "num_free_blocks", "n
               "generation_tokens", "preemptions", "steps", "spec_verifications",
               "spec_draft_tokens", "spec_accepted_tokens", "spec_acceptance_lengths",
               "spec_accepted_by_position", "spec_draft_seconds", "spec_verify_seconds",
-              "spec_dormant_seconds", "spec_adaptive", "offload"}
+              "spec_dormant_seconds", "spec_adaptive", "offload", "kv_transfer"}
 
 
 @contextlib.contextmanager
