@@ -268,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
                     runs[w]["llamacpp"].append(lc.ask(op="prefill", prompt=prefill_prompt))
     report = summarize(runs, args, found, lc)
     report.update(extra)
-    if extra and "kdaserve_single_tok_s" in report:
+    if args.shape == "memory-bound" and "kdaserve_single_tok_s" in report:
         # decode alone: the single stream less its prompt's prefill (timed here the same way)
         pre = {"kdaserve": min(kd.prefill(single_prompt)["seconds"] for _ in range(args.repeats))}
         if lc is not None:
