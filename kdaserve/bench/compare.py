@@ -26,13 +26,10 @@ import torch
 
 from kdaserve.assets import kimi_linear_demo_path
 from kdaserve.bench import memory_bound
+from kdaserve.bench.llamacpp import DEFAULT_PEERS, LlamaCppPeer, _gguf_type, find_peer, setup_peers
 from kdaserve.engine.llm import LLM
 from kdaserve.ops.cpu_isa import cpu_isa
 from kdaserve.request import SamplingParams
-
-PEER_DIR = Path(__file__).parent / "peers"
-DEFAULT_PEERS = Path(os.environ.get("KDASERVE_PEERS_DIR")
-                     or Path.home() / ".cache" / "kdaserve" / "peers")
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -49,8 +46,7 @@ class KdaservePeer:
         self.llm = LLM(model, dtype=dtype, max_num_seqs=max_seqs, max_model_len=4096,
                        max_num_batched_tokens=2048, enable_prefix_caching=False,
                        speculative_method=speculative, quantization=quantization)
-
-    sampling: dict = {}           # empty: greedy; else temperature, top_p, seed
+        self.sampling: dict = {}          # empty: greedy; else temperature, top_p, seed
 
     def _gen(self, prompts: list[list[int]], out: int) -> tuple[float, float, list]:
         sp = SamplingParams(**{"temperature": 0.0, **self.sampling}, max_tokens=out,
@@ -73,55 +69,6 @@ class KdaservePeer:
     def prefill(self, prompt: list[int]) -> dict:
         s, cpu, _ = self._gen([prompt], 1)
         return {"seconds": s, "cpu_seconds": cpu}
-
-
-class LlamaCppPeer:
-    """llama.cpp's side: a process in the peer's virtualenv, one JSON line per command."""
-
-    def __init__(self, python: Path, gguf: Path, threads: int, max_seqs: int,
-                 ctx: int) -> None:
-        self.proc = subprocess.Popen(
-            [str(python), str(PEER_DIR / "llamacpp_peer.py"), str(gguf), str(threads),
-             str(max_seqs), str(ctx)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.info = self._read()
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the llama.cpp peer exited (run it by hand to see why: "
-                               f"{PEER_DIR / 'llamacpp_peer.py'})")
-        return json.loads(line)
-
-    def ask(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
-
-
-def find_peer(peers: Path, model: str, kind: str) -> tuple[Path, Path] | str:
-    """(the venv's python, the GGUF of `kind`: f32, bf16, q8_0, ...) or why not."""
-    python = peers / "llamacpp-venv" / "bin" / "python"
-    gguf = peers / "models" / f"{Path(model).name}-{kind}.gguf"
-    if not python.is_file() or subprocess.run([str(python), "-c", "import llama_cpp"],
-                                              capture_output=True).returncode != 0:
-        return f"no llama.cpp peer at {python} (build it with --setup-peers)"
-    if not gguf.is_file():
-        return f"no converted model at {gguf} (build it with --setup-peers)"
-    return python, gguf
-
-
-def _gguf_type(dtype: str) -> str:
-    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]
-
-
-def setup_peers(peers: Path, model: str, dtype: str) -> None:
-    subprocess.run(["bash", str(PEER_DIR / "setup_llamacpp.sh"), str(peers), model,
-                    _gguf_type(dtype), sys.executable], check=True)
 
 
 def _best(runs: list[dict]) -> dict:
