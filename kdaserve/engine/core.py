@@ -12,12 +12,11 @@ import torch
 
 from kdaserve.cache.manager import CacheManager
 from kdaserve.cache.ops import TakeSnapshot
-from kdaserve.cache.planner import CachePlan, plan_cache
-from kdaserve.cache.spec import specs_for
-from kdaserve.config import EngineConfig, SchedulerConfig
+from kdaserve.cache.planner import CachePlan
+from kdaserve.config import EngineConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.async_steps import StepPipeline
-from kdaserve.engine.device_memory import cache_budget
+from kdaserve.engine.core_setup import engine_cache_plan, load_engine_model
 from kdaserve.engine.executor import Executor, ExecutorError
 from kdaserve.engine.executor.uniproc import UniProcExecutor
 from kdaserve.engine.lookahead import settle_results
@@ -27,16 +26,12 @@ from kdaserve.engine.runner_builder import (
     build_runner,
     engine_chunk_size,
     has_tokenizer,
-    prepare_model,
 )
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
 from kdaserve.engine.step_message import StepMessages
 from kdaserve.media import MediaItem, check_media
 from kdaserve.model.base import HybridForCausalLM
-from kdaserve.model.loader import checkpoint_has_vision
-from kdaserve.model.registry import load_config
-from kdaserve.model.vision.tower import vision_config_of
 from kdaserve.ops.cpu_isa import cpu_isa
 from kdaserve.ops.cpu_isa import requested as requested_isa
 from kdaserve.ops.host_memory import freeze_startup_heap, tune_host_allocator
@@ -85,50 +80,16 @@ class EngineCore:
                         requested_isa())
         chunk = engine_chunk_size(config)
         par = config.parallel
-        self.model: HybridForCausalLM | None = None     # None: the workers hold the model
-        if par.executor != "uni":
-            if model is not None:
-                raise ValueError("a multi-process layout loads the model in each worker from "
-                                 "config.model; pass no model object")
-            from kdaserve.distributed.layout import cache_model_config, check_layout
-
-            cfg = load_config(config.model)
-            check_layout(cfg, config)                 # refused here, before any process starts
-            # the ranks load the model; the engine checks images against the config alone
-            self._vision = (vision_config_of(cfg)
-                            if checkpoint_has_vision(config.model) else None)
-            rank_cfg = cache_model_config(cfg, par.tensor_parallel_size,
-                                          par.pipeline_parallel_size)
-        else:
-            self.model = model = prepare_model(config, device, model, progress=progress)
-            cfg = rank_cfg = model.config
-            tower = getattr(model, "vision_tower", None)
-            self._vision = tower.cfg if tower is not None else None
-            self._log_weights(model, config)
+        em = load_engine_model(config, device, model, progress)
+        self.model: HybridForCausalLM | None = em.model     # None: the workers hold the model
+        model, cfg, rank_cfg, self._vision = em.model, em.config, em.rank_config, em.vision
         self.model_config = cfg
         if tokenizer is None and config.model and has_tokenizer(Path(config.model)):
             tokenizer = Tokenizer.from_pretrained(config.model)
         self.tokenizer = tokenizer
-        # caches are sized per rank: a tensor-parallel rank holds its heads' KDA states, a
-        # pipeline stage its layers' caches
-        latent, state = specs_for(rank_cfg, config.cache.block_size, config.dtype,
-                                  config.cache.kv_cache_dtype)
-        sched = config.scheduler
+        self.plan: CachePlan
+        self.plan, sched = engine_cache_plan(config, em, device)
         cc = config.cache
-        max_len = min(sched.max_model_len, cfg.max_position_embeddings)
-        if max_len != sched.max_model_len:
-            sched = SchedulerConfig(**{**sched.__dict__, "max_model_len": max_len})
-        memory = cache_budget(cc, device)
-        snapshot_bytes = 0
-        if cc.enable_prefix_caching:
-            snapshot_bytes = cc.state_snapshot_budget_bytes
-            if snapshot_bytes is None:
-                snapshot_bytes = memory // 4
-        self.plan: CachePlan = plan_cache(
-            latent, state, memory, sched.max_num_seqs,
-            num_blocks=cc.num_blocks, num_state_slots=cc.num_state_slots,
-            snapshot_bytes=snapshot_bytes, max_model_len=max_len,
-        )
         self.max_model_len = sched.max_model_len
         tiers = open_tiers(config, rank_cfg, chunk, device)
         self.cache = CacheManager.from_plan(self.plan, cc,
@@ -293,21 +254,6 @@ class EngineCore:
         if runner is None:
             raise AttributeError("the model runners live in worker processes")
         return runner
-
-    def _log_weights(self, model: HybridForCausalLM, config: EngineConfig) -> None:
-        rep = model.weight_report()
-        wq = model.config.weight_quant
-        logger.info("kdaserve weights: %.1f MiB as loaded (%s)%s", rep["bytes"] / 2**20,
-                    model.config.architecture,
-                    f"; routed experts {rep['expert_bytes'] / 2**20:.1f} MiB, "
-                    f"{rep['expert_bytes_per_weight']:.4g} bytes per weight"
-                    f" ({model.config.experts_quantization or (wq and wq.scheme) or config.dtype})"
-                    if rep["expert_weights"] else "")
-        from kdaserve.model.inspect import measure_model
-
-        per = measure_model(model, model.config).bytes_per_weight()
-        logger.info("kdaserve bytes per weight as loaded: %s", ", ".join(
-            f"{part} {b:.3g}" for part, b in sorted(per.items(), key=lambda kv: kv[0])))
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
