@@ -84,12 +84,13 @@ static inline v8f ld8bf16(const uint16_t *p) {
 #if defined(__AVX2__)
     return (v8f)_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)p)), 16);
-#endif
+#else
     const v8h h = *(const v8h *)(const void *)p;
     const v8u u = __builtin_convertvector(h, v8u) << 16;
     v8f f;
     memcpy(&f, &u, sizeof f);
     return f;
+#endif
 }
 
 /* Sixteen lanes (vec16.h) for the outer-product tiles of row_products.h, whose sums stay in
@@ -101,12 +102,13 @@ static inline v16f ld16bf16(const uint16_t *p) {
 #if defined(__AVX512F__)
     return (v16f)_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)p)), 16);
-#endif
+#else
     const v16h h = *(const v16h *)(const void *)p;
     const v16u u = __builtin_convertvector(h, v16u) << 16;
     v16f f;
     memcpy(&f, &u, sizeof f);
     return f;
+#endif
 }
 
 /* VREG_LANES bf16 weights widened (vec16.h's register of the outer products) */
@@ -118,12 +120,13 @@ static inline vregf ldvbf16(const uint16_t *p) {
     return (vregf)ld8bf16(p);
 #elif VREG_LANES == 16
     return (vregf)ld16bf16(p);
-#endif
+#else
     const vregh h = *(const vregh *)(const void *)p;
     const vregu u = __builtin_convertvector(h, vregu) << 16;
     vregf f;
     memcpy(&f, &u, sizeof f);
     return f;
+#endif
 }
 
 /* s + lane 0 + lane 1 + ... + lane 7, in that order */
