@@ -26,7 +26,13 @@ import torch
 
 from kdaserve.assets import kimi_linear_demo_path
 from kdaserve.bench import memory_bound
-from kdaserve.bench.llamacpp import DEFAULT_PEERS, LlamaCppPeer, _gguf_type, find_peer, setup_peers
+from kdaserve.bench.llamacpp import (
+    DEFAULT_PEERS,
+    LlamaCppPeer,
+    find_peer,
+    gguf_kind,
+    setup_peers,
+)
 from kdaserve.engine.llm import LLM
 from kdaserve.ops.cpu_isa import cpu_isa
 from kdaserve.request import SamplingParams
@@ -158,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         model, kind = memory_bound.setup(args, peers, extra)
     else:
         model = args.model or str(kimi_linear_demo_path())
-        kind = {"int8": "q8_0", "int4": "q4_0"}.get(args.quantization) or _gguf_type(args.dtype)
+        kind = gguf_kind(args.quantization, args.dtype)
         if args.setup_peers:
             setup_peers(peers, model, args.dtype)
             if args.quantization:       # llama.cpp's Q8_0 / Q4_0 of the same checkpoint

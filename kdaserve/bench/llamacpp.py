@@ -59,6 +59,12 @@ def _gguf_type(dtype: str) -> str:
     return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]
 
 
+def gguf_kind(quantization: str | None, dtype: str) -> str:
+    """llama.cpp's form of a run's weights: Q8_0 / Q4_0 against kdaserve's INT8 / INT4, else
+    the dtype's."""
+    return {"int8": "q8_0", "int4": "q4_0"}.get(quantization) or _gguf_type(dtype)
+
+
 def setup_peers(peers: Path, model: str, dtype: str) -> None:
     subprocess.run(["bash", str(PEER_DIR / "setup_llamacpp.sh"), str(peers), model,
                     _gguf_type(dtype), sys.executable], check=True)

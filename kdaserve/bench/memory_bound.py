@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from kdaserve.assets import kimi_linear_demo_path
+from kdaserve.bench.llamacpp import gguf_kind
 
 # the scales tried, smallest first: hidden size (heads of 64), experts of hidden / 2
 _HIDDEN = (512, 768, 1024, 1536, 2048, 3072)
 LLC_MULTIPLE = 8
-_GGUF = {None: "bf16", "int8": "q8_0", "int4": "q4_0"}
 
 
 def llc_bytes() -> int:
@@ -96,7 +96,7 @@ def ensure_model(peers: Path, seed: int = 0) -> Path:
 def ensure_gguf(peers: Path, model: Path, quantization: str | None) -> Path:
     """llama.cpp's copy of the same weights: bf16 and Q8_0 converted from the checkpoint,
     Q4_0 quantized from the bf16 GGUF by llama.cpp's own quantizer."""
-    kind = _GGUF[quantization]
+    kind = gguf_kind(quantization, "bfloat16")
     out = peers / "models" / f"{model.name}-{kind}.gguf"
     if out.is_file():
         return out
@@ -161,12 +161,11 @@ def setup(args, peers: Path, extra: dict) -> tuple[str, str]:
         ensure_gguf(peers, model, args.quantization)
     args.dtype = "float32" if args.quantization else "bfloat16"
     raw = json.loads((model / "config.json").read_text())
-    llc = llc_bytes()
+    llc, active = llc_bytes(), active_bf16_bytes(raw)
     extra.update(shape="memory-bound", model=str(model), hidden_size=raw["hidden_size"],
                  quantization=args.quantization, llc_bytes=llc,
-                 active_bf16_bytes_per_token=active_bf16_bytes(raw),
-                 llc_multiple=round(active_bf16_bytes(raw) / llc, 2))
-    return str(model), _GGUF[args.quantization]
+                 active_bf16_bytes_per_token=active, llc_multiple=round(active / llc, 2))
+    return str(model), gguf_kind(args.quantization, "bfloat16")
 
 
 def decode_report(model: torch.nn.Module, report: dict, prefill_s: dict, runs: dict,
