@@ -152,6 +152,20 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def health_after(url: str, timeout: float = 60.0) -> int:
+    """Poll /health until it stops answering 200 (0: the server went down) or `timeout`
+    passes; returns the last status."""
+    deadline = time.monotonic() + timeout
+    status = 200
+    while status == 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        try:
+            status = httpx.get(url + "/health", timeout=10).status_code
+        except httpx.TransportError:
+            status = 0                           # the server went down: also noticed
+    return status
+
+
 def wait_idle(url: str, timeout: float = 60.0) -> dict[str, float]:
     """Poll /metrics until nothing runs or waits and the cache is all free; returns them."""
     deadline = time.monotonic() + timeout

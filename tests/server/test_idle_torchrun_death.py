@@ -11,7 +11,7 @@ import sys
 import time
 
 import httpx
-from server_harness import REPO, free_port, start_server
+from server_harness import REPO, free_port, health_after, start_server
 
 from kdaserve.assets import KIMI_LINEAR_DEMO_DIR
 
@@ -43,14 +43,7 @@ def test_a_torchrun_rank_killed_while_idle_makes_health_503(tmp_path):
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
         rank1.kill()                                # idle: no request in flight
         rank1.wait(timeout=30)
-        deadline = time.monotonic() + 60            # generous: --health-timeout is 5 s
-        status = 200
-        while status == 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            try:
-                status = httpx.get(srv.url + "/health", timeout=10).status_code
-            except httpx.TransportError:
-                status = 0                           # the server went down: also noticed
+        status = health_after(srv.url, 60)          # generous: --health-timeout is 5 s
         assert status != 200, "a dead torchrun rank went unnoticed while idle"
     finally:
         if srv is not None:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import httpx
-from server_harness import start_server
+from server_harness import health_after, start_server
 
 from kdaserve.assets import KIMI_LINEAR_DEMO_DIR
 
@@ -38,14 +37,7 @@ def test_a_rank_killed_while_idle_makes_health_503(tmp_path):
         workers = _workers(srv.engine_pid())
         assert workers, "no worker processes"
         os.kill(workers[-1], signal.SIGKILL)        # idle: no request in flight
-        deadline = time.monotonic() + 60            # generous: --health-timeout is 5 s
-        status = 200
-        while status == 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            try:
-                status = httpx.get(srv.url + "/health", timeout=10).status_code
-            except httpx.TransportError:
-                status = 0                           # the server went down: also noticed
+        status = health_after(srv.url, 60)          # generous: --health-timeout is 5 s
         assert status != 200, "a dead rank went unnoticed while idle"
     finally:
         srv.stop()
