@@ -57,6 +57,17 @@ def fraction(text: str) -> float:
     return value
 
 
+def slowdown(text: str) -> float:
+    """A factor >= 1, or 0 for none."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value != 0.0 and not value >= 1.0:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (or 0: no limit), got {text}")
+    return value
+
+
 def size_or_fraction(text: str) -> float | int:
     """A fraction in [0, 1) (of some other budget), else a byte size."""
     try:

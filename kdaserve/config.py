@@ -81,6 +81,9 @@ class SchedulerConfig:
     max_model_len: int = 4096
     long_prefill_token_threshold: int | None = None
     policy: str = "fcfs"
+    # a step that others decode in carries at most what keeps it within this many times its
+    # cost without the long prompts' chunks (engine/decode_guard.py); 0: no limit
+    max_decode_slowdown: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -89,6 +92,8 @@ class SchedulerConfig:
             raise ConfigError("max_num_batched_tokens must be >= 1")
         if self.max_model_len < 1:
             raise ConfigError("max_model_len must be >= 1")
+        if self.max_decode_slowdown and self.max_decode_slowdown < 1.0:
+            raise ConfigError("max_decode_slowdown must be >= 1 (or 0: no limit)")
         if self.policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
 

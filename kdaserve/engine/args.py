@@ -83,6 +83,10 @@ class EngineArgs:
     long_prefill_token_threshold: int | None = _arg(
         None, "most prompt tokens one request prefills in a step (default: the step's "
         "budget)", parse=arg_types.positive_int)
+    max_decode_slowdown: float = _arg(
+        2.0, "while requests decode, a step carries only as much of long prompts' prefill as "
+        "keeps it within this many times its cost without them (measured on this machine); "
+        "0: no limit (vLLM's behaviour)", parse=arg_types.slowdown)
     # cache
     cache_memory: int = _arg(512 << 20, "memory for MLA pages and KDA state slots, e.g. "
                              "256MiB, 1GiB or bytes", parse=arg_types.parse_size,
@@ -244,7 +248,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
-                long_prefill_token_threshold=self.long_prefill_token_threshold),
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                max_decode_slowdown=self.max_decode_slowdown),
             speculative=self._speculative(),
             kv_transfer=None if self.role is None else KVTransferConfig(
                 self.role, self.kv_transfer_port, self.kv_transfer_host,

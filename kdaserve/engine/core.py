@@ -317,6 +317,8 @@ class EngineCore:
                                         sum(len(t) for t in result.sampled.values()), seconds)
         if self.config.speculative is not None and not out.is_empty:
             self._spec_time(out, result, seconds)
+        if self.scheduler.guard is not None:
+            self.scheduler.guard.observe_step(out, seconds)
         self.stats.steps += 1
         self.stats.preemptions += len(out.preempted)
         for seq in out.sequences:

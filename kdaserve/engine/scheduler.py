@@ -31,7 +31,7 @@ from kdaserve.cache.ops import (
 )
 from kdaserve.config import SchedulerConfig
 from kdaserve.disagg import handoff
-from kdaserve.engine import prompt_logprobs
+from kdaserve.engine import decode_guard, prompt_logprobs
 from kdaserve.engine.fairness import fair_share_victim, next_waiting
 from kdaserve.engine.lookahead import may_look_ahead
 from kdaserve.engine.prompt_logprobs import record, wants_prompt_logprobs
@@ -45,6 +45,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheManager) -> None:
         self._scoring_left = [prompt_logprobs.TOKENS_PER_STEP]   # this step's (schedule())
         self.config = config
+        self.guard = (decode_guard.DecodeGuard(config.max_decode_slowdown)
+                      if config.max_decode_slowdown else None)
+        self._bulk_left: list[int] | None = None        # this step's (decode_guard.take)
+        self._bulk_granted = 0
         self.cache = cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -145,6 +149,7 @@ class Scheduler:
         # its neighbours' next tokens need.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        self._bulk_left = self._bulk_budget(len(decodes), prefills)
         for req in decodes + prefills:
             if budget <= 0:
                 break
@@ -158,6 +163,8 @@ class Scheduler:
             if n > 1:
                 n = min(n, budget - self._reserve_for_waiting(budget))
             n = prompt_logprobs.chunk(req, n, self._scoring_left)
+            n = decode_guard.take(req.num_tokens - req.num_computed_tokens, n, self.guard,
+                                  self._bulk_left)
             if n == 0:
                 continue
             if n == 1 and req.spec_token_ids:
@@ -172,6 +179,8 @@ class Scheduler:
                 budget -= n
         if len(preempted) == self._fair_preempted:
             self._admit(scheduled, budget, chunk_cap)
+        if self._bulk_left is not None:
+            self.guard.charge(self._bulk_granted - self._bulk_left[0])
         seq_ops: list[CacheOp] = []
         seqs = [self._to_sequence(req, n, seq_ops, drafts.get(req.request_id, 0))
                 for req, n in scheduled]
@@ -212,6 +221,21 @@ class Scheduler:
                 return False, refund
         return True, refund
 
+    def _bulk_budget(self, decoding: int, prefills: list[Request]) -> list[int] | None:
+        """This step's room for bulk prefill (engine/decode_guard.py), from what waits on
+        the step: decoding requests, and short prompts (running, or waiting with a slot free
+        to admit them) that end in it."""
+        if self.guard is None:
+            return None
+        short = sum(1 for r in prefills
+                    if not self.guard.is_bulk(r.num_tokens - r.num_computed_tokens))
+        free = self.config.max_num_seqs - len(self.running)
+        short += min(free, sum(1 for r in self.waiting
+                               if not self.guard.is_bulk(r.num_tokens - r.num_computed_tokens)))
+        cap = self.guard.bulk_budget(decoding, short)
+        self._bulk_granted = cap or 0
+        return None if cap is None else [cap]
+
     def _reserve_for_waiting(self, budget: int) -> int:
         """Budget a partial prefill leaves for admitting waiting requests (at most half the
         step), so a short request arriving during a long prefill starts at the next step
@@ -239,8 +263,10 @@ class Scheduler:
 
     def _admit(self, scheduled: list[tuple[Request, int]], budget: int, chunk_cap: int) -> None:
         counts = Counter(r.group for r in self.running)
+        capped: set[str] = set()   # no room left this step for their kind of chunk
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            ready = [r for r in self.waiting if prompt_logprobs.leader_done(r, self.requests)]
+            ready = [r for r in self.waiting if prompt_logprobs.leader_done(r, self.requests)
+                     and r.request_id not in capped]
             if not ready:
                 break
             req = next_waiting(ready, counts, self.config.policy)
@@ -257,8 +283,12 @@ class Scheduler:
                 computed = hit.num_tokens if hit is not None else req.num_computed_tokens
             n = prompt_logprobs.chunk(req, min(req.num_tokens - computed, budget, chunk_cap),
                                       self._scoring_left)
+            n = decode_guard.take(req.num_tokens - computed, n, self.guard, self._bulk_left)
             if n == 0:
-                break
+                # a scoring or bulk chunk with no room left: requests behind it of another
+                # kind (a short prompt) still start this step
+                capped.add(req.request_id)
+                continue
             if not self.cache.allocate(req.request_id, computed + n, hit):
                 if not self.running and not scheduled:
                     # Alone and still too big: it can never fit; end it instead of spinning.

@@ -1,0 +1,119 @@
+"""Decode latency guard: how much of a long prompt a step may carry while other requests wait
+on that step for their next token.
+
+Chunked prefill alone does not protect decoding: on two CPU cores a 512-token chunk costs
+~100 ms against ~5 ms for a decode step, so a short request that decodes beside one long prompt
+(or beside an echo request scoring 16 long prompts) takes each of its tokens at the chunk's pace,
+20x its unloaded latency. vLLM accepts that; issue 35's bar (every concurrent normal request
+within 3x its unloaded latency) does not.
+
+So while steps carry latency-sensitive work (decoding sequences, or short prompts that finish
+in the step), the bulk prefill in them (chunks of prompts with more than `bulk_tokens` left) is
+paid from a credit: each such step earns (s - 1) times its cost without bulk, and a chunk spends
+what it adds to its step. What a waiting request meets is the sum of its steps, so over any run
+of steps they cost at most `max_slowdown` = s times what they would without the bulk. The costs
+are the engine's measured ones (StepCostModel, fit online on this machine's steps):
+
+    seconds = a + b·prefill_tokens + c·sensitive_rows + d·[the step has prefill]
+
+A step without bulk is timed directly (a moving average of the decode-only steps), and a chunk of
+P tokens spends what the fit predicts for its step less that. On CPU d is large (a step with any prefill leaves the fused
+single-token decode kernels), so chunks come every few steps rather than a few tokens each;
+nothing below `min_chunk` tokens is worth a step of its own. The credit is capped at
+`window` steps' worth, so a long quiet stretch does not buy one huge chunk. A long prompt always
+advances (the credit grows with every sensitive step), and with nothing sensitive in the step
+it takes the whole budget as before. On a GPU, where a chunk costs little more than a decode
+step, the same rule leaves chunks whole. Plain Python: the scheduler owns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kdaserve.engine.spec.adaptive import StepCostModel
+from kdaserve.outputs import SchedulerOutput
+
+
+_EWMA = 0.1
+
+
+@dataclass
+class DecodeGuard:
+    max_slowdown: float = 2.0
+    bulk_tokens: int = 256     # a prompt with more left than this is bulk work
+    min_chunk: int = 32        # a smaller bulk chunk is not worth its step's fixed cost
+    window: int = 16           # the credit holds at most this many steps' earnings
+    # the regressors, in StepCostModel's slots: (1, prefill tokens, decoding sequences,
+    # [has prefill]); its prior (5 ms a step, 50 µs a token, 200 µs a sequence) holds until
+    # the machine's own steps replace it
+    cost: StepCostModel = field(default_factory=StepCostModel)
+    credit: float = 0.0        # seconds
+    _per_chunk: tuple[float, float] | None = None     # (b, extra) of the last budget
+    _plain: tuple[float, float] | None = None   # decode-only steps: (seconds, rows), EWMA
+
+    def observe(self, prefill_tokens: int, decoding: int, seconds: float) -> None:
+        self.cost.observe(prefill_tokens, decoding, seconds, verifies=prefill_tokens > 0)
+        if not prefill_tokens and decoding and self.cost.seen > self.cost.warmup:
+            # plain steps measured directly: the linear fit's intercept is pulled by the
+            # long chunks' noise, and what a chunk adds is judged against the real thing
+            self._plain = (seconds, decoding) if self._plain is None else (
+                _EWMA * seconds + (1 - _EWMA) * self._plain[0],
+                _EWMA * decoding + (1 - _EWMA) * self._plain[1])
+
+    def _plain_seconds(self, rows: int) -> float:
+        a, b, c, d = self.cost.coefficients()
+        if self._plain is None:
+            return a + c * rows
+        seconds, seen_rows = self._plain
+        return max(1e-6, seconds + c * (rows - seen_rows))
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """A finished step's cost, from what it carried."""
+        if out.is_empty:
+            return
+        decoding = prefill = 0
+        for seq in out.sequences:
+            if seq.is_decode:
+                decoding += 1
+            else:
+                prefill += len(seq.token_ids)
+        self.observe(prefill, decoding, seconds)
+
+    def is_bulk(self, tokens_left: int) -> bool:
+        return tokens_left > self.bulk_tokens
+
+    def bulk_budget(self, decoding: int, short_prompts: int) -> int | None:
+        """Bulk prefill tokens this step may carry (0: none); None: no cap (nothing waits on
+        the step). `short_prompts`: prompts of at most bulk_tokens that finish in the step
+        (their first token waits on it too; each costs about as much as a decoding sequence
+        here). Call charge() with what the step took."""
+        sensitive = decoding + short_prompts
+        if not sensitive:
+            self.credit = 0.0
+            return None
+        a, b, c, d = self.cost.coefficients()
+        plain = self._plain_seconds(sensitive)
+        earned = (self.max_slowdown - 1.0) * plain
+        extra = a + c * sensitive + d - plain    # what any chunk adds, before its tokens
+        # the cap always holds one smallest chunk: a long prompt is slowed, never stopped
+        cap = max(self.window * earned, extra + b * self.min_chunk)
+        self.credit = min(self.credit + earned, cap)
+        tokens = int((self.credit - extra) / b)
+        self._per_chunk = (b, extra)
+        return tokens if tokens >= self.min_chunk else 0
+
+    def charge(self, tokens: int) -> None:
+        """The bulk tokens this step took: what they cost comes off the credit."""
+        if tokens > 0 and self._per_chunk is not None:
+            b, extra = self._per_chunk
+            self.credit = max(0.0, self.credit - extra - b * tokens)
+
+
+def take(req_tokens_left: int, n: int, guard: DecodeGuard | None, left: list[int] | None) -> int:
+    """A chunk of n tokens, cut to the step's bulk room `left` ([tokens], consumed) when the
+    request's prompt is bulk work; 0: it waits for the next step."""
+    if guard is None or left is None or n <= 1 or not guard.is_bulk(req_tokens_left):
+        return n
+    n = min(n, left[0])
+    left[0] -= n
+    return n
