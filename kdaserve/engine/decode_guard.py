@@ -8,7 +8,8 @@ Chunked prefill alone does not protect decoding: on two CPU cores a 512-token ch
 within 3x its unloaded latency) does not.
 
 So while steps carry latency-sensitive work (decoding sequences, or short prompts that finish
-in the step), the bulk prefill in them (chunks of prompts with more than `bulk_tokens` left) is
+in the step), the bulk prefill in them (chunks of prompts of more than `bulk_tokens` tokens, less
+their prefix hits) is
 paid from a credit: each such step earns (s - 1) times its cost without bulk, and a chunk spends
 what it adds to its step. What a waiting request meets is the sum of its steps, so over any run
 of steps they cost at most `max_slowdown` = s times what they would without the bulk. The costs
@@ -33,14 +34,13 @@ from dataclasses import dataclass, field
 from kdaserve.engine.spec.adaptive import StepCostModel
 from kdaserve.outputs import SchedulerOutput
 
-
 _EWMA = 0.1
 
 
 @dataclass
 class DecodeGuard:
     max_slowdown: float = 2.0
-    bulk_tokens: int = 256     # a prompt with more left than this is bulk work
+    bulk_tokens: int = 256     # a prompt that brings more work than this is bulk
     min_chunk: int = 32        # a smaller bulk chunk is not worth its step's fixed cost
     window: int = 16           # the credit holds at most this many steps' earnings
     # the regressors, in StepCostModel's slots: (1, prefill tokens, decoding sequences,
@@ -61,7 +61,7 @@ class DecodeGuard:
                 _EWMA * decoding + (1 - _EWMA) * self._plain[1])
 
     def _plain_seconds(self, rows: int) -> float:
-        a, b, c, d = self.cost.coefficients()
+        a, _, c, _ = self.cost.coefficients()
         if self._plain is None:
             return a + c * rows
         seconds, seen_rows = self._plain
@@ -109,10 +109,11 @@ class DecodeGuard:
             self.credit = max(0.0, self.credit - extra - b * tokens)
 
 
-def take(req_tokens_left: int, n: int, guard: DecodeGuard | None, left: list[int] | None) -> int:
+def take(req_work: int, n: int, guard: DecodeGuard | None, left: list[int] | None) -> int:
     """A chunk of n tokens, cut to the step's bulk room `left` ([tokens], consumed) when the
-    request's prompt is bulk work; 0: it waits for the next step."""
-    if guard is None or left is None or n <= 1 or not guard.is_bulk(req_tokens_left):
+    request's prompt is bulk work (`req_work`: its tokens less its prefix hit); 0: it waits
+    for the next step."""
+    if guard is None or left is None or n <= 1 or not guard.is_bulk(req_work):
         return n
     n = min(n, left[0])
     left[0] -= n

@@ -15,10 +15,11 @@ at most the budget, never a request without a grammar or one whose grammar is ca
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from kdaserve.background_pool import background_pool
 from kdaserve.structured.spec import GuidedDecoding
 
 T = TypeVar("T")
@@ -39,7 +40,7 @@ class GrammarAdmission(Generic[T]):
 
     def __init__(self, validate: Callable[[GuidedDecoding], None]) -> None:
         self._validate = validate
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdaserve-compile")
+        self._pool = background_pool(1, "kdaserve-compile")
         self._pending: dict[str, tuple[Future[None], T]] = {}     # in arrival order
 
     @property

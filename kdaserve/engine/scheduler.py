@@ -163,7 +163,7 @@ class Scheduler:
             if n > 1:
                 n = min(n, budget - self._reserve_for_waiting(budget))
             n = prompt_logprobs.chunk(req, n, self._scoring_left)
-            n = decode_guard.take(req.num_tokens - req.num_computed_tokens, n, self.guard,
+            n = decode_guard.take(req.num_tokens - req.num_cached_tokens, n, self.guard,
                                   self._bulk_left)
             if n == 0:
                 continue
@@ -224,14 +224,15 @@ class Scheduler:
     def _bulk_budget(self, decoding: int, prefills: list[Request]) -> list[int] | None:
         """This step's room for bulk prefill (engine/decode_guard.py), from what waits on
         the step: decoding requests, and short prompts (running, or waiting with a slot free
-        to admit them) that end in it."""
+        to admit them) that end in it. A prompt is bulk by the work it brought (its tokens
+        less its prefix hit), so a long prompt's last chunk stays bulk."""
         if self.guard is None:
             return None
         short = sum(1 for r in prefills
-                    if not self.guard.is_bulk(r.num_tokens - r.num_computed_tokens))
+                    if not self.guard.is_bulk(r.num_tokens - r.num_cached_tokens))
         free = self.config.max_num_seqs - len(self.running)
         short += min(free, sum(1 for r in self.waiting
-                               if not self.guard.is_bulk(r.num_tokens - r.num_computed_tokens)))
+                               if not self.guard.is_bulk(r.num_tokens - r.num_cached_tokens)))
         cap = self.guard.bulk_budget(decoding, short)
         self._bulk_granted = cap or 0
         return None if cap is None else [cap]

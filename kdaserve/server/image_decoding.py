@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from PIL import Image
 
+from kdaserve.background_pool import background_pool
 from kdaserve.image_io import (
     ImageError,
     ImageLimits,
@@ -37,7 +37,7 @@ class ImageDecoder:
                  memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
         self.limits = limits
         self.memory_budget = memory_budget
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kdaserve-image")
+        self._pool = background_pool(workers, "kdaserve-image")
         self._held = 0
         self._room: asyncio.Condition | None = None       # made on the event loop
 
