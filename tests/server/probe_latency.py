@@ -2,12 +2,15 @@
 probe takes to be answered, and the normal request's latency against its unloaded median.
 Not a test: `python tests/server/probe_latency.py MODEL_DIR PORT` (docs/reliability.md)."""
 
+import base64
 import json
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -27,6 +30,40 @@ def post(body, path="/completions"):
     else:
         r = httpx.post(URL + path, json=body, timeout=300)
     return r.status_code, time.perf_counter() - t
+
+
+def png(width: int, height: int) -> str:
+    """A grey PNG as a data URL: 8-bit greyscale rows of zeros, compressed (the 1 x 39,999,999
+    strip of issue 35 is ~78 KB)."""
+
+    def chunk(kind, data):
+        return (
+            struct.pack(">I", len(data))
+            + kind
+            + data
+            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        )
+
+    raw = zlib.compressobj(9)
+    row = b"\0" * (width + 1)
+    body = b"".join(raw.compress(row * 4096) for _ in range(height // 4096))
+    body += raw.compress(row * (height % 4096)) + raw.flush()
+    data = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+        + chunk(b"IDAT", body)
+        + chunk(b"IEND", b"")
+    )
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def image_probe(url: str, n: int) -> tuple:
+    content = [{"type": "text", "text": "What is this?"}]
+    content += [{"type": "image_url", "image_url": {"url": url}}] * n
+    return (
+        "/chat/completions",
+        {"messages": [{"role": "user", "content": content}], "max_tokens": 4},
+    )
 
 
 def normal():
@@ -71,7 +108,7 @@ try:
         try:
             if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=1).status_code == 200:
                 break
-        except httpx.TransportError:      # not listening yet
+        except httpx.TransportError:  # not listening yet
             time.sleep(0.5)
             continue
         time.sleep(0.5)
@@ -118,6 +155,11 @@ try:
             },
         ),
     }
+    with open(f"{MODEL}/config.json") as f:
+        vision = "vision_config" in json.load(f)
+    if vision:
+        probes["image 1 x 39,999,999 x4"] = image_probe(png(1, 39_999_999), 4)
+        probes["image 6300 x 6300"] = image_probe(png(6300, 6300), 1)
     rows = []
     for name, body in probes.items():
         path = "/completions"
