@@ -149,3 +149,34 @@ def test_thread_count_does_not_change_the_product():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_matrices_sum_in_two_halves_whatever_the_rows_and_threads(dtype):
+    """A matrix of 2 MiB or more sums each output over the two halves of K (csrc/ksplit.h):
+    one or two rows split the halves over the threads, more rows run the tiles; every row
+    gets the same bits either way, and in fp32 exactly the sum of the two halves' products
+    (each half, 1 MiB, one running sum)."""
+    require(_kernel(), "csrc/decode_cpu.c")
+    g = torch.Generator().manual_seed(3)
+    N, K = 1000, 1024 if dtype == torch.float32 else 2048      # 1000: a 16-output tail
+    w = k_major_weight(torch.randn(N, K, generator=g).to(dtype))
+    x = torch.randn(103, K, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = linear(x, w)
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for b in (1, 2, 3, 7):
+                assert torch.equal(linear(x[:b], w), full[:b]), (t, b)
+    finally:
+        torch.set_num_threads(threads)
+    if dtype == torch.float32:
+        h = K // 2
+        halves = (linear(x[:, :h].contiguous(), k_major_weight(w[:, :h]))
+                  + linear(x[:, h:].contiguous(), k_major_weight(w[:, h:])))
+        assert torch.equal(full, halves)
+    torch.testing.assert_close(full.float(), F.linear(x.float(), w.float()), rtol=2e-2,
+                               atol=5e-2 if dtype == torch.bfloat16 else 1e-3)

@@ -34,6 +34,7 @@
 #endif
 
 #include "fastmath.h"
+#include "ksplit.h"
 #include "threads.h"
 
 /* Up to MAX_ROWS sums of VW lanes, one register each: 16 lanes with AVX-512; 8 with AVX2;
@@ -64,21 +65,34 @@ static inline __attribute__((always_inline)) void rows_times_matrix(
         const float *next) {
     int64_t n0 = 0, step = 0;
     const int64_t lines = K * N / 16;
+    const int64_t KH = k_split_at(N, K, (int64_t)sizeof(float));   /* decode_blocks' order */
     for (; n0 + VW <= N; n0 += VW) {
         vec acc[MAX_ROWS];
         for (int r = 0; r < R; ++r) acc[r] = (vec){0};
-        for (int64_t i = 0; i < K; ++i, ++step) {
+        for (int64_t i = 0; i < KH; ++i, ++step) {
             if (next && step < lines) __builtin_prefetch(next + step * 16, 0, 1);
             const vec wv = vload(w + i * N + n0);
             for (int r = 0; r < R; ++r) acc[r] += a[r][i] * wv;
         }
         for (int r = 0; r < R; ++r) memcpy(y[r] + n0, &acc[r], sizeof acc[r]);
+        if (KH == K) continue;
+        for (int r = 0; r < R; ++r) acc[r] = (vec){0};     /* the second half, then y += */
+        for (int64_t i = KH; i < K; ++i, ++step) {
+            if (next && step < lines) __builtin_prefetch(next + step * 16, 0, 1);
+            const vec wv = vload(w + i * N + n0);
+            for (int r = 0; r < R; ++r) acc[r] += a[r][i] * wv;
+        }
+        for (int r = 0; r < R; ++r) {
+            const vec first = vload(y[r] + n0) + acc[r];
+            memcpy(y[r] + n0, &first, sizeof first);
+        }
     }
     for (; n0 < N; ++n0)
         for (int r = 0; r < R; ++r) {
-            float s = 0.0f;
-            for (int64_t i = 0; i < K; ++i) s += a[r][i] * w[i * N + n0];
-            y[r][n0] = s;
+            float s = 0.0f, s2 = 0.0f;
+            for (int64_t i = 0; i < KH; ++i) s += a[r][i] * w[i * N + n0];
+            for (int64_t i = KH; i < K; ++i) s2 += a[r][i] * w[i * N + n0];
+            y[r][n0] = KH < K ? s + s2 : s;
         }
 }
 

@@ -2,6 +2,7 @@
  * per weight type: WT, LDW, LDW8, LDW8P, LDW16, LDWV, WIDEN and NAME() come from the
  * includer). Each output sums its products in one fixed order whatever B, so a row's result
  * does not depend on its batch. */
+#include "ksplit.h"
 
 /* Y[b, n] = W[n, :] . X[b, :] for b < B: W [N, K] row-major, X rows ldx apart, Y rows ldy
  * apart. Tiles of four weight rows by four input rows (then two, then one), eight lanes per
@@ -122,11 +123,17 @@ static void NAME(matvec)(const WT *restrict W, const float *restrict x, float *r
 /* y[0:N) = x . W for W [K, N] row-major, one row (matmat_t's order, unvectorised). */
 static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *restrict y,
                          int64_t K, int64_t N) {
+    const int64_t KH = k_split_at(N, K, (int64_t)sizeof(WT));
     for (int64_t n = 0; n < N; ++n) y[n] = 0.0f;
-    for (int64_t i = 0; i < K; ++i) {
+    for (int64_t i = 0; i < KH; ++i) {
         const float xi = x[i];
         const WT *w = W + i * N;
         for (int64_t n = 0; n < N; ++n) y[n] += xi * LDW(w[n]);
+    }
+    for (int64_t n = 0; n < N && KH < K; ++n) {     /* the second half: ksplit.h */
+        float s = 0.0f;
+        for (int64_t i = KH; i < K; ++i) s += x[i] * LDW(W[i * N + n]);
+        y[n] += s;
     }
 }
 
@@ -182,14 +189,15 @@ static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *r
  * than with the dot-product form above, which must reduce its lanes. */
 static inline __attribute__((always_inline)) void NAME(outer_tile)(
         const WT *restrict W, const float *restrict X, int64_t ldx, float *restrict Y,
-        int64_t ldy, int64_t N, int64_t K, int64_t n, int64_t b, const int R, const int C) {
+        int64_t ldy, int64_t N, int64_t k0, int64_t k1, int64_t n, int64_t b, const int R,
+        const int C, const int add) {
     const int CV = C * VREGS16;       /* registers per tile row */
     vregf acc[6][2 * VREGS16];
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
         for (int c = 0; c < CV; ++c) acc[r][c] = (vregf){0};
-    for (int64_t i = 0; i < K; ++i) {
+    for (int64_t i = k0; i < k1; ++i) {
         const WT *w = W + i * N + n;
         vregf wv[2 * VREGS16];
 #pragma GCC unroll 8
@@ -204,7 +212,20 @@ static inline __attribute__((always_inline)) void NAME(outer_tile)(
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-        for (int c = 0; c < CV; ++c) stvf(Y + (b + r) * ldy + n + VREG_LANES * c, acc[r][c]);
+        for (int c = 0; c < CV; ++c) {
+            float *y = Y + (b + r) * ldy + n + VREG_LANES * c;
+            if (add) stvf(y, ldvf(y) + acc[r][c]);
+            else stvf(y, acc[r][c]);
+        }
+}
+
+/* A tile's sums over [0, K), in two halves where ksplit.h splits them. */
+static inline __attribute__((always_inline)) void NAME(outer_tile_k)(
+        const WT *restrict W, const float *restrict X, int64_t ldx, float *restrict Y,
+        int64_t ldy, int64_t N, int64_t K, int64_t KH, int64_t n, int64_t b, const int R,
+        const int C) {
+    NAME(outer_tile)(W, X, ldx, Y, ldy, N, 0, KH, n, b, R, C, 0);
+    if (KH < K) NAME(outer_tile)(W, X, ldx, Y, ldy, N, KH, K, n, b, R, C, 1);
 }
 
 /* Outputs [n0, n1) (a multiple of ROW_LANES) of R <= 2 rows, i outer: each weight row's run
@@ -215,13 +236,13 @@ static inline __attribute__((always_inline)) void NAME(outer_tile)(
  * y = y + x w: the same bits as the tiles. */
 #define STREAM_OUT 2048
 static void NAME(outer_rows_stream)(const WT *restrict W, const float *restrict X, int64_t ldx,
-                                    float *restrict Y, int64_t ldy, int64_t N, int64_t K,
-                                    int64_t n0, int64_t n1, int64_t R) {
+                                    float *restrict Y, int64_t ldy, int64_t N, int64_t k0,
+                                    int64_t k1, int64_t n0, int64_t n1, int64_t R) {
     float acc[2][STREAM_OUT];
     for (int64_t a = n0; a < n1; a += STREAM_OUT) {
         const int64_t len = n1 - a < STREAM_OUT ? n1 - a : STREAM_OUT;
         for (int64_t r = 0; r < R; ++r) memset(acc[r], 0, sizeof(float) * (size_t)len);
-        for (int64_t i = 0; i < K; ++i) {
+        for (int64_t i = k0; i < k1; ++i) {
             const WT *w = W + i * N + a;
             const float x0 = X[i], x1 = R > 1 ? X[ldx + i] : 0.0f;
             if (R > 1)
@@ -242,8 +263,32 @@ static void NAME(outer_rows_stream)(const WT *restrict W, const float *restrict 
 static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_t ldx,
                            float *restrict Y, int64_t ldy, int64_t N, int64_t K, int64_t B) {
     const int64_t NT = N - N % TILE_OUT, N16 = N - N % 16;
+    const int64_t KH = k_split_at(N, K, (int64_t)sizeof(WT));
     int64_t first = 0;                 /* outputs before it are done */
-    if (B <= 2) {
+    if (B <= 2 && KH < K) {
+        /* few rows of a split product: the threads take (half, output range) parts, so with
+         * two threads each reads one contiguous half of the matrix (ksplit.h); the first half
+         * sums into Y, the second into T, then Y += T */
+        const int64_t units = N16 / 16;
+        int64_t parts = 1;
+#ifdef _OPENMP
+        if (!omp_in_parallel()) parts = omp_get_max_threads();
+#endif
+        int64_t ranges = parts / 2 > 0 ? parts / 2 : 1;
+        if (ranges > units) ranges = units > 0 ? units : 1;
+        float *T = malloc(sizeof(float) * (size_t)(B * (N16 > 0 ? N16 : 1)));
+#pragma omp parallel for schedule(static) num_threads((int)(2 * ranges)) if (parts > 1)
+        for (int64_t p = 0; p < 2 * ranges; ++p) {
+            const int64_t h = p % 2, q = p / 2;
+            const int64_t n0 = 16 * (units * q / ranges), n1 = 16 * (units * (q + 1) / ranges);
+            if (h == 0) NAME(outer_rows_stream)(W, X, ldx, Y, ldy, N, 0, KH, n0, n1, B);
+            else NAME(outer_rows_stream)(W, X, ldx, T, N16, N, KH, K, n0, n1, B);
+        }
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t n = 0; n < N16; ++n) Y[b * ldy + n] += T[b * N16 + n];
+        free(T);
+        first = N16;
+    } else if (B <= 2) {
         /* few rows: each thread one contiguous range of the outputs (a 16-multiple), streamed;
          * whole 128-output chunks dealt out left threads uneven (900 outputs: 4 to 3) */
         const int64_t units = N16 / 16;
@@ -255,7 +300,7 @@ static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_
 #pragma omp parallel for schedule(static) num_threads((int)parts) if (parts > 1)
         for (int64_t p = 0; p < parts; ++p) {
             const int64_t n0 = 16 * (units * p / parts), n1 = 16 * (units * (p + 1) / parts);
-            NAME(outer_rows_stream)(W, X, ldx, Y, ldy, N, K, n0, n1, B);
+            NAME(outer_rows_stream)(W, X, ldx, Y, ldy, N, 0, K, n0, n1, B);
         }
         first = N16;
     }
@@ -273,26 +318,27 @@ static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_
         int64_t b = 0;
         if (C == TILE_COLS) {        /* a whole tile wide: rows 6 at a time, then the rest */
             for (; b + 6 <= B; b += 6)
-                NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 6, TILE_COLS);
+                NAME(outer_tile_k)(W, X, ldx, Y, ldy, N, K, KH, n, b, 6, TILE_COLS);
             switch (B - b) {
-            case 5: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 5, TILE_COLS); break;
-            case 4: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 4, TILE_COLS); break;
-            case 3: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 3, TILE_COLS); break;
-            case 2: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 2, TILE_COLS); break;
-            case 1: NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 1, TILE_COLS); break;
+            case 5: NAME(outer_tile_k)(W, X, ldx, Y, ldy, N, K, KH, n, b, 5, TILE_COLS); break;
+            case 4: NAME(outer_tile_k)(W, X, ldx, Y, ldy, N, K, KH, n, b, 4, TILE_COLS); break;
+            case 3: NAME(outer_tile_k)(W, X, ldx, Y, ldy, N, K, KH, n, b, 3, TILE_COLS); break;
+            case 2: NAME(outer_tile_k)(W, X, ldx, Y, ldy, N, K, KH, n, b, 2, TILE_COLS); break;
+            case 1: NAME(outer_tile_k)(W, X, ldx, Y, ldy, N, K, KH, n, b, 1, TILE_COLS); break;
             default: break;
             }
         } else {                      /* the last 16 outputs of a 32-wide tiling */
-            for (; b < B; ++b) NAME(outer_tile)(W, X, ldx, Y, ldy, N, K, n, b, 1, 1);
+            for (; b < B; ++b) NAME(outer_tile_k)(W, X, ldx, Y, ldy, N, K, KH, n, b, 1, 1);
         }
     }
     /* the last N % 16 outputs: the same sums, one output at a time */
     for (int64_t n = N16; n < N; ++n)
         for (int64_t b = 0; b < B; ++b) {
             const float *x = X + b * ldx;
-            float s = 0.0f;
-            for (int64_t i = 0; i < K; ++i) s += LDW(W[i * N + n]) * x[i];
-            Y[b * ldy + n] = s;
+            float s = 0.0f, s2 = 0.0f;
+            for (int64_t i = 0; i < KH; ++i) s += LDW(W[i * N + n]) * x[i];
+            for (int64_t i = KH; i < K; ++i) s2 += LDW(W[i * N + n]) * x[i];
+            Y[b * ldy + n] = KH < K ? s + s2 : s;
         }
 }
 
