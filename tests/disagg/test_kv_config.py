@@ -30,8 +30,8 @@ def test_flags_and_the_vllm_json_form():
                 '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}']
                ) == KVTransferConfig("prefill", connector="nixl")
     assert _kv(["--kv-transfer-port", "1", "--kv-transfer-config",
-                '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer", '
-                '"kv_ip": "10.0.0.2", "kv_port": 9201}']
+                ('{"kv_connector": "NixlConnector", "kv_role": "kv_consumer", '
+                 '"kv_ip": "10.0.0.2", "kv_port": 9201}')]
                ) == KVTransferConfig("decode", 9201, "10.0.0.2", connector="nixl")
 
 

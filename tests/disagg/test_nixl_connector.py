@@ -15,8 +15,9 @@ from kdaserve.disagg.zmq_connector import ZmqConnector
 
 pytest.importorskip("nixl", reason="nixl is not installed (pip install 'kdaserve[disagg]')")
 
-from kdaserve.disagg.nixl_connector import NixlConnector  # noqa: E402
-from test_connector import LAYOUT, _part, transfer  # noqa: E402
+from test_connector import LAYOUT, _part, transfer
+
+from kdaserve.disagg.nixl_connector import NixlConnector
 
 
 @pytest.fixture(scope="module")
