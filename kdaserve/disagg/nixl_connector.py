@@ -19,6 +19,8 @@ Never pickle: the offer is a msgspec Struct (NIXL's own descriptor pickling is n
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 import time
 import uuid
@@ -52,6 +54,10 @@ def require_nixl() -> Any:
         from nixl import _api
     except ImportError as exc:          # the package, or its compiled backend, is missing
         raise ConfigError(f"{INSTALL_HINT} ({exc})") from None
+    # nixl logs to stdout, which belongs to the program's own output (`bench ... --json`)
+    for h in logging.getLogger("nixl").handlers:
+        if isinstance(h, logging.StreamHandler) and h.stream is sys.stdout:
+            h.setStream(sys.stderr)
     return _api
 
 
