@@ -215,6 +215,7 @@ class ParallelConfig:
 
 
 ROLES = ("prefill", "decode")
+KV_CONNECTORS = ("zmq", "nixl")      # kdaserve/disagg/zmq_connector.py, nixl_connector.py
 
 
 @dataclass(frozen=True)
@@ -227,10 +228,14 @@ class KVTransferConfig:
     host: str = "127.0.0.1"
     timeout_s: float = 10.0      # a send's wait for its acknowledgement; a receive's wait
     ttl_s: float = 60.0          # an arrived transfer nobody takes is dropped after this
+    connector: str = "zmq"       # how the buffers travel (the control channel is ZeroMQ)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.connector not in KV_CONNECTORS:
+            raise ConfigError(f"kv connector must be one of {KV_CONNECTORS}, got "
+                              f"{self.connector!r}")
         if self.role == "decode" and self.port is None:
             raise ConfigError("--role decode needs --kv-transfer-port (where prefill "
                               "instances push caches to)")

@@ -18,6 +18,7 @@ import statistics
 import torch
 
 from kdaserve.assets import default_model_path
+from kdaserve.config import KV_CONNECTORS
 from kdaserve.disagg.local import Trace, run_colocated, run_disaggregated
 from kdaserve.engine.llm import LLM
 from kdaserve.request import SamplingParams
@@ -34,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-block-size", type=int, default=32)
     p.add_argument("--cache-memory", type=int, default=512 << 20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-connector", choices=KV_CONNECTORS, default="zmq",
+                   help="how the caches travel (nixl: read through NIXL; needs `nixl`)")
     p.add_argument("--json", action="store_true")
 
 
@@ -54,13 +57,13 @@ def _latency(traces: list[Trace], short: list[bool]) -> dict:
 
 def measure(model: str, long_len: int, num_long: int, short_len: int, num_short: int,
             max_tokens: int, prefill_block: int, decode_block: int, cache_memory: int,
-            seed: int) -> dict:
+            seed: int, connector: str = "zmq") -> dict:
     common = {"cache_memory": cache_memory, "max_model_len": long_len + max_tokens + 64}
     colo = LLM(model, block_size=decode_block, enable_prefix_caching=False, **common)
     pre = LLM(model, block_size=prefill_block, role="prefill", enable_prefix_caching=False,
-              **common)
+              kv_connector=connector, **common)
     dec = LLM(model, block_size=decode_block, role="decode", kv_transfer_port=0,
-              enable_prefix_caching=False, **common)
+              enable_prefix_caching=False, kv_connector=connector, **common)
     try:
         vocab = colo.engine.model_config.vocab_size
         g = torch.Generator().manual_seed(seed)
@@ -87,6 +90,7 @@ def measure(model: str, long_len: int, num_long: int, short_len: int, num_short:
             "requests": len(prompts), "long_len": long_len, "num_long": num_long,
             "short_len": short_len, "num_short": num_short, "max_tokens": max_tokens,
             "block_size": {"prefill": prefill_block, "decode": decode_block},
+            "kv_connector": connector,
             "identical": not errors and [t.tokens for t in disagg] == [t.tokens for t in
                                                                        colocated],
             "errors": errors,
@@ -119,6 +123,6 @@ def _latents(llm: LLM) -> int:
 def run(args: argparse.Namespace) -> int:
     result = measure(str(args.model or default_model_path()), args.long_len, args.num_long,
                      args.short_len, args.num_short, args.max_tokens, args.prefill_block_size,
-                     args.decode_block_size, args.cache_memory, args.seed)
+                     args.decode_block_size, args.cache_memory, args.seed, args.kv_connector)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0 if result["identical"] else 1

@@ -6,6 +6,8 @@ prefill instance to a decode instance (docs/disaggregation.md).
 - wire.py: the typed header and its checks (model identity, layout, checksums);
 - connector.py: the connector interface and the inbox of arrived transfers;
 - zmq_connector.py: the ZeroMQ implementation (raw bytes + a msgspec header, never pickle);
+- nixl_connector.py: the NIXL one (same header and control channel; the buffers are READ);
+- kv_config.py: an instance's settings from its flags and vLLM's --kv-transfer-config JSON;
 - transfer.py, setup.py: the torch side, carrying out SendRequest / ReceiveRequest against
   the cache, and how an engine gets its connector;
 - backends.py, proxy.py, proxy_cli.py: `kdaserve proxy`, the OpenAI-compatible front;

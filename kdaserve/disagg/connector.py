@@ -7,7 +7,8 @@ prefill instance answers only after the cache is safe on the other side). The de
 keeps each arrived transfer in host memory until its request takes it; one that nobody takes
 within `ttl_s` is dropped (a proxy that gave up, a decode request that never came), so host
 memory never leaks. Device pages are allocated only when the request is admitted.
-Implementations: zmq_connector.py (NIXL was checked; see docs/disaggregation.md).
+Implementations: zmq_connector.py (the buffers as raw frames) and nixl_connector.py (the
+same control channel; the decode side READs the buffers through NIXL).
 """
 
 from __future__ import annotations

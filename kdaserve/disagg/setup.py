@@ -1,6 +1,7 @@
 """Gives an engine its kv-transfer connector (serve --role prefill|decode): the model
-identity and cache layout a transfer must match, the ZeroMQ connector, and the torch side
-that the runner's executor of cache operations calls."""
+identity and cache layout a transfer must match, its connector (ZeroMQ, or NIXL with
+--kv-connector nixl), and the torch side that the runner's executor of cache operations
+calls."""
 
 from __future__ import annotations
 
@@ -41,9 +42,11 @@ def attach_transfer(config: EngineConfig, cfg: Any, runner: Any) -> CacheTransfe
                          "parallel size 1")
     layout = transfer_layout(cfg, config.dtype)
     identity = model_identity(config.model, layout)
-    connector = ZmqConnector(identity, layout,
-                             port=kt.port if kt.role == "decode" else None, host=kt.host,
-                             send_timeout_s=kt.timeout_s, ttl_s=kt.ttl_s)
+    kind = ZmqConnector
+    if kt.connector == "nixl":
+        from kdaserve.disagg.nixl_connector import NixlConnector as kind
+    connector = kind(identity, layout, port=kt.port if kt.role == "decode" else None,
+                     host=kt.host, send_timeout_s=kt.timeout_s, ttl_s=kt.ttl_s)
     transfer = CacheTransfer(runner.cache, connector, identity, layout, kt.timeout_s)
     runner.cache_ops.transfer = transfer
     return transfer

@@ -7,8 +7,8 @@ The buffers of one request (or of one part of it, in push mode), in this order:
                                            by block: the receiver may use another block size)
   kda_state.{j}  [H, K, V] fp32            the j-th KDA layer's recurrent state
   kda_conv.{j}   [K-1, conv_dim]           its conv window (q, k, v inputs)
-A receiver refuses a header whose model identity, layout or TP layout differs from its own,
-and a buffer whose size or checksum does not match (`check`).
+A receiver refuses a header whose model identity, layout, TP layout or transport differs from
+its own, and a buffer whose size or checksum does not match (`check_buffers`).
 Torch-free: the engine side (transfer.py) turns tensors into these buffers and back.
 """
 
@@ -60,6 +60,9 @@ class TransferHeader(msgspec.Struct, frozen=True, tag="transfer"):
     part: int = 0
     token_start: int = 0
     final: bool = True
+    # how the buffers travel: "zmq" (raw frames after this header) or "nixl" (an offer after
+    # it; the receiver READs them, nixl_connector.py); set by the sending connector
+    transport: str = "zmq"
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):
@@ -110,11 +113,17 @@ def check_buffers(header: TransferHeader, frames: Sequence[memoryview | bytes]) 
                                   "its checksum")
 
 
-def check_compatible(header: TransferHeader, identity: str, layout: CacheLayout) -> None:
-    """The header was written by the same model with the same cache layout."""
+def check_compatible(header: TransferHeader, identity: str, layout: CacheLayout,
+                     transport: str = "zmq") -> None:
+    """The header was written by the same model with the same cache layout, and sent over
+    the connector this instance receives with."""
     if header.version != VERSION:
         raise TransferRefused(f"transfer format {header.version}; this instance reads "
                               f"{VERSION}")
+    if header.transport != transport:
+        raise TransferRefused(f"transfer {header.transfer_id} "
+                              f"was sent over {header.transport}; this instance receives "
+                              f"over {transport}: give both sides the same --kv-connector")
     if header.model_identity != identity:
         raise TransferRefused(f"transfer {header.transfer_id} comes from another model "
                               f"(identity {header.model_identity[:16]}, this instance "

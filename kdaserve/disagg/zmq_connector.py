@@ -3,6 +3,8 @@ send pushes. One transfer = one multipart message: [msgpack header, buffer 0, bu
 the buffers sent zero-copy from the sender's host views; the receiver checks the header
 against its own model and layout and every buffer's checksum before it acknowledges, so a
 refusal reaches the sender (and its client) as a clear error. Never pickle.
+nixl_connector.py keeps this control channel and moves the buffers over NIXL instead: it
+overrides the three hooks `_outgoing`, `_incoming` and `_released`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from kdaserve.disagg import wire
@@ -31,6 +34,8 @@ class _Open:
 
 
 class ZmqConnector:
+    transport = "zmq"
+
     def __init__(self, identity: str, layout: CacheLayout, port: int | None = None,
                  host: str = "127.0.0.1", send_timeout_s: float = 30.0,
                  ttl_s: float = 60.0) -> None:
@@ -63,6 +68,7 @@ class ZmqConnector:
     # acknowledgement (zero-copy: ZeroMQ's I/O thread reads them while the engine computes).
     def push(self, peer: str, header: TransferHeader, frames: Sequence[memoryview]) -> None:
         self._drop_abandoned()
+        header = msgspec.structs.replace(header, transport=self.transport)
         tid = header.transfer_id
         if tid not in self._open:
             sock = self._ctx.socket(zmq.DEALER)
@@ -71,7 +77,8 @@ class ZmqConnector:
             sock.connect(peer)
             self._open[tid] = _Open(sock)
         o = self._open[tid]
-        o.sock.send_multipart([wire.encode(header), *frames], copy=False)
+        o.sock.send_multipart([wire.encode(header), *self._outgoing(header, frames)],
+                              copy=False)
         o.parts += 1
         o.frames.append(frames)
         self.stats.parts_pushed += not header.final
@@ -104,6 +111,7 @@ class ZmqConnector:
             raise
         finally:
             o.sock.close(linger=0)
+            self._released(header.transfer_id)
         self.stats.sent += 1
         self.stats.send_seconds += time.perf_counter() - start
 
@@ -118,12 +126,25 @@ class ZmqConnector:
         o = self._open.pop(tid, None)
         if o is not None:
             o.sock.close(linger=0)
+            self._released(tid)
 
     def _drop_abandoned(self) -> None:
         """Pushes whose request never sent its last part (aborted) are let go."""
         now = time.monotonic()
         for tid in [t for t, o in self._open.items() if now - o.at > self.inbox.ttl_s]:
             self._close(tid)
+
+    # ---- the hooks: how the buffers travel ----------------------------------------------------
+    def _outgoing(self, header: TransferHeader, frames: Sequence[memoryview]) -> list:
+        """What follows the header on the wire: here the buffers themselves."""
+        return list(frames)
+
+    def _incoming(self, header: TransferHeader, payload: list[memoryview]) -> list[memoryview]:
+        """The buffers of a message whose header was checked: here its frames."""
+        return payload
+
+    def _released(self, tid: str) -> None:
+        """Transfer `tid` is over on the sending side (acknowledged, failed or abandoned)."""
 
     # ---- receiving --------------------------------------------------------------------------
     def take(self, transfer_id: str, timeout_s: float) -> Arrived:
@@ -144,7 +165,8 @@ class ZmqConnector:
                     raise TransferRefused("an empty message")
                 header = wire.decode_header(head[0].bytes)
                 tid = header.transfer_id
-                wire.check_compatible(header, self.identity, self.layout)
+                wire.check_compatible(header, self.identity, self.layout, self.transport)
+                frames = self._incoming(header, frames)
                 wire.check_buffers(header, frames)
                 self.inbox.put(Arrived(header, frames))
                 ack = wire.Ack(tid, True)

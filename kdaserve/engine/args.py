@@ -18,12 +18,12 @@ from typing import Any
 from kdaserve import arg_types
 from kdaserve.config import (
     EXECUTORS,
+    KV_CONNECTORS,
     MOE_BACKENDS,
     ROLES,
     CacheConfig,
     ConfigError,
     EngineConfig,
-    KVTransferConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -169,6 +169,14 @@ class EngineArgs:
                                       "acknowledgement, and a decode request for its cache")
     kv_transfer_ttl: float = _arg(60.0, "with --role decode: seconds an arrived cache waits "
                                   "for its request before it is dropped")
+    kv_connector: str = _arg("zmq", "how caches travel: raw frames on the ZeroMQ channel, or "
+                             "read by the decode side through NIXL (needs `nixl`: pip install "
+                             "'kdaserve[disagg]'); both sides must use the same",
+                             choices=KV_CONNECTORS)
+    kv_transfer_config: str | None = _arg(
+        None, "vLLM's JSON form, e.g. '{\"kv_connector\": \"NixlConnector\", \"kv_role\": "
+        "\"kv_both\"}' (keys: kv_connector, kv_role, kv_ip, kv_port); it sets the flags above",
+        metavar="JSON")
     distributed_executor: str | None = _arg(
         None, "in-process (one rank), one spawned process per rank (mp), the ranks torchrun "
         "started, or one Ray actor per rank (ray) (default: torchrun's ranks under torchrun, "
@@ -214,6 +222,7 @@ class EngineArgs:
 
     def to_engine_config(self) -> EngineConfig:
         from kdaserve.assets import default_model_path
+        from kdaserve.disagg.kv_config import kv_transfer_config
 
         offload = self.offload
         tiers = tuple(t.strip() for t in (offload.split(",") if isinstance(offload, str)
@@ -251,9 +260,10 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 max_decode_slowdown=self.max_decode_slowdown),
             speculative=self._speculative(),
-            kv_transfer=None if self.role is None else KVTransferConfig(
+            kv_transfer=kv_transfer_config(
                 self.role, self.kv_transfer_port, self.kv_transfer_host,
-                self.kv_transfer_timeout, self.kv_transfer_ttl),
+                self.kv_transfer_timeout, self.kv_transfer_ttl, self.kv_connector,
+                self.kv_transfer_config),
         )
 
 

@@ -114,6 +114,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, served_model_name: str,
         kt = kv_transfer
         return JSONResponse({
             "role": kt.role if kt is not None else "colocated",
+            "connector": kt.connector if kt is not None else None,
             "address": f"tcp://{kt.host}:{kt.port}" if kt is not None and kt.port else None})
 
     @app.post("/tokenize")

@@ -2,7 +2,8 @@
 a real ZeroMQ socket on loopback: greedy output equals the colocated engine's, token for token,
 over prompts of several lengths, different block sizes on the two sides, prefix-cache hits on
 the prefill side and speculative decoding (n-gram) on the decode side, for Kimi Linear and for
-K3 (attention residuals, MXFP4 experts), one request at a time and all at once; a transfer
+K3 (attention residuals, MXFP4 experts), one request at a time and all at once, and for
+Kimi Linear again with the NIXL connector (the decode side READs the buffers); a transfer
 whose KDA states (or one KDA layer's) are dropped fails that equality (the mutation test: the
 check catches the failure the field shipped)."""
 
@@ -30,12 +31,17 @@ def tokens(traces) -> list[list[int]]:
     return [t.tokens for t in traces]
 
 
-@pytest.fixture(scope="module", params=["kimi_linear", "k3_mxfp4"])
+@pytest.fixture(scope="module", params=[("kimi_linear", "zmq"), ("k3_mxfp4", "zmq"),
+                                        ("kimi_linear", "nixl")], ids="-".join)
 def engines(request, tmp_path_factory):
     """The prefill engine also gives the colocated reference (a request without
     kv_transfer_params runs whole there), which leaves its prefix cache warm for the
     disaggregated runs: they hit it."""
-    if request.param == "kimi_linear":
+    name, connector = request.param
+    if connector == "nixl":
+        pytest.importorskip("nixl", reason="nixl is not installed (pip install "
+                                           "'kdaserve[disagg]')")
+    if name == "kimi_linear":
         model, vocab = request.getfixturevalue("hf_checkpoint")
         model, vocab = str(model), vocab.config.vocab_size
     else:                  # attention residuals, full-rank KDA gate, MXFP4 routed experts
@@ -44,19 +50,21 @@ def engines(request, tmp_path_factory):
         out = tmp_path_factory.mktemp("k3")
         write_k3_checkpoint(out, k3_raw(mxfp4=True), seed=5)
         model, vocab = str(out), 96
-    common = {"num_threads": 1}
+    common = {"num_threads": 1, "kv_connector": connector}
     # chunks of 8 tokens: a long prompt's blocks are pushed while its next chunks compute
     pre = LLM(model, block_size=4, role="prefill", enable_prefix_caching=True,
               state_snapshot_interval=4, max_num_batched_tokens=8, **common)
     dec = LLM(model, block_size=8, role="decode", kv_transfer_port=0,
               speculative_method="ngram", num_speculative_tokens=2,
               speculative_adaptive=False, **common)
+    assert {pre.engine.transfer.connector.transport,
+            dec.engine.transfer.connector.transport} == {connector}
     ps = prompts(vocab)
     expected = tokens(run_colocated(pre.engine, ps, GREEDY))
     # a prompt that holds its own continuation: the n-gram drafter finds drafts
     ps.append(ps[2] + expected[2] + ps[2])
     expected += tokens(run_colocated(pre.engine, ps[-1:], GREEDY))
-    yield pre, dec, ps, expected, request.param
+    yield pre, dec, ps, expected, name
     for e in (pre, dec):
         e.engine.transfer.connector.close()
 
