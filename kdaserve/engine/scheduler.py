@@ -228,11 +228,12 @@ class Scheduler:
         less its prefix hit), so a long prompt's last chunk stays bulk."""
         if self.guard is None:
             return None
-        short = sum(1 for r in prefills
-                    if not self.guard.is_bulk(r.num_tokens - r.num_cached_tokens))
+        running = [self.guard.is_bulk(r.num_tokens - r.num_cached_tokens) for r in prefills]
+        waiting = [self.guard.is_bulk(r.num_tokens - r.num_cached_tokens) for r in self.waiting]
+        if not any(running) and not any(waiting):
+            return None               # nothing to cut (and no fit to solve: most steps)
         free = self.config.max_num_seqs - len(self.running)
-        short += min(free, sum(1 for r in self.waiting
-                               if not self.guard.is_bulk(r.num_tokens - r.num_cached_tokens)))
+        short = running.count(False) + min(free, waiting.count(False))
         cap = self.guard.bulk_budget(decoding, short)
         self._bulk_granted = cap or 0
         return None if cap is None else [cap]
