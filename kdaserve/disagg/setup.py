@@ -1,6 +1,7 @@
 """Gives an engine its kv-transfer connector (serve --role prefill|decode): the model
 identity and cache layout a transfer must match, the ZeroMQ connector, and the torch side
-that the runner's executor of cache operations calls."""
+that the runner's executor of cache operations calls: on the engine's own runner, or on every
+rank of a tensor-parallel prefill instance (kdaserve/engine/executor/worker.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import xxhash
 
-from kdaserve.config import EngineConfig
+from kdaserve.config import ConfigError, EngineConfig
 from kdaserve.disagg.transfer import CacheTransfer
 from kdaserve.disagg.wire import CacheLayout
 from kdaserve.disagg.zmq_connector import ZmqConnector
@@ -22,24 +23,41 @@ def transfer_layout(cfg: Any, dtype: str, tp_size: int = 1, tp_rank: int = 0) ->
 
 
 def model_identity(model_dir: str | None, layout: CacheLayout) -> str:
-    """The offload tiers' identity (config + weight fingerprints + layout); without a model
-    directory (a model built in-process) the layout alone."""
+    """The offload tiers' identity (config + weight fingerprints + the whole model's layout,
+    the same on every rank and for any TP size); without a model directory (a model built
+    in-process) the layout alone."""
     from kdaserve.cache.identity import offload_identity
 
-    described = {f: getattr(layout, f) for f in layout.__struct_fields__}
+    whole = layout.whole()
+    described = {f: getattr(whole, f) for f in whole.__struct_fields__}
     if model_dir and (Path(model_dir) / "config.json").is_file():
         return offload_identity(model_dir, described)[0].hex()
     return xxhash.xxh3_128_hexdigest(repr(sorted(described.items())).encode())
 
 
-def attach_transfer(config: EngineConfig, cfg: Any, runner: Any) -> CacheTransfer:
+def check_role_layout(config: EngineConfig) -> None:
+    """Before any rank starts: a prefill instance may run tensor parallel (each rank sends its
+    heads' states; the decode side joins them), a decode instance runs one rank."""
+    kt, par = config.kv_transfer, config.parallel
+    if kt is None or par.world_size == 1:
+        return
+    if kt.role == "decode":
+        raise ConfigError("--role decode runs one rank per instance (joining a tensor-parallel "
+                          "sender's shards is built, splitting into several receiving ranks "
+                          "is not): use tensor/expert/data/pipeline parallel size 1")
+    if par.world_size != par.tensor_parallel_size:
+        raise ConfigError("--role prefill runs tensor parallel only: expert, data and "
+                          "pipeline parallel size must be 1 (or expert parallel equal to "
+                          "tensor parallel)")
+
+
+def attach_transfer(config: EngineConfig, cfg: Any, runner: Any, tp_size: int = 1,
+                    tp_rank: int = 0) -> CacheTransfer:
+    """`cfg`: this rank's share of the model (its KDA heads)."""
     kt = config.kv_transfer
     assert kt is not None
-    if config.parallel.executor != "uni":
-        raise ValueError("--role prefill|decode runs one rank per instance for now (the "
-                         "TP layout conversion is not built): use tensor/pipeline/data "
-                         "parallel size 1")
-    layout = transfer_layout(cfg, config.dtype)
+    check_role_layout(config)
+    layout = transfer_layout(cfg, config.dtype, tp_size, tp_rank)
     identity = model_identity(config.model, layout)
     connector = ZmqConnector(identity, layout,
                              port=kt.port if kt.role == "decode" else None, host=kt.host,
@@ -47,3 +65,27 @@ def attach_transfer(config: EngineConfig, cfg: Any, runner: Any) -> CacheTransfe
     transfer = CacheTransfer(runner.cache, connector, identity, layout, kt.timeout_s)
     runner.cache_ops.transfer = transfer
     return transfer
+
+
+# counters that add up over the ranks (each sends its share); the others are rank 0's (every
+# rank sends once per request)
+_SUMMED = ("sent_mla_bytes", "sent_kda_bytes")
+
+
+def rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """The /metrics counters of a tensor-parallel prefill instance, from every rank's."""
+    out = dict(per_rank[0])
+    for k in _SUMMED:
+        out[k] = sum(m.get(k, 0.0) for m in per_rank)
+    return out
+
+
+class RankTransfers:
+    """The engine core's handle on its ranks' transfers (they live in the worker processes):
+    their counters, for /metrics."""
+
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
+
+    def metrics(self) -> dict[str, float]:
+        return self.executor._call(("kv_transfer_stats",), "reporting")

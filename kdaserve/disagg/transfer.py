@@ -1,5 +1,6 @@
 """The torch side of a transfer: carries out SendRequest and ReceiveRequest (cache/ops.py)
-against the device cache, through a connector.
+against the device cache, through a connector. Under tensor parallelism every rank runs
+the same operations on its own cache and sends its own message (tp_layout.py).
 
 Sending gathers each MLA layer's latents of the request's first `num_tokens` tokens from its
 blocks into one [num_tokens, D] tensor (so the receiver may use another block size) and takes
@@ -59,6 +60,8 @@ class CacheTransfer:
     # ---- prefill side -----------------------------------------------------------------------
     def push(self, op: PushBlocks) -> None:
         """A part of the prompt's latents, sent without waiting for its acknowledgement."""
+        if self.layout.tp_rank:       # the latents are rank 0's to send (replicated)
+            return
         start = time.perf_counter()
         tensors = self._latents(op.block_ids, op.token_end - op.token_start)
         names = wire.expected_names(self.layout)[: len(tensors)]
@@ -73,13 +76,17 @@ class CacheTransfer:
         start = time.perf_counter()
         bs = self.cache.block_size
         first = op.token_start // bs
-        tensors = self._latents(op.block_ids[first:], op.num_tokens - op.token_start)
+        # a tensor-parallel rank but 0 sends its KDA heads alone, in one part
+        part, token_start, tensors = 0, 0, []
+        if self.layout.tp_rank == 0:
+            part, token_start = op.parts, op.token_start
+            tensors = self._latents(op.block_ids[first:], op.num_tokens - op.token_start)
         tensors += [v.contiguous().cpu() for v in self.cache.slot_views(op.slot)]
         names = wire.expected_names(self.layout)
         assert len(names) == len(tensors)
         header, frames = self._message(op.transfer_id, op.num_tokens, op.token_hash,
-                                       op.first_token_id, names, tensors, op.parts,
-                                       op.token_start, final=True)
+                                       op.first_token_id, names, tensors, part, token_start,
+                                       final=True)
         self.connector.send(op.peer, header, frames)
         self.times.send_seconds += time.perf_counter() - start
 

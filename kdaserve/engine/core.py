@@ -80,6 +80,10 @@ class EngineCore:
                         requested_isa())
         chunk = engine_chunk_size(config)
         par = config.parallel
+        if config.kv_transfer is not None:       # refused before any rank starts
+            from kdaserve.disagg.setup import check_role_layout
+
+            check_role_layout(config)
         em = load_engine_model(config, device, model, progress)
         self.model: HybridForCausalLM | None = em.model     # None: the workers hold the model
         model, cfg, rank_cfg, self._vision = em.model, em.config, em.rank_config, em.vision
@@ -115,10 +119,14 @@ class EngineCore:
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None
         self._pipeline: StepPipeline | None = None
         self.transfer = None          # disaggregation's connector side (kdaserve/disagg)
-        if config.kv_transfer is not None:
+        if config.kv_transfer is not None and par.executor == "uni":
             from kdaserve.disagg.setup import attach_transfer
 
             self.transfer = attach_transfer(config, rank_cfg, self.runner)
+        elif config.kv_transfer is not None:     # each rank attached its own (worker.py)
+            from kdaserve.disagg.setup import RankTransfers
+
+            self.transfer = RankTransfers(self.executor)
         if config.async_scheduling and config.kv_transfer is not None:
             logger.warning("async scheduling is off on a prefill or decode instance (a "
                            "finished request's cache is sent between steps)")
