@@ -140,6 +140,12 @@ class Inbox:
             self._count()
             return item
 
+    def peek(self, transfer_id: str) -> TransferHeader | None:
+        """The header of an arrived transfer, left in the inbox (None: not here yet)."""
+        with self._cv:
+            item = self._items.get(transfer_id)
+            return item.header if item is not None else None
+
     def expire(self) -> None:
         with self._cv:
             self._expire()

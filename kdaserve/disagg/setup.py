@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import xxhash
 
 from kdaserve.config import ConfigError, EngineConfig
@@ -16,10 +17,24 @@ from kdaserve.disagg.wire import CacheLayout
 from kdaserve.disagg.zmq_connector import ZmqConnector
 
 
-def transfer_layout(cfg: Any, dtype: str, tp_size: int = 1, tp_rank: int = 0) -> CacheLayout:
+def transfer_layout(cfg: Any, dtype: str, tp_size: int = 1, tp_rank: int = 0,
+                    draft: Any = None) -> CacheLayout:
+    """`draft`: the DSpark proposer, whose pages travel too (None: no draft)."""
+    pages = draft.pages if draft is not None else []
     return CacheLayout(dtype, list(cfg.mla_layers), cfg.mla_latent_dim, list(cfg.kda_layers),
                        cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel_size,
-                       cfg.kda_conv_dim, tp_size, tp_rank)
+                       cfg.kda_conv_dim, tp_size, tp_rank, len(pages),
+                       pages[0].shape[-1] if pages else 0)
+
+
+def draft_identity(config: EngineConfig) -> str:
+    """The DSpark draft's weights (config + file fingerprints, as the offload tiers key a
+    model): two instances exchange draft pages only when theirs are the same."""
+    from kdaserve.cache.identity import offload_identity
+
+    spec = config.speculative
+    path = Path(spec.draft_model) if spec.draft_model else Path(config.model) / "draft"
+    return offload_identity(path, {"draft": True})[0].hex()
 
 
 def model_identity(model_dir: str | None, layout: CacheLayout) -> str:
@@ -28,7 +43,8 @@ def model_identity(model_dir: str | None, layout: CacheLayout) -> str:
     in-process) the layout alone."""
     from kdaserve.cache.identity import offload_identity
 
-    whole = layout.whole()
+    # the draft is optional on either side (its pages are matched by draft_identity)
+    whole = msgspec.structs.replace(layout.whole(), draft_layers=0, draft_latent_dim=0)
     described = {f: getattr(whole, f) for f in whole.__struct_fields__}
     if model_dir and (Path(model_dir) / "config.json").is_file():
         return offload_identity(model_dir, described)[0].hex()
@@ -57,12 +73,14 @@ def attach_transfer(config: EngineConfig, cfg: Any, runner: Any, tp_size: int = 
     kt = config.kv_transfer
     assert kt is not None
     check_role_layout(config)
-    layout = transfer_layout(cfg, config.dtype, tp_size, tp_rank)
+    draft = runner.proposer if hasattr(runner.proposer, "export_context") else None
+    layout = transfer_layout(cfg, config.dtype, tp_size, tp_rank, draft)
     identity = model_identity(config.model, layout)
     connector = ZmqConnector(identity, layout,
                              port=kt.port if kt.role == "decode" else None, host=kt.host,
                              send_timeout_s=kt.timeout_s, ttl_s=kt.ttl_s)
-    transfer = CacheTransfer(runner.cache, connector, identity, layout, kt.timeout_s)
+    transfer = CacheTransfer(runner.cache, connector, identity, layout, kt.timeout_s, draft,
+                             draft_identity(config) if draft is not None else "")
     runner.cache_ops.transfer = transfer
     return transfer
 

@@ -7,8 +7,8 @@ order over the ranks, so
   kda_state.{j}  [H/N, K, V]        rank r holds heads [r·H/N, (r+1)·H/N): joined along dim 0
   kda_conv.{j}   [K-1, 3·(H/N)·K]   q | k | v inputs, each its heads' columns: joined per part
 while the MLA latents are per token, not per head, and so the same on every rank: only rank 0
-sends them (and pushes parts while the prompt computes), the other ranks send their KDA
-shards alone. Pure functions over a header and its raw frames (torch-free); every checksum
+sends them (and pushes parts while the prompt computes; the DSpark draft's pages likewise), the
+other ranks send their KDA shards alone. Pure functions over a header and its raw frames (torch-free); every checksum
 of the result is recomputed.
 """
 
@@ -44,19 +44,23 @@ def _rows(frame: memoryview, spec: BufferSpec) -> np.ndarray:
     return np.frombuffer(frame, np.uint8).reshape(spec.shape[0], 3, -1)
 
 
+def _is_kda(name: str) -> bool:
+    return name.startswith(("kda_state.", "kda_conv."))
+
+
 def split(header: TransferHeader, frames: Sequence[memoryview], tp_size: int
           ) -> list[Message]:
     """A whole (TP=1) transfer as the `tp_size` messages its ranks would send."""
-    layout = header.layout
-    nm = len(layout.mla_layers)
     out = []
     for r in range(tp_size):
-        lay = rank_layout(layout, tp_size, r)
         specs: list[BufferSpec] = []
         parts: list[memoryview] = []
-        if r == 0:
-            specs, parts = list(header.buffers[:nm]), list(frames[:nm])
-        for spec, f in zip(header.buffers[nm:], frames[nm:]):
+        for spec, f in zip(header.buffers, frames):
+            if not _is_kda(spec.name):              # latents, draft pages: rank 0's
+                if r == 0:
+                    specs.append(spec)
+                    parts.append(f)
+                continue
             if spec.name.startswith("kda_state."):
                 n = spec.shape[0] // tp_size        # [H, K, V]: contiguous heads
                 per = len(f) // spec.shape[0]
@@ -69,10 +73,10 @@ def split(header: TransferHeader, frames: Sequence[memoryview], tp_size: int
                 shape = [spec.shape[0], spec.shape[1] // tp_size]
             specs.append(_spec(spec.name, spec.dtype, shape, g))
             parts.append(g)
-        start = header.token_start if r == 0 else 0
-        part = header.part if r == 0 else 0
-        out.append((msgspec.structs.replace(header, layout=lay, buffers=specs, part=part,
-                                            token_start=start), parts))
+        extra = {} if r == 0 else {"part": 0, "token_start": 0}
+        out.append((msgspec.structs.replace(
+            header, layout=rank_layout(header.layout, tp_size, r), buffers=specs, **extra),
+            parts))
     return out
 
 
@@ -92,25 +96,28 @@ def join(shards: Sequence[Message]) -> Message:
                     h0.token_hash, h0.first_token_id):
             raise TransferRefused(f"transfer {tid}: rank {h.layout.tp_rank}'s message does "
                                   "not match rank 0's (layout, model, prompt or first token)")
-    nm = len(h0.layout.mla_layers)
-    names = wire.expected_names(h0.layout)[nm:]
     for h, _ in shards:
         got = [b.name for b in h.buffers]
         want = wire.expected_names(h.layout)
         if got != want:
             raise TransferRefused(f"transfer {tid}: rank {h.layout.tp_rank} sent buffers "
                                   f"{got}, its layout needs {want}")
-    specs, frames = list(h0.buffers[:nm]), list(shards[0][1][:nm])
-    for k, name in enumerate(names):
-        parts = [(h.buffers[-len(names) + k], f[-len(names) + k]) for h, f in shards]
-        s0 = parts[0][0]
-        if name.startswith("kda_state."):
+    by_rank = [dict(zip((b.name for b in h.buffers), zip(h.buffers, f))) for h, f in shards]
+    specs: list[BufferSpec] = []
+    frames: list[memoryview] = []
+    for spec, f in zip(h0.buffers, shards[0][1]):
+        if not _is_kda(spec.name):
+            specs.append(spec)
+            frames.append(f)
+            continue
+        parts = [r[spec.name] for r in by_rank]
+        if spec.name.startswith("kda_state."):
             g = memoryview(b"".join(bytes(f) for _, f in parts))
-            shape = [sum(s.shape[0] for s, _ in parts), *s0.shape[1:]]
+            shape = [sum(s.shape[0] for s, _ in parts), *spec.shape[1:]]
         else:
             g = memoryview(np.concatenate([_rows(f, s) for s, f in parts], axis=2).reshape(-1))
-            shape = [s0.shape[0], sum(s.shape[1] for s, _ in parts)]
-        specs.append(_spec(name, s0.dtype, shape, g))
+            shape = [spec.shape[0], sum(s.shape[1] for s, _ in parts)]
+        specs.append(_spec(spec.name, spec.dtype, shape, g))
         frames.append(g)
     header = msgspec.structs.replace(h0, layout=h0.layout.whole(), buffers=specs)
     return header, frames

@@ -7,6 +7,8 @@ The buffers of one request (or of one part of it, in push mode), in this order:
                                            by block: the receiver may use another block size)
   kda_state.{j}  [H, K, V] fp32            the j-th KDA layer's recurrent state
   kda_conv.{j}   [K-1, conv_dim]           its conv window (q, k, v inputs)
+  draft.{i}      [num_tokens, D']          with a DSpark draft: its i-th layer's context
+  draft_valid    [num_tokens] uint8        latents, and which positions hold context
 A receiver refuses a header whose model identity or layout differs from its own, and a
 buffer whose size or checksum does not match (`check`). A TP=N sender sends one message per
 rank (its KDA heads; the latents from rank 0 only), which a TP=1 receiver joins
@@ -37,6 +39,9 @@ class CacheLayout(msgspec.Struct, frozen=True):
     kda_conv_dim: int
     tp_size: int = 1
     tp_rank: int = 0
+    # the DSpark draft's pages (0: no draft); optional, so not compared (`comparable`)
+    draft_layers: int = 0
+    draft_latent_dim: int = 0
 
     def whole(self) -> CacheLayout:
         """The whole model's layout (TP=1) that this rank's layout is a shard of."""
@@ -69,6 +74,11 @@ class TransferHeader(msgspec.Struct, frozen=True, tag="transfer"):
     part: int = 0
     token_start: int = 0
     final: bool = True
+    # the sender's DSpark draft (identity of its weights; "" without one), and the drafts it
+    # proposed after the first token: the receiver's first step verifies them, as the
+    # colocated engine's second step would
+    draft_identity: str = ""
+    draft_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):
@@ -131,6 +141,10 @@ def check_compatible(header: TransferHeader, identity: str, layout: CacheLayout)
     theirs = header.layout
     if layout.tp_size == 1:       # a TP=N sender's shards are joined here (tp_layout.py)
         theirs = theirs.whole()
+    # either side may speculate with a draft or not: its pages are taken only where both
+    # have the same draft (transfer.py)
+    theirs = msgspec.structs.replace(theirs, draft_layers=0, draft_latent_dim=0)
+    layout = msgspec.structs.replace(layout, draft_layers=0, draft_latent_dim=0)
     if theirs != layout:
         diff = [f for f in layout.__struct_fields__
                 if getattr(theirs, f) != getattr(layout, f)]
@@ -141,9 +155,21 @@ def check_compatible(header: TransferHeader, identity: str, layout: CacheLayout)
 
 
 def expected_names(layout: CacheLayout) -> list[str]:
-    """The buffers a rank sends: the MLA latents are the same on every tensor-parallel rank,
-    so only rank 0 sends them."""
+    """The buffers a rank sends: the MLA latents (and the draft's pages) are the same on every
+    tensor-parallel rank, so only rank 0 sends them."""
+    return cache_names(layout) + draft_names(layout)
+
+
+def cache_names(layout: CacheLayout) -> list[str]:
     mla = len(layout.mla_layers) if layout.tp_rank == 0 else 0
     return ([f"mla.{i}" for i in range(mla)]
             + [f"kda_state.{j}" for j in range(len(layout.kda_layers))]
             + [f"kda_conv.{j}" for j in range(len(layout.kda_layers))])
+
+
+def draft_names(layout: CacheLayout) -> list[str]:
+    """draft.{i} [num_tokens, draft_latent_dim] per draft layer, then draft_valid
+    [num_tokens] uint8 (which positions hold draft context)."""
+    if layout.tp_rank or not layout.draft_layers:
+        return []
+    return [f"draft.{i}" for i in range(layout.draft_layers)] + ["draft_valid"]

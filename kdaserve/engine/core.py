@@ -169,10 +169,13 @@ class EngineCore:
         if params.guided is not None:    # compiled (and cached) now: a bad spec is a 400
             self.executor.validate_guided(params.guided)
         first_output: list[int] = []
+        drafts: list[int] = []
         if params.kv_transfer is not None:
             from kdaserve.disagg.handoff import check_request
 
             first_output = check_request(params, self.config.kv_transfer, vocab)
+            if first_output and self.transfer is not None:   # an import: drafts came along?
+                drafts = self.transfer.arrived_drafts(params.kv_transfer.transfer_id)
         children = []
         leader = None               # the child that scores the prompt for all n (i > 0 wait)
         for i in range(params.n):
@@ -186,7 +189,8 @@ class EngineCore:
                 if params.prompt_logprobs is not None and leader is None:
                     leader = cid
             req = Request(cid, list(prompt_token_ids), child_params, eos_token_ids=self.eos_ids,
-                          output_token_ids=list(first_output), priority=priority,
+                          output_token_ids=list(first_output), spec_token_ids=list(drafts),
+                          priority=priority,
                           arrival_time=arrival_time or time.monotonic(),
                           cache_salt=cache_salt, extra_keys=tuple(extra_keys),
                           media=tuple(media), group=group or request_id,
