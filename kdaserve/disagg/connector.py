@@ -51,6 +51,7 @@ class ConnectorStats:
     parts_pushed: int = 0        # push mode: parts sent while their prompt was computed
     sent_mla_bytes: int = 0
     sent_kda_bytes: int = 0
+    sent_draft_bytes: int = 0    # the DSpark draft's pages
     send_seconds: float = 0.0
     send_failures: int = 0
     received: int = 0

@@ -87,7 +87,7 @@ def attach_transfer(config: EngineConfig, cfg: Any, runner: Any, tp_size: int = 
 
 # counters that add up over the ranks (each sends its share); the others are rank 0's (every
 # rank sends once per request)
-_SUMMED = ("sent_mla_bytes", "sent_kda_bytes")
+_SUMMED = ("sent_mla_bytes", "sent_kda_bytes", "sent_draft_bytes")
 
 
 def rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -60,6 +60,7 @@ def test_draft_pages_travel_and_acceptance_equals_colocated(demo):
             for p in ps] == one
     sent = pre.engine.transfer.connector.stats
     assert sent.sent == 2 * len(ps) and dec.engine.transfer.connector.stats.pending == 0
+    assert sent.sent_draft_bytes > 0
     assert pre.engine.cache.all_free() and dec.engine.cache.all_free()
 
 
