@@ -16,36 +16,43 @@ from kdaserve.disagg.zmq_connector import ZmqConnector
 
 H, D, KM1, T = 4, 3, 3, 5            # heads, head dim, conv window rows, tokens
 LAYOUT = CacheLayout("float32", [1, 3], 6, [0, 2], H, D, KM1 + 1, 3 * H * D)
+# with a DSpark draft's pages (one layer of width 5, and which positions hold context)
+DRAFTED = msgspec.structs.replace(LAYOUT, draft_layers=1, draft_latent_dim=5)
 
 
-def whole(tid: str = "w") -> tuple[TransferHeader, list[memoryview]]:
+def whole(tid: str = "w", layout: CacheLayout = LAYOUT
+          ) -> tuple[TransferHeader, list[memoryview]]:
     rng = np.random.default_rng(7)
-    arrays = ([rng.standard_normal((T, 6), dtype=np.float32) for _ in LAYOUT.mla_layers]
-              + [rng.standard_normal((H, D, D), dtype=np.float32) for _ in LAYOUT.kda_layers]
+    arrays = ([rng.standard_normal((T, 6), dtype=np.float32) for _ in layout.mla_layers]
+              + [rng.standard_normal((H, D, D), dtype=np.float32) for _ in layout.kda_layers]
               + [rng.standard_normal((KM1, 3 * H * D), dtype=np.float32)
-                 for _ in LAYOUT.kda_layers])
+                 for _ in layout.kda_layers])
+    if layout.draft_layers:
+        arrays += [rng.standard_normal((T, 5), dtype=np.float32),
+                   np.array([1, 1, 0, 1, 1], dtype=np.uint8)]
     frames = [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays]
-    specs = [BufferSpec(n, "float32", list(a.shape), a.nbytes, wire.checksum(f))
-             for n, a, f in zip(wire.expected_names(LAYOUT), arrays, frames)]
-    return TransferHeader(wire.VERSION, tid, "m1", LAYOUT, T, 9, 11, specs), frames
+    specs = [BufferSpec(n, str(a.dtype), list(a.shape), a.nbytes, wire.checksum(f))
+             for n, a, f in zip(wire.expected_names(layout), arrays, frames)]
+    return TransferHeader(wire.VERSION, tid, "m1", layout, T, 9, 11, specs,
+                          draft_token_ids=[4, 5] if layout.draft_layers else []), frames
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_split_then_join_is_identity(tp):
-    header, frames = whole()
+@pytest.mark.parametrize("tp, layout", [(2, LAYOUT), (4, LAYOUT), (2, DRAFTED)])
+def test_split_then_join_is_identity(tp, layout):
+    header, frames = whole(layout=layout)
     shards = tp_layout.split(header, frames, tp)
     assert [h.layout.tp_rank for h, _ in shards] == list(range(tp))
     assert all(h.layout.kda_num_heads == H // tp for h, _ in shards)
-    # the latents travel once, with rank 0
-    assert [b.name for b in shards[0][0].buffers] == wire.expected_names(LAYOUT)
-    assert [b.name for b in shards[1][0].buffers] == wire.expected_names(LAYOUT)[2:]
+    # the latents (and the draft's pages) travel once, with rank 0
+    assert [b.name for b in shards[0][0].buffers] == wire.expected_names(layout)
+    assert [b.name for b in shards[1][0].buffers] == wire.cache_names(layout)[2:]
     for h, f in shards:
         wire.check_buffers(h, f)                     # every shard's checksums hold
     # rank r holds heads [r·H/tp, (r+1)·H/tp) of the state and of q, k and v's conv columns
     state = np.frombuffer(frames[2], np.float32).reshape(H, D, D)
     conv = np.frombuffer(frames[4], np.float32).reshape(KM1, 3, H, D)
     for r, (h, f) in enumerate(shards):
-        n = len(f) - 2 * len(LAYOUT.kda_layers)
+        n = 2 if r == 0 else 0               # its first KDA buffer
         heads = slice(r * H // tp, (r + 1) * H // tp)
         assert np.array_equal(np.frombuffer(f[n], np.float32).reshape(-1, D, D), state[heads])
         got = np.frombuffer(f[n + 2], np.float32).reshape(KM1, 3, H // tp, D)
