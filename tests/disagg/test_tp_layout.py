@@ -1,7 +1,8 @@
 """Tensor-parallel layouts of a transfer (kdaserve/disagg/tp_layout.py), without a model: a
 whole (TP=1) transfer split into the messages of 2 and 4 ranks joins back to the same bytes;
 each rank holds its heads' states and conv columns; the ranks' messages sent over real sockets
-to a TP=1 receiver arrive joined; shards that do not fit together are refused."""
+to a TP=1 receiver arrive joined (a lone rank's expires); shards that do not fit together are
+refused."""
 
 from __future__ import annotations
 
@@ -87,6 +88,13 @@ def test_ranks_sent_to_a_tp1_receiver_arrive_joined():
         assert got.header == header
         assert [bytes(f) for f in got.frames] == [bytes(f) for f in frames]
         assert recv.stats.pending == 0
+        # a rank whose sibling never sends expires like any transfer nobody takes
+        senders[1].send(recv.address, *tp_layout.split(*whole("lone"), 2)[1])
+        assert recv.stats.pending == 1
+        recv.inbox.ttl_s = 0.0
+        recv.inbox.expire()
+        assert recv.stats.pending == recv.stats.pending_bytes == 0 and recv.stats.expired == 1
+        recv.inbox.ttl_s = 60.0
         # a shard of another model's layout (other head counts in total) is refused
         bad = tp_layout.split(*whole("k"), 2)[1]
         lay = msgspec.structs.replace(bad[0].layout, kda_num_heads=1, kda_conv_dim=3 * D)
