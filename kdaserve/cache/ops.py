@@ -134,7 +134,8 @@ class SendRequest:
     layer) and its live KDA slot `slot` (state + conv window, every KDA layer), under
     `transfer_id`, to `peer`. The bookkeeping freed both already; the op runs before any
     forward can reuse them. `token_hash` (xxh3-64 of the tokens) and `first_token_id` let the
-    receiver check it continues the same request."""
+    receiver check it continues the same request. With a DSpark draft, its pages of the
+    same tokens go along, and `draft_token_ids`, the drafts proposed after the first token."""
 
     request_id: str
     transfer_id: str
@@ -146,6 +147,7 @@ class SendRequest:
     first_token_id: int
     token_start: int = 0          # push mode: tokens before it went in `parts` PushBlocks
     parts: int = 0
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

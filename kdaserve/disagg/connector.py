@@ -6,7 +6,9 @@ side sends when its request finished (the send returns once the receiver acknowl
 prefill instance answers only after the cache is safe on the other side). The decode side
 keeps each arrived transfer in host memory until its request takes it; one that nobody takes
 within `ttl_s` is dropped (a proxy that gave up, a decode request that never came), so host
-memory never leaks. Device pages are allocated only when the request is admitted.
+memory never leaks. Device pages are allocated only when the request is admitted. A
+tensor-parallel sender's ranks each send their share (tp_layout.py); the inbox joins them
+into one transfer once every rank's has arrived.
 Implementations: zmq_connector.py (the buffers as raw frames) and nixl_connector.py (the
 same control channel; the decode side READs the buffers through NIXL).
 """
@@ -21,7 +23,7 @@ from typing import Protocol
 
 import msgspec
 
-from kdaserve.disagg import wire
+from kdaserve.disagg import tp_layout, wire
 from kdaserve.disagg.wire import BufferSpec, TransferHeader, TransferRefused
 
 # how a request's error starts when its cache transfer failed: the server answers it with a
@@ -50,6 +52,7 @@ class ConnectorStats:
     parts_pushed: int = 0        # push mode: parts sent while their prompt was computed
     sent_mla_bytes: int = 0
     sent_kda_bytes: int = 0
+    sent_draft_bytes: int = 0    # the DSpark draft's pages
     send_seconds: float = 0.0
     send_failures: int = 0
     received: int = 0
@@ -86,21 +89,35 @@ class Inbox:
         self.stats = stats
         self.ttl_s = ttl_s
         self._items: dict[str, Arrived] = {}
-        self._parts: dict[str, list[Arrived]] = {}       # push mode: parts before the last
+        # push mode: parts before the last, by transfer id and sender rank
+        self._parts: dict[tuple[str, int], list[Arrived]] = {}
+        # a tensor-parallel sender's ranks that arrived, by transfer id and rank
+        self._shards: dict[str, dict[int, Arrived]] = {}
         self._cv = threading.Condition()
 
     def put(self, item: Arrived) -> None:
-        """Raises TransferRefused when the last part does not complete the parts before it."""
-        tid = item.header.transfer_id
+        """Raises TransferRefused when the last part does not complete the parts before it,
+        or a tensor-parallel sender's ranks do not fit together."""
+        tid, rank = item.header.transfer_id, item.header.layout.tp_rank
         with self._cv:
             self._expire()
             if not item.header.final:
-                self._parts.setdefault(tid, []).append(item)
+                self._parts.setdefault((tid, rank), []).append(item)
                 self._count()
                 return
-            parts = self._parts.pop(tid, [])
+            parts = self._parts.pop((tid, rank), [])
             if parts or item.header.part:
                 item = assemble(parts, item)
+            tp = item.header.layout.tp_size
+            if tp > 1:             # one message per rank of the sender: joined once all came
+                got = self._shards.setdefault(tid, {})
+                got[rank] = item
+                if len(got) < tp:
+                    self._count()
+                    return
+                del self._shards[tid]
+                header, frames = tp_layout.join([(a.header, a.frames) for a in got.values()])
+                item = Arrived(header, frames)
             self._items.pop(tid, None)
             self._items[tid] = item
             self.stats.received += 1
@@ -125,6 +142,12 @@ class Inbox:
             self._count()
             return item
 
+    def peek(self, transfer_id: str) -> TransferHeader | None:
+        """The header of an arrived transfer, left in the inbox (None: not here yet)."""
+        with self._cv:
+            item = self._items.get(transfer_id)
+            return item.header if item is not None else None
+
     def expire(self) -> None:
         with self._cv:
             self._expire()
@@ -135,14 +158,20 @@ class Inbox:
         for tid in [t for t, a in self._items.items() if now - a.at > self.ttl_s]:
             del self._items[tid]
             self.stats.expired += 1
-        for tid in [t for t, ps in self._parts.items() if now - ps[-1].at > self.ttl_s]:
-            del self._parts[tid]         # a push whose request never finished (aborted)
+        for key in [k for k, ps in self._parts.items() if now - ps[-1].at > self.ttl_s]:
+            del self._parts[key]         # a push whose request never finished (aborted)
+            self.stats.expired += 1
+        for tid in [t for t, g in self._shards.items()
+                    if now - max(a.at for a in g.values()) > self.ttl_s]:
+            del self._shards[tid]        # a rank whose message never came
             self.stats.expired += 1
 
     def _count(self) -> None:
-        self.stats.pending = len(self._items) + len(self._parts)
+        self.stats.pending = len(self._items) + len(self._parts) + len(self._shards)
         self.stats.pending_bytes = (sum(a.nbytes for a in self._items.values())
-                                    + sum(a.nbytes for ps in self._parts.values() for a in ps))
+                                    + sum(a.nbytes for ps in self._parts.values() for a in ps)
+                                    + sum(a.nbytes for g in self._shards.values()
+                                          for a in g.values()))
 
 
 def assemble(parts: list[Arrived], last: Arrived) -> Arrived:

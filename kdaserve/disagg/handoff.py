@@ -34,6 +34,11 @@ def imports(req: Request) -> bool:
     return kt is not None and kt.is_import
 
 
+def exports(req: Request) -> bool:
+    kt = req.sampling_params.kv_transfer
+    return kt is not None and kt.is_export
+
+
 def send_op(req: Request, cache: _Holds, pushed: tuple[int, int] = (0, 0)
             ) -> SendRequest | None:
     """`pushed`: (tokens, parts) already pushed while the prompt was computed."""
@@ -46,7 +51,8 @@ def send_op(req: Request, cache: _Holds, pushed: tuple[int, int] = (0, 0)
     rid = req.request_id
     return SendRequest(rid, kt.transfer_id, kt.peer, tuple(cache.block_ids(rid)),
                        cache.slot(rid), n, token_hash(req.prompt_token_ids),
-                       req.output_token_ids[0], *pushed)
+                       req.output_token_ids[0], *pushed,
+                       draft_token_ids=tuple(req.spec_token_ids))
 
 
 def push_op(req: Request, block_ids: list[int], block_size: int, pushed: tuple[int, int]

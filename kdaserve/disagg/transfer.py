@@ -1,5 +1,6 @@
 """The torch side of a transfer: carries out SendRequest and ReceiveRequest (cache/ops.py)
-against the device cache, through a connector.
+against the device cache, through a connector. Under tensor parallelism every rank runs
+the same operations on its own cache and sends its own message (tp_layout.py).
 
 Sending gathers each MLA layer's latents of the request's first `num_tokens` tokens from its
 blocks into one [num_tokens, D] tensor (so the receiver may use another block size) and takes
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from kdaserve.cache.ops import DISAGG, OpFailure, PushBlocks, ReceiveRequest, SendRequest
@@ -20,6 +23,9 @@ from kdaserve.disagg import wire
 from kdaserve.disagg.connector import FAILED_PREFIX, Connector, TransferFailed
 from kdaserve.disagg.wire import BufferSpec, CacheLayout, TransferHeader, TransferRefused
 from kdaserve.model.hybrid_cache import HybridCache
+
+if TYPE_CHECKING:
+    from kdaserve.engine.spec.dspark import DSparkProposer
 
 
 @dataclass
@@ -30,13 +36,29 @@ class TransferTimes:
 
 class CacheTransfer:
     def __init__(self, cache: HybridCache, connector: Connector, identity: str,
-                 layout: CacheLayout, receive_timeout_s: float = 10.0) -> None:
+                 layout: CacheLayout, receive_timeout_s: float = 10.0,
+                 draft: DSparkProposer | None = None, draft_identity: str = "") -> None:
         self.cache = cache
         self.connector = connector
         self.identity = identity
         self.layout = layout
         self.receive_timeout_s = receive_timeout_s
+        # the DSpark drafter, whose context pages travel with the request's cache
+        self.draft = draft
+        self.draft_identity = draft_identity
         self.times = TransferTimes()
+
+    def _same_draft(self, h: TransferHeader) -> bool:
+        """The sender speculates with this instance's draft: its pages and drafts fit here."""
+        return (self.draft is not None and h.draft_identity == self.draft_identity
+                and (h.layout.draft_layers, h.layout.draft_latent_dim)
+                == (self.layout.draft_layers, self.layout.draft_latent_dim))
+
+    def arrived_drafts(self, transfer_id: str) -> list[int]:
+        """The drafts an arrived transfer's sender proposed after the first token (for the
+        request's first step here); none when it has not arrived or the drafts differ."""
+        h = self.connector.inbox.peek(transfer_id)
+        return list(h.draft_token_ids) if h is not None and self._same_draft(h) else []
 
     def metrics(self) -> dict[str, float]:
         """The connector's counters, for /metrics."""
@@ -59,6 +81,8 @@ class CacheTransfer:
     # ---- prefill side -----------------------------------------------------------------------
     def push(self, op: PushBlocks) -> None:
         """A part of the prompt's latents, sent without waiting for its acknowledgement."""
+        if self.layout.tp_rank:       # the latents are rank 0's to send (replicated)
+            return
         start = time.perf_counter()
         tensors = self._latents(op.block_ids, op.token_end - op.token_start)
         names = wire.expected_names(self.layout)[: len(tensors)]
@@ -73,13 +97,21 @@ class CacheTransfer:
         start = time.perf_counter()
         bs = self.cache.block_size
         first = op.token_start // bs
-        tensors = self._latents(op.block_ids[first:], op.num_tokens - op.token_start)
+        # a tensor-parallel rank but 0 sends its KDA heads alone, in one part
+        part, token_start, tensors = 0, 0, []
+        if self.layout.tp_rank == 0:
+            part, token_start = op.parts, op.token_start
+            tensors = self._latents(op.block_ids[first:], op.num_tokens - op.token_start)
         tensors += [v.contiguous().cpu() for v in self.cache.slot_views(op.slot)]
+        if self.draft is not None and self.layout.tp_rank == 0:
+            tensors += self.draft.export_context(op.block_ids, op.num_tokens)
         names = wire.expected_names(self.layout)
         assert len(names) == len(tensors)
         header, frames = self._message(op.transfer_id, op.num_tokens, op.token_hash,
-                                       op.first_token_id, names, tensors, op.parts,
-                                       op.token_start, final=True)
+                                       op.first_token_id, names, tensors, part, token_start,
+                                       final=True)
+        header = msgspec.structs.replace(header, draft_identity=self.draft_identity,
+                                         draft_token_ids=list(op.draft_token_ids))
         self.connector.send(op.peer, header, frames)
         self.times.send_seconds += time.perf_counter() - start
 
@@ -104,7 +136,7 @@ class CacheTransfer:
 
     # ---- decode side ------------------------------------------------------------------------
     def receive(self, op: ReceiveRequest) -> None:
-        start = time.perf_counter()
+        began = time.perf_counter()
         got = self.connector.take(op.transfer_id, self.receive_timeout_s)
         h = got.header
         if h.num_tokens != op.num_tokens or h.token_hash != op.token_hash:
@@ -114,10 +146,13 @@ class CacheTransfer:
         if h.first_token_id != op.first_token_id:
             raise TransferRefused(f"transfer {op.transfer_id} was sent with first token "
                                   f"{h.first_token_id}, the request says {op.first_token_id}")
-        names = wire.expected_names(self.layout)
-        if [b.name for b in h.buffers] != names:
-            raise TransferRefused(f"transfer {op.transfer_id} lists buffers "
-                                  f"{[b.name for b in h.buffers]}, this layout needs {names}")
+        names = wire.cache_names(self.layout)
+        listed = [b.name for b in h.buffers]
+        if listed[:len(names)] != names or listed[len(names):] not in (
+                [], wire.draft_names(h.layout)):
+            raise TransferRefused(f"transfer {op.transfer_id} lists buffers {listed}, this "
+                                  f"layout needs {names} (and the sender's draft pages, if "
+                                  "any)")
         c = self.cache
         nm = len(c.mla_pages)
         bs = c.block_size
@@ -133,10 +168,19 @@ class CacheTransfer:
             pad = torch.zeros((nblocks - first) * bs, p.shape[-1], dtype=p.dtype)
             pad[:n - start] = src[start:]
             p.index_copy_(0, ids.to(p.device), pad.view(nblocks - first, bs, -1).to(p.device))
-        for k, v in enumerate(c.slot_views(op.slot)):
+        views = c.slot_views(op.slot)
+        for k, v in enumerate(views):
             spec = h.buffers[nm + k]
             v.copy_(_tensor(got.frames[nm + k], spec, v.dtype, tuple(v.shape)))
-        self.times.receive_seconds += time.perf_counter() - start
+        at = nm + len(views)
+        if len(h.buffers) > at and self._same_draft(h):   # else: drafts from later context
+            pages = self.draft.pages
+            ctx = [_tensor(got.frames[at + i], h.buffers[at + i], p.dtype, (n, p.shape[-1]))
+                   for i, p in enumerate(pages)]
+            ctx.append(_tensor(got.frames[at + len(pages)], h.buffers[at + len(pages)],
+                               torch.uint8, (n,)))
+            self.draft.import_context(op.block_ids, start, n, ctx)
+        self.times.receive_seconds += time.perf_counter() - began
 
 
 def _tensor(frame: memoryview, spec: BufferSpec, dtype: torch.dtype, shape: tuple[int, ...]

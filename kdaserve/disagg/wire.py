@@ -7,8 +7,12 @@ The buffers of one request (or of one part of it, in push mode), in this order:
                                            by block: the receiver may use another block size)
   kda_state.{j}  [H, K, V] fp32            the j-th KDA layer's recurrent state
   kda_conv.{j}   [K-1, conv_dim]           its conv window (q, k, v inputs)
+  draft.{i}      [num_tokens, D']          with a DSpark draft: its i-th layer's context
+  draft_valid    [num_tokens] uint8        latents, and which positions hold context
 A receiver refuses a header whose model identity, layout, TP layout or transport differs from
-its own, and a buffer whose size or checksum does not match (`check_buffers`).
+its own, and a buffer whose size or checksum does not match (`check_buffers`). A TP=N sender
+sends one message per rank (its KDA heads; the latents from rank 0 only), which a TP=1
+receiver joins (tp_layout.py): the layouts are compared whole.
 Torch-free: the engine side (transfer.py) turns tensors into these buffers and back.
 """
 
@@ -35,6 +39,16 @@ class CacheLayout(msgspec.Struct, frozen=True):
     kda_conv_dim: int
     tp_size: int = 1
     tp_rank: int = 0
+    # the DSpark draft's pages (0: no draft); optional, so not compared (`comparable`)
+    draft_layers: int = 0
+    draft_latent_dim: int = 0
+
+    def whole(self) -> CacheLayout:
+        """The whole model's layout (TP=1) that this rank's layout is a shard of."""
+        tp = self.tp_size
+        return msgspec.structs.replace(self, kda_num_heads=self.kda_num_heads * tp,
+                                       kda_conv_dim=self.kda_conv_dim * tp, tp_size=1,
+                                       tp_rank=0)
 
 
 class BufferSpec(msgspec.Struct, frozen=True):
@@ -63,6 +77,11 @@ class TransferHeader(msgspec.Struct, frozen=True, tag="transfer"):
     # how the buffers travel: "zmq" (raw frames after this header) or "nixl" (an offer after
     # it; the receiver READs them, nixl_connector.py); set by the sending connector
     transport: str = "zmq"
+    # the sender's DSpark draft (identity of its weights; "" without one), and the drafts it
+    # proposed after the first token: the receiver's first step verifies them, as the
+    # colocated engine's second step would
+    draft_identity: str = ""
+    draft_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):
@@ -128,16 +147,38 @@ def check_compatible(header: TransferHeader, identity: str, layout: CacheLayout,
         raise TransferRefused(f"transfer {header.transfer_id} comes from another model "
                               f"(identity {header.model_identity[:16]}, this instance "
                               f"{identity[:16]}): both sides must serve the same weights")
-    if header.layout != layout:
+    theirs = header.layout
+    if layout.tp_size == 1:       # a TP=N sender's shards are joined here (tp_layout.py)
+        theirs = theirs.whole()
+    # either side may speculate with a draft or not: its pages are taken only where both
+    # have the same draft (transfer.py)
+    theirs = msgspec.structs.replace(theirs, draft_layers=0, draft_latent_dim=0)
+    layout = msgspec.structs.replace(layout, draft_layers=0, draft_latent_dim=0)
+    if theirs != layout:
         diff = [f for f in layout.__struct_fields__
-                if getattr(header.layout, f) != getattr(layout, f)]
+                if getattr(theirs, f) != getattr(layout, f)]
         raise TransferRefused(f"transfer {header.transfer_id} has another cache layout "
                               f"(differs in {', '.join(diff)}: sender "
-                              f"{[getattr(header.layout, f) for f in diff]}, this instance "
+                              f"{[getattr(theirs, f) for f in diff]}, this instance "
                               f"{[getattr(layout, f) for f in diff]})")
 
 
 def expected_names(layout: CacheLayout) -> list[str]:
-    return ([f"mla.{i}" for i in range(len(layout.mla_layers))]
+    """The buffers a rank sends: the MLA latents (and the draft's pages) are the same on every
+    tensor-parallel rank, so only rank 0 sends them."""
+    return cache_names(layout) + draft_names(layout)
+
+
+def cache_names(layout: CacheLayout) -> list[str]:
+    mla = len(layout.mla_layers) if layout.tp_rank == 0 else 0
+    return ([f"mla.{i}" for i in range(mla)]
             + [f"kda_state.{j}" for j in range(len(layout.kda_layers))]
             + [f"kda_conv.{j}" for j in range(len(layout.kda_layers))])
+
+
+def draft_names(layout: CacheLayout) -> list[str]:
+    """draft.{i} [num_tokens, draft_latent_dim] per draft layer, then draft_valid
+    [num_tokens] uint8 (which positions hold draft context)."""
+    if layout.tp_rank or not layout.draft_layers:
+        return []
+    return [f"draft.{i}" for i in range(layout.draft_layers)] + ["draft_valid"]

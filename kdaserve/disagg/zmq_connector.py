@@ -119,6 +119,8 @@ class ZmqConnector:
         for spec in header.buffers:
             if spec.name.startswith("mla."):
                 self.stats.sent_mla_bytes += spec.nbytes
+            elif spec.name.startswith("draft"):
+                self.stats.sent_draft_bytes += spec.nbytes
             else:
                 self.stats.sent_kda_bytes += spec.nbytes
 

@@ -63,6 +63,7 @@ class CacheOpExecutor:
         # disaggregation's sends and receives (kdaserve/disagg/transfer.py); None: not a
         # prefill or decode instance
         self.transfer = None
+        self.agree: Callable[[list[OpFailure]], list[OpFailure]] | None = None
 
     @property
     def stores(self) -> dict[str, Store]:
@@ -73,9 +74,11 @@ class CacheOpExecutor:
         return self.tiers.stats
 
     def set_agreement(self, agree: Callable[[list[OpFailure]], list[OpFailure]]) -> None:
-        """Several ranks, each holding its share of every entry: failures are made the same
-        on every rank (kdaserve.distributed.comm.union_failures)."""
+        """Several ranks, each holding its share of every entry (or sending its share of a
+        request's cache): failures are made the same on every rank
+        (kdaserve.distributed.comm.union_failures)."""
         self.tiers.agree = agree
+        self.agree = agree
 
     def begin(self, ops: Sequence[CacheOp]) -> StepOps:
         """Run the operations that precede the forward, in order."""
@@ -102,13 +105,17 @@ class CacheOpExecutor:
         if tier_ops:
             step.outcome.failures = self.tiers.run(tier_ops)
         lost = {f.request_id for f in step.outcome.failures if f.request_id is not None}
+        moved: list[OpFailure] = []
         for op in moves:      # after the tiers' loads: a hit's blocks are in place first
             if op.request_id in lost:
                 continue      # it sits the step out and is recomputed; the transfer expires
             if self.transfer is None:
                 raise ValueError(f"{type(op).__name__} on an instance without a kv-transfer "
                                  "connector (serve --role prefill|decode)")
-            step.outcome.failures += self.transfer.run(op)
+            moved += self.transfer.run(op)
+        if moves and self.agree is not None:     # a send one rank failed fails on all
+            moved = self.agree(moved)
+        step.outcome.failures += moved
         step.lost = {f.request_id for f in step.outcome.failures if f.request_id is not None}
         restores = [r for r in restores if r.request_id not in step.lost]
         if restores:

@@ -80,6 +80,10 @@ class EngineCore:
                         requested_isa())
         chunk = engine_chunk_size(config)
         par = config.parallel
+        if config.kv_transfer is not None:       # refused before any rank starts
+            from kdaserve.disagg.setup import check_role_layout
+
+            check_role_layout(config)
         em = load_engine_model(config, device, model, progress)
         self.model: HybridForCausalLM | None = em.model     # None: the workers hold the model
         model, cfg, rank_cfg, self._vision = em.model, em.config, em.rank_config, em.vision
@@ -115,10 +119,14 @@ class EngineCore:
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None
         self._pipeline: StepPipeline | None = None
         self.transfer = None          # disaggregation's connector side (kdaserve/disagg)
-        if config.kv_transfer is not None:
+        if config.kv_transfer is not None and par.executor == "uni":
             from kdaserve.disagg.setup import attach_transfer
 
             self.transfer = attach_transfer(config, rank_cfg, self.runner)
+        elif config.kv_transfer is not None:     # each rank attached its own (worker.py)
+            from kdaserve.disagg.setup import RankTransfers
+
+            self.transfer = RankTransfers(self.executor)
         if config.async_scheduling and config.kv_transfer is not None:
             logger.warning("async scheduling is off on a prefill or decode instance (a "
                            "finished request's cache is sent between steps)")
@@ -161,10 +169,13 @@ class EngineCore:
         if params.guided is not None:    # compiled (and cached) now: a bad spec is a 400
             self.executor.validate_guided(params.guided)
         first_output: list[int] = []
+        drafts: list[int] = []
         if params.kv_transfer is not None:
             from kdaserve.disagg.handoff import check_request
 
             first_output = check_request(params, self.config.kv_transfer, vocab)
+            if first_output and self.transfer is not None:   # an import: drafts came along?
+                drafts = self.transfer.arrived_drafts(params.kv_transfer.transfer_id)
         children = []
         leader = None               # the child that scores the prompt for all n (i > 0 wait)
         for i in range(params.n):
@@ -178,7 +189,8 @@ class EngineCore:
                 if params.prompt_logprobs is not None and leader is None:
                     leader = cid
             req = Request(cid, list(prompt_token_ids), child_params, eos_token_ids=self.eos_ids,
-                          output_token_ids=list(first_output), priority=priority,
+                          output_token_ids=list(first_output), spec_token_ids=list(drafts),
+                          priority=priority,
                           arrival_time=arrival_time or time.monotonic(),
                           cache_salt=cache_salt, extra_keys=tuple(extra_keys),
                           media=tuple(media), group=group or request_id,

@@ -178,7 +178,7 @@ class Scheduler:
                 scheduled.append((req, n))
                 budget -= n
         if len(preempted) == self._fair_preempted:
-            self._admit(scheduled, budget, chunk_cap)
+            self._admit(scheduled, budget, chunk_cap, drafts)
         if self._bulk_left is not None:
             self.guard.charge(self._bulk_granted - self._bulk_left[0])
         seq_ops: list[CacheOp] = []
@@ -263,7 +263,8 @@ class Scheduler:
         self._fair_preempted = 1
         return [victim.request_id]
 
-    def _admit(self, scheduled: list[tuple[Request, int]], budget: int, chunk_cap: int) -> None:
+    def _admit(self, scheduled: list[tuple[Request, int]], budget: int, chunk_cap: int,
+               drafts: dict[str, int]) -> None:
         counts = Counter(r.group for r in self.running)
         capped: set[str] = set()   # no room left this step for their kind of chunk
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -291,6 +292,10 @@ class Scheduler:
                 # kind (a short prompt) still start this step
                 capped.add(req.request_id)
                 continue
+            # an import's first step verifies the drafts its prefill instance proposed after
+            # the first token (they came with its cache), as a colocated second step would
+            d = self._num_drafts(req, budget) if imports and req.spec_token_ids else 0
+            n += d
             if not self.cache.allocate(req.request_id, computed + n, hit):
                 if not self.running and not scheduled:
                     # Alone and still too big: it can never fit; end it instead of spinning.
@@ -308,6 +313,8 @@ class Scheduler:
                     req, self.cache.block_ids(req.request_id), self.cache.slot(req.request_id),
                     held)
                 hit = None            # the transfer's state replaces the hit's snapshot
+                if d:
+                    drafts[req.request_id] = d
             if hit is not None:
                 req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
                 if hit.snapshot is not None:
@@ -479,6 +486,8 @@ class Scheduler:
             self._commit(req)
             touched.append(req)
             if status is not None:
+                if handoff.exports(req):     # its drafts go along with its cache
+                    req.spec_token_ids = result.drafts.get(req.request_id, [])
                 self.finish(req.request_id, status)
             else:
                 req.spec_token_ids = result.drafts.get(req.request_id, [])

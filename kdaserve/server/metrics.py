@@ -128,6 +128,8 @@ _KV_METRICS = (
     ("kdaserve:kv_transfer_sent_mla_bytes", "sent_mla_bytes", "MLA latent bytes pushed.", True),
     ("kdaserve:kv_transfer_sent_kda_bytes", "sent_kda_bytes",
      "KDA state and conv window bytes pushed.", True),
+    ("kdaserve:kv_transfer_sent_draft_bytes", "sent_draft_bytes",
+     "DSpark draft page bytes pushed (a prefill instance that speculates).", True),
     ("kdaserve:kv_transfer_send_seconds", "send_seconds",
      "Seconds spent pushing caches (gather, send, acknowledgement).", True),
     ("kdaserve:kv_transfer_send_failures", "send_failures",

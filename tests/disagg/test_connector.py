@@ -57,7 +57,7 @@ def test_refused_with_a_clear_error(pair, case, message):
         header = msgspec.structs.replace(header, model_identity="m2")
     elif case == "layout":
         header = msgspec.structs.replace(header, layout=msgspec.structs.replace(
-            LAYOUT, kda_num_heads=1, tp_size=2))
+            LAYOUT, kda_num_heads=1))
     elif case == "checksum":
         frames[0] = memoryview(b"\xff" * 16)
     else:

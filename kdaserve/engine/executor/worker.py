@@ -65,7 +65,11 @@ def build_worker_runner(config: EngineConfig, plan, ctx, local_rank: int | None 
     stores = worker_stores(config, rank_cfg, engine_chunk_size(config), device, ctx.rank,
                            ctx.world_size)
     runner = build_runner(config, plan, model, device, tok, stores=stores)
-    if stores and ctx.world_size > 1:
+    if config.kv_transfer is not None:      # a tensor-parallel prefill instance's rank
+        from kdaserve.disagg.setup import attach_transfer
+
+        attach_transfer(config, rank_cfg, runner, ctx.tp_size, ctx.tp_rank)
+    if (stores or config.kv_transfer is not None) and ctx.world_size > 1:
         runner.cache_ops.set_agreement(union_failures)
     return runner
 
@@ -130,6 +134,15 @@ def handle(runner, msg: tuple, rank: int, world_size: int, data_parallel: bool) 
         return runner.cache_ops.run(msg[1])
     if kind == "transfer_stats":
         return runner.cache_ops.stats
+    if kind == "kv_transfer_stats":      # each rank sent its share of every request's cache
+        from kdaserve.disagg.setup import rank_metrics
+
+        mine = runner.cache_ops.transfer.metrics()
+        every: list = [mine]
+        if world_size > 1:
+            every = [None] * world_size
+            dist.all_gather_object(every, mine)
+        return rank_metrics(every)
     if kind == "num_forward_tokens":
         result = runner.num_forward_tokens
         if data_parallel:            # each rank computed its own requests' tokens

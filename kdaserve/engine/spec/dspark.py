@@ -153,6 +153,32 @@ class DSparkProposer:
             self._valid.index_fill_(0, torch.tensor(slots, dtype=torch.long,
                                                     device=self.device), False)
 
+    # ---- disaggregation: a request's draft context moves with its cache (kdaserve/disagg) ----
+    def _rows(self, block_ids, start: int, end: int) -> torch.Tensor:
+        bs = self.block_size
+        return torch.tensor([block_ids[p // bs] * bs + p % bs for p in range(start, end)],
+                            dtype=torch.long, device=self.device)
+
+    def export_context(self, block_ids, num_tokens: int) -> list[torch.Tensor]:
+        """Host copies of the draft's context of a request's first `num_tokens` positions:
+        each draft layer's latents [num_tokens, D], then which of them hold context
+        ([num_tokens] uint8). Pending context is projected first, as the next draft would."""
+        self._ingest()
+        rows = self._rows(block_ids, 0, num_tokens)
+        out = [p.view(-1, p.shape[-1])[rows].cpu() for p in self.pages]
+        return out + [self._valid[rows].to(torch.uint8).cpu()]
+
+    def import_context(self, block_ids, start: int, num_tokens: int,
+                       context: list[torch.Tensor]) -> None:
+        """Positions [start, num_tokens) of a request's draft context, as `export_context`
+        gave them on another instance. Context still pending here is projected first: its
+        slots may be this request's now (a reused block), and must not overwrite it later."""
+        self._ingest()
+        rows = self._rows(block_ids, start, num_tokens)
+        for p, lat in zip(self.pages, context):
+            p.view(-1, p.shape[-1]).index_copy_(0, rows, lat[start:].to(p.device, p.dtype))
+        self._valid[rows] = context[-1][start:].to(self.device, torch.bool)
+
     def _ingest(self) -> None:
         """Writes the pending context into the draft's pages, oldest first, so a slot ends up
         with its latest owner's latents (as if each step had written its own at once)."""
