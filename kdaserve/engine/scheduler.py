@@ -177,7 +177,8 @@ class Scheduler:
                 for req, n in scheduled]
         self._restore.clear()
         limits = None
-        if self.spec_policy is not None:      # prefilling requests: what acceptance earns
+        # prefilling requests: what acceptance earns (a sleeping drafter proposes nothing)
+        if self.spec_policy is not None and not self.spec_policy.dormant:
             limits = {req.request_id: self._draft_plan.get(req.request_id)
                       for req, _ in scheduled}
             first: dict[bool, int] = {}       # by kind (sampled or greedy), asked once a step
@@ -308,6 +309,9 @@ class Scheduler:
         engine/spec/adaptive.py); the same numbers bound what is proposed for the next."""
         if self.spec_policy is None:
             self._draft_plan = {}
+            return
+        if self.spec_policy.dormant:          # the plan is all zeros: no drafts exist
+            self._draft_plan = self.spec_policy.plan({}, max(1, len(self.running)))
             return
         candidates = {r.request_id: self.spec_policy.max_drafts for r in self.running
                       if r.num_computed_tokens == r.num_tokens - 1 or r.spec_token_ids}
