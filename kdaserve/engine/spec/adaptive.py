@@ -5,43 +5,33 @@ request's measured acceptance and from what a step costs on this machine, measur
 Gain model: request r accepts each draft with probability α_r (an exponential moving average
 of its verified drafts, counted as Bernoulli trials up to the first rejection), so drafting k
 yields Σ_{j≤k} α_r^j extra tokens in expectation. A new request starts from the engine-wide
-acceptance of its kind of decoding (`SharedAcceptance`, one for greedy requests and one for
-sampled ones: a draft that greedy text accepts 70% of the time may accept 20% of sampled text,
-and one figure for both let a greedy stretch wake the drafter for sampled batches it cannot
-pay for). Sampled decoding starts from a lower prior than greedy (`prior_sampled`).
+acceptance of its kind (`SharedAcceptance`, one for greedy and one for sampled requests, the
+latter from a lower prior: a draft that greedy text accepts 70% of the time may accept 20%
+of sampled text, and one figure for both let greedy stretches wake the drafter for sampled
+batches it could not pay for).
 
 A step produces N tokens in S seconds; one more draft for r at depth j adds α_r^j tokens and
-b seconds (plus c for r's first draft). It pays iff it raises N/S. Each request takes the k
-that maximises Σ_{j≤k} α^j − (N/S)·(c·[k>0] + b·k); then the whole plan is kept only if its
-N/S, d included, beats the plan without drafts, and unless verifying steps have actually
-delivered fewer tokens per second than plain ones at this batch size (`RealizedRates`: the
-check on a linear model). k = 0 turns speculation off for a request.
-Requests that stopped speculating are probed with a block of drafts now and then, so a better
-stretch of text is noticed, but probes are paid from a budget: at most `probe_share` of the
-predicted step time, so that a draft that never pays costs at most that much.
+b seconds (plus c for r's first draft). Each request takes the k that maximises
+Σ_{j≤k} α^j − (N/S)·(c·[k>0] + b·k); the plan is kept only if its N/S, d included, beats the
+plan without drafts, and unless verifying steps have actually delivered fewer tokens per
+second than plain ones at this batch size (`RealizedRates`). k = 0 turns speculation off for
+a request. Requests that stopped speculating are probed with a block of drafts now and then,
+paid from a budget of at most `probe_share` of the predicted step time.
 
-An idle drafter still costs: the target's hidden states are captured every step, projected
-into the draft's pages, and the proposer runs. So after `sleep_after` plans in a row in which
-no request earned a draft, and once at least `sleep_trials` blocks were verified since it woke
-(the evidence), the drafter sleeps (`dormant`): steps capture nothing, project nothing and
-propose nothing, the plan is all zeros and nothing is probed. The evidence is gathered at
-once: at the start and after each wake, the first `sleep_trials` probes wait for neither the
-budget nor `probe_every` (the drafter captures while it waits for them, so waiting is the
-dearer way to pay). It wakes when a request is admitted after `wake_after` steps asleep (to
-notice text that changed), or at another batch-size bucket than the one it fell asleep at if
-that bucket has not been woken for `wake_after` steps and the acceptance measured for the
-admitted request's kind would pay for drafting at that batch size (a bucket changes what a
-verifying step costs, not what the drafts are worth). Each wake that finds nothing worth
-drafting doubles the wait before the next (up to `max_wake_after`).
+An idle drafter still costs (capture, projection, the proposer), so after `sleep_after` plans
+in a row in which no request earned a draft, and once `sleep_trials` blocks were verified
+since it woke, the drafter sleeps (`dormant`): nothing is captured, projected, proposed or
+probed. Those trials are owed: at the start and after each wake they go at once to requests
+with no acceptance of their own, outside the budget. It wakes when a request is admitted
+after `wake_after` steps asleep (to notice text that changed), or at another batch-size bucket
+not woken for `wake_after` steps if the admitted request's kind's acceptance would pay there
+(a bucket changes what a verifying step costs, not what the drafts are worth). Each wake that
+finds nothing worth drafting doubles the wait (up to `max_wake_after`).
 
-The probing rate, documented: awake, probes cost at most `probe_share` of the predicted step
-time, plus the `sleep_trials` blocks at the start and after each wake; asleep, none. A wake
-costs about `sleep_after` awake plans (capture and projection of their rows) plus
-`sleep_trials` probe blocks, and comes at most once per wait (`wake_after`, doubling), or once
-per `wake_after` steps per batch-size bucket where the measured acceptance could pay.
-A request that ran while the drafter slept is drafted after the wake from the context captured
-since (the draft's context cannot be rebuilt from the target's cache: see
-engine/spec/dspark.py `missed`); a request admitted at the wake is captured from its start.
+The probing rate, documented: awake, at most `probe_share` of the predicted step time plus
+the owed `sleep_trials` blocks per wake; asleep, none. A wake costs about `sleep_after` awake
+plans and `sleep_trials` probe blocks. A request that ran while the drafter slept is drafted
+after the wake from the context captured since (engine/spec/dspark.py `missed`).
 No tensors here.
 """
 
