@@ -186,10 +186,18 @@ class Scheduler:
                 for req, n in scheduled]
         self._restore.clear()
         limits = None
-        if self.spec_policy is not None:      # prefilling requests: what acceptance earns
-            first = self.spec_policy.initial_drafts(max(1, len(self.running)))
-            limits = {req.request_id: self._draft_plan.get(req.request_id, first)
+        # prefilling requests: what acceptance earns (a sleeping drafter proposes nothing)
+        if self.spec_policy is not None and not self.spec_policy.dormant:
+            limits = {req.request_id: self._draft_plan.get(req.request_id)
                       for req, _ in scheduled}
+            first: dict[bool, int] = {}       # by kind (sampled or greedy), asked once a step
+            for req, _ in scheduled:
+                if limits[req.request_id] is None:
+                    kind = not req.sampling_params.greedy
+                    if kind not in first:
+                        first[kind] = self.spec_policy.initial_drafts(
+                            max(1, len(self.running)), kind)
+                    limits[req.request_id] = first[kind]
         return SchedulerOutput(sequences=seqs, preempted=preempted,
                                ops=self._step_ops(seq_ops), draft_limits=limits,
                                drafting=self._drafting())
@@ -324,7 +332,8 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
             if self.spec_policy is not None:
-                self.spec_policy.admitted(len(self.running))
+                self.spec_policy.admitted(len(self.running), req.request_id,
+                                          not req.sampling_params.greedy)
 
     def _num_drafts(self, req: Request, budget: int) -> int:
         """How many of the request's drafts to verify: never past max_tokens or max_model_len
@@ -339,6 +348,9 @@ class Scheduler:
         engine/spec/adaptive.py); the same numbers bound what is proposed for the next."""
         if self.spec_policy is None:
             self._draft_plan = {}
+            return
+        if self.spec_policy.dormant:          # the plan is all zeros: no drafts exist
+            self._draft_plan = self.spec_policy.plan({}, max(1, len(self.running)))
             return
         candidates = {r.request_id: self.spec_policy.max_drafts for r in self.running
                       if r.num_computed_tokens == r.num_tokens - 1 or r.spec_token_ids}

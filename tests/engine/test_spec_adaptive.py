@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.engine.spec.adaptive import AdaptiveSpeculation, StepCostModel
+from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
+from kdaserve.engine.spec.step_cost import StepCostModel
 from test_spec_dspark import _random_draft
 
 
@@ -184,8 +185,32 @@ def test_the_drafter_sleeps_when_nothing_earns_a_draft_and_wakes_with_an_admissi
         p.plan({"r": 7, "new": 7}, 2)
     p.admitted(2)                        # the wake found nothing: the wait doubled to 40
     assert p.dormant
-    p.admitted(32)                       # another batch size: economics differ, wake
-    assert not p.dormant
+    p.admitted(32)                       # another batch size, where the acceptance measured
+    assert p.dormant                     # for greedy requests (none) cannot pay either
+    for _ in range(40):
+        p.record("old", 7, 7)            # greedy drafts have been standing
+    p.admitted(1, "sampled", sampled=True)
+    assert p.dormant                     # not sampled ones: their acceptance is still the prior's
+    p.admitted(1)                        # another batch size where it pays (a verifying step
+    assert not p.dormant                 # costs 10 ms: one row's drafts repay it, not 32's)
+
+
+def test_greedy_and_sampled_requests_start_from_their_own_kind_of_acceptance():
+    """Greedy drafts standing say nothing about sampled ones: a new sampled request starts
+    from the sampled prior (below greedy's), and each kind's estimate moves with its own
+    trials within a few blocks."""
+    p = _costly_verify_policy()
+    assert p.shared_alpha(True) < p.shared_alpha(False)
+    for _ in range(10):
+        p.record("g", 7, 7)
+    assert p.shared_alpha(False) > 0.9 and p.shared_alpha(True) == p.prior_sampled
+    assert p.initial_drafts(1) == 7 and p.initial_drafts(1, sampled=True) == 0
+    p.admitted(1, "s", sampled=True)
+    for _ in range(4):                   # four blocks of 7 drafts, one accepted in each
+        p.record("s", 7, 1)
+    assert abs(p.shared_alpha(True) - 0.5) < 0.1 and p.alpha["s"] < 0.5
+    p.forget("s")
+    assert "s" not in p.alpha
 
 
 def test_a_drafter_that_earns_never_sleeps():

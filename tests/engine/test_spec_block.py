@@ -65,7 +65,8 @@ def test_greedy_at_batch_32_with_a_sleeping_and_waking_drafter_equals_plain(mode
               num_speculative_tokens=4)
     engine, policy = llm.engine, llm.engine.scheduler.spec_policy
     policy.sleep_after, policy.wake_after, policy.sleep_trials = 2, 1, 0
-    policy.prior_acceptance = policy.shared_alpha = 0.05     # asleep early: nothing earns
+    for shared in policy.shared.values():                   # asleep early: nothing earns
+        shared.prior = 0.05
     outs: dict[str, list[int]] = {}
 
     def step() -> None:

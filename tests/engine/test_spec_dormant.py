@@ -139,3 +139,39 @@ def test_a_prompt_prefilled_in_chunks_is_all_draft_context(hf_checkpoint, tmp_pa
     bs, ids = engine.cache.block_size, engine.cache.block_ids("a")
     slots = [ids[p // bs] * bs + p % bs for p in range(len(prompt))]
     assert bool(engine.runner.proposer._valid[slots].all())
+
+
+def test_a_larger_sampled_batch_does_not_wake_a_drafter_its_acceptance_cannot_pay_for(
+        hf_checkpoint, tmp_path):
+    """Sampled requests and a useless draft: once the drafter slept, 8 sampled requests
+    admitted together take the batch through buckets 1, 2, 4 and 8, and none wakes it (the
+    acceptance measured for sampled requests would not pay there): exactly plain decoding's
+    forward rows, nothing captured or drafted, and the seeded outputs of plain decoding."""
+    path, hf = hf_checkpoint
+    draft = _random_draft(path, tmp_path / "draft", block=4)
+    warm, batch = _prompts(hf.config.vocab_size, 1, 7), _prompts(hf.config.vocab_size, 8, 8)
+
+    def params(n: int) -> list[SamplingParams]:
+        return [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=24,
+                               ignore_eos=True) for i in range(n)]
+
+    def run(llm) -> tuple[list[list[int]], tuple[int, int, int, int]]:
+        start = _rows(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params(8),
+                            use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], tuple(
+            e - s for e, s in zip(_rows(llm), start))
+
+    plain = LLM(str(path), max_num_seqs=8)
+    want, plain_rows = run(plain)
+    llm = LLM(str(path), max_num_seqs=8, speculative_method="dspark",
+              num_speculative_tokens=4, speculative_model=str(draft))
+    policy = llm.engine.scheduler.spec_policy
+    llm.generate([{"prompt_token_ids": warm[0]}], params(1), use_tqdm=False)
+    assert policy.dormant and policy.sleeps == 1
+    drafts = llm.engine.scheduler.num_draft_tokens
+    got, rows = run(llm)
+    assert policy.dormant and policy.sleeps == 1           # never woken
+    assert rows == (plain_rows[0], 0, 0, 0)                # plain's rows; nothing captured
+    assert llm.engine.scheduler.num_draft_tokens == drafts
+    assert got == want
