@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kdaserve.engine.spec.adaptive import StepCostModel
+from kdaserve.engine.spec.step_cost import StepCostModel
 from kdaserve.outputs import SchedulerOutput
 
 _EWMA = 0.1
