@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kdaserve.model.checkpoint_files import checkpoint_files
-from kdaserve.model.layers import MLP, RMSNorm
+from kdaserve.model.layers import MLP, RMSNorm, embedding
 from kdaserve.model.mla import MultiHeadLatentAttention
 from kdaserve.ops.mla import mla_absorbed
 
@@ -177,7 +177,7 @@ class DSparkDraft(nn.Module):
                                  persistent=False)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(hid, cfg.rms_norm_eps)
-        self.markov_in = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
+        self.markov_in = embedding(cfg.vocab_size, cfg.markov_rank)
         self.markov_out = nn.Linear(cfg.markov_rank, cfg.vocab_size, bias=False)
         nn.init.zeros_(self.markov_out.weight)
 

@@ -21,7 +21,7 @@ from torch import nn
 from kdaserve.model.attn_res import ResidualBank, attn_res_mix
 from kdaserve.model.base import DecoderLayer, HybridForCausalLM, build_layers
 from kdaserve.model.batch import ForwardBatch
-from kdaserve.model.layers import RMSNorm
+from kdaserve.model.layers import RMSNorm, embedding
 from kdaserve.model.vision.tower import build_vision, encode
 from kdaserve.model_config import ModelConfig
 
@@ -58,7 +58,7 @@ class KimiK3DecoderLayer(DecoderLayer):
 class KimiK3TextModel(nn.Module):
     def __init__(self, cfg: ModelConfig, chunk_size: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = build_layers(cfg, chunk_size, KimiK3DecoderLayer)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.attn_res_block_size is not None:

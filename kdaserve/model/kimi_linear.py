@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from kdaserve.model.base import FP32_PARAM_SUFFIXES, DecoderLayer, HybridForCausalLM, build_layers
-from kdaserve.model.layers import RMSNorm
+from kdaserve.model.layers import RMSNorm, embedding
 from kdaserve.model_config import ModelConfig
 
 __all__ = ["FP32_PARAM_SUFFIXES", "DecoderLayer", "KimiLinearForCausalLM", "KimiLinearModel"]
@@ -14,7 +14,7 @@ __all__ = ["FP32_PARAM_SUFFIXES", "DecoderLayer", "KimiLinearForCausalLM", "Kimi
 class KimiLinearModel(nn.Module):
     def __init__(self, cfg: ModelConfig, chunk_size: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = build_layers(cfg, chunk_size)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

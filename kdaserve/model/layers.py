@@ -8,6 +8,16 @@ from torch import nn
 from kdaserve.ops.activation import SILU, GLUActivation
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(num, dim); built under torch.device("meta") (the loader's shapes-only
+    build) its weight is left uninitialised: the meta normal_ that nn.Embedding's init runs
+    imports torch._dynamo (~1.5 s of CPU in every engine process) for values nobody reads.
+    Elsewhere the usual init, so seeded random models stay as they were."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()

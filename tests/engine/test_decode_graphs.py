@@ -6,14 +6,12 @@ Real CUDA graphs are checked on a GPU (`kdaserve bench cuda`)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from capture_safety import CaptureSafety
 from no_reads import no_reads
+from sub_pytest import run_pytest
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.assets import default_model_path, kimi_linear_demo_path
@@ -93,10 +91,7 @@ def test_the_same_in_the_torch_forms_a_capture_accepts():
     """Without the compiled CPU kernels every op is the torch form CUDA runs: the replays run
     under CaptureSafety (nothing a CUDA graph capture refuses), in a process of their own."""
     env = {**os.environ, "KDASERVE_CPU_KERNELS": "0"}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-         "-k", "replays"], env=env, cwd=Path(__file__).parents[2],
-        capture_output=True, text=True, timeout=600)
+    done = run_pytest(["-x", __file__, "-k", "replays"], env, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "2 passed" in done.stdout
 

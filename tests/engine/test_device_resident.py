@@ -6,13 +6,11 @@ The CUDA path runs the same code; CUDA graphs and the GPU kernels are checked on
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from no_reads import no_reads
+from sub_pytest import run_pytest
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.assets import default_model_path, kimi_linear_demo_path
@@ -99,9 +97,6 @@ def test_the_same_with_the_torch_forms_the_gpu_runs():
     its sync-free routing): the same checks, in a process of their own (the kernels' choice
     is made once per process)."""
     env = {**os.environ, "KDASERVE_CPU_KERNELS": "0"}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-         "-k", "never_read_back"], env=env, cwd=Path(__file__).parents[2],
-        capture_output=True, text=True, timeout=600)
+    done = run_pytest(["-x", __file__, "-k", "never_read_back"], env, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "2 passed" in done.stdout

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from sub_pytest import run_pytest
 
 from kdaserve.ops import cpu_isa
 
@@ -44,11 +45,9 @@ def test_kernel_tests_pass_on_each_variant(variant):
     if variant == "none":
         pytest.skip("this CPU runs no forced x86 variant (native only)")
     env = {**os.environ, "KDASERVE_CPU_ISA": variant}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-         "tests/ops/test_cpu_kernels.py", "tests/ops/test_cpu_linear.py",
-         "tests/ops/test_cpu_int_linear.py", "tests/ops/test_moe_int_kernel.py"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = run_pytest(["-x", "tests/ops/test_cpu_kernels.py", "tests/ops/test_cpu_linear.py",
+                       "tests/ops/test_cpu_int_linear.py", "tests/ops/test_moe_int_kernel.py"],
+                      env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
 

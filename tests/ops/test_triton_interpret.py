@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from sub_pytest import run_pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,9 +32,7 @@ def test_triton_kernels_under_interpreter():
         pytest.skip("no side install of triton (run .ci/run, or pip install --target)")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/ops/gpu"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_pytest(["tests/ops/gpu"], env)
     tail = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, tail
     passed = re.search(r"(\d+) passed", proc.stdout)

@@ -1,8 +1,8 @@
 """Issue 35's disk-tier probes over real HTTP: a FIFO, a directory, an oversized and a sparse file
 in place of disk-tier entries, planted while a server runs (its loads must miss at once, not
 hang the engine) and before a restart (the scan must remove them, never stop the start). Each
-time the greedy output equals a server's without offload, a concurrent request completes, and
-/health stays 200."""
+time the greedy output equals the first server's (its tier empty: no offload read), a
+concurrent request completes, and /health stays 200."""
 
 from __future__ import annotations
 
@@ -77,17 +77,15 @@ def _probe(url: str) -> list[int]:
 
 
 def test_damaged_disk_tier_entries_are_misses(tiny_model_dir, tmp_path):
-    ref = start_server(tiny_model_dir, tmp_path / "ref.log", *BASE)
-    try:
-        expected = _complete(ref.url)
-    finally:
-        assert ref.stop() == 0
     tier = tmp_path / "tier"
     args = (*BASE, "--offload", "disk", "--offload-dir", str(tier), "--offload-bytes", "256MiB")
 
+    # the tier starts empty, so the first server computes the prompt in full: its tokens are
+    # a server's without offload (one server start fewer than a separate reference server;
+    # offload's own equality with no offload: tests/engine/test_offload.py)
     first = start_server(tiny_model_dir, tmp_path / "a.log", *args)
     try:
-        assert _complete(first.url) == expected
+        expected = _complete(first.url)
         wait_idle(first.url)
     finally:
         assert first.stop() == 0
