@@ -18,6 +18,7 @@ Speculative decoding and worker processes keep the synchronous loop (engine/core
 
 from __future__ import annotations
 
+from kdaserve.engine import step_results
 from kdaserve.engine.prompt_logprobs import record
 from kdaserve.engine.stop_conditions import append_tokens
 from kdaserve.outputs import ModelRunnerOutput, SchedulerOutput
@@ -75,7 +76,7 @@ def settle_results(scheduler, out: SchedulerOutput, result: ModelRunnerOutput
     touched = []
     if result.cache.dropped_snapshots:
         scheduler.cache.drop_snapshots(result.cache.dropped_snapshots)
-    reloaded = scheduler._settle_cache_ops(result)
+    reloaded = step_results.settle_cache_ops(scheduler, result)
     for seq in out.sequences:
         req = scheduler.requests.get(seq.request_id)
         if req is None:                                  # aborted or finished meanwhile
@@ -83,11 +84,11 @@ def settle_results(scheduler, out: SchedulerOutput, result: ModelRunnerOutput
         if seq.request_id in result.prompt_logprobs:
             record(req, *result.prompt_logprobs[seq.request_id])
         if not seq.sample:
-            scheduler._commit(req)
+            step_results.commit(scheduler, req)
             continue
         tokens = [] if seq.request_id in reloaded else result.sampled.get(seq.request_id, [])
         status = resolve(req, tokens, scheduler.config.max_model_len)
-        scheduler._commit(req)
+        step_results.commit(scheduler, req)
         touched.append(req)
         if status is not None:
             scheduler.finish(req.request_id, status)

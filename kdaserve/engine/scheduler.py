@@ -21,7 +21,6 @@ from collections import Counter, deque
 
 from kdaserve.cache.manager import CacheManager
 from kdaserve.cache.ops import (
-    DISAGG,
     CacheOp,
     FreeRequest,
     RestoreSnapshot,
@@ -31,12 +30,11 @@ from kdaserve.cache.ops import (
 )
 from kdaserve.config import SchedulerConfig
 from kdaserve.disagg import handoff
-from kdaserve.engine import decode_guard, prompt_logprobs
+from kdaserve.engine import decode_guard, prompt_logprobs, step_results
 from kdaserve.engine.fairness import fair_share_victim, next_waiting
 from kdaserve.engine.lookahead import may_look_ahead
-from kdaserve.engine.prompt_logprobs import record, wants_prompt_logprobs
+from kdaserve.engine.prompt_logprobs import wants_prompt_logprobs
 from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
-from kdaserve.engine.stop_conditions import append_tokens
 from kdaserve.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from kdaserve.request import Request, RequestStatus
 
@@ -459,80 +457,7 @@ class Scheduler:
 
     # ---- after the model ran ----------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish what hit a stop.
-        Returns the requests that got a new token (finished ones included)."""
-        touched = []
-        if result.cache.dropped_snapshots:
-            self.cache.drop_snapshots(result.cache.dropped_snapshots)
-        reloaded = self._settle_cache_ops(result)
-        for seq in out.sequences:
-            req = self.requests.get(seq.request_id)
-            if req is None or seq.request_id in reloaded:  # aborted, or sat the step out
-                continue
-            tokens = result.sampled.get(seq.request_id, []) if seq.sample else []
-            if seq.num_draft_tokens:
-                # the last known token and the accepted drafts are computed; the rest is not
-                req.num_computed_tokens += len(tokens)
-                req.num_draft_tokens += seq.num_draft_tokens
-                req.num_accepted_tokens += len(tokens) - 1
-                req.num_spec_verifications += 1
-                self.num_verify_rows += 1
-                self.num_draft_tokens += seq.num_draft_tokens
-                self.num_accepted_tokens += len(tokens) - 1
-                self.acceptance_lengths[len(tokens)] += 1
-                for j in range(len(tokens) - 1):
-                    self.accepted_by_position[j] += 1
-                if self.spec_policy is not None:
-                    self.spec_policy.record(req.request_id, seq.num_draft_tokens,
-                                            len(tokens) - 1)
-            else:
-                req.num_computed_tokens += len(seq.token_ids)
-            if seq.request_id in result.prompt_logprobs:
-                record(req, *result.prompt_logprobs[seq.request_id])
-            req.spec_token_ids = []
-            if not seq.sample:
-                self._commit(req)
-                continue
-            status = append_tokens(req, tokens, self.config.max_model_len)
-            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
-            self._commit(req)
-            touched.append(req)
-            if status is not None:
-                if handoff.exports(req):     # its drafts go along with its cache
-                    req.spec_token_ids = result.drafts.get(req.request_id, [])
-                self.finish(req.request_id, status)
-            else:
-                req.spec_token_ids = result.drafts.get(req.request_id, [])
-        return touched
-
-    def _settle_cache_ops(self, result: ModelRunnerOutput) -> set[str]:
-        """Entries that failed to store or load leave the offload tiers; a request whose load
-        failed sat the step out and starts over (its next prefix hit is shorter: recomputed,
-        never computed on bad data)."""
-        if not result.cache.failures:
-            return set()
-        moved = {f.request_id for f in result.cache.failures if f.tier == DISAGG}
-        for f in result.cache.failures:
-            if f.tier == DISAGG and f.request_id in self.requests:
-                self.finish(f.request_id, RequestStatus.FINISHED_ABORTED)
-                self._failed[f.request_id] = f.reason
-        rest = [f for f in result.cache.failures if f.tier != DISAGG]
-        if not rest:
-            return moved
-        failed = self.cache.settle(rest)
-        for rid in failed:
-            req = self.requests.get(rid)
-            if req is not None and req in self.running:
-                self.running.remove(req)
-                self.cache.free(rid)
-                req.status = RequestStatus.WAITING
-                req.num_computed_tokens = req.num_cached_tokens = 0
-                req.spec_token_ids = []
-                self.waiting.appendleft(req)
-        return failed | moved
-
-    def _commit(self, req: Request) -> None:
-        if not self.cache.prefix_caching:
-            return
-        self.cache.commit(req.request_id, req.all_token_ids, req.num_computed_tokens,
-                          req.extra_keys, req.cache_salt)
+        """Advance computed counts, append sampled tokens, finish what hit a stop
+        (engine/step_results.py). Returns the requests that got a new token (finished ones
+        included)."""
+        return step_results.apply(self, out, result)
