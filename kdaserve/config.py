@@ -6,11 +6,30 @@ HF config.json by `kdaserve.model.registry.load_config`.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class ConfigError(ValueError):
     """A config field is unknown, missing, or inconsistent; the message names the field."""
+
+
+def json_flag(text: str, flag: str, known: Sequence[str]) -> dict[str, Any]:
+    """A flag's JSON object (vLLM's --speculative-config, --kv-transfer-config), its keys
+    among `known`; anything else is a ConfigError naming the flag."""
+    import json
+
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag} is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{flag} must be a JSON object")
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(f"{flag}: unknown keys {unknown} (known: {list(known)})")
+    return raw
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,9 @@ at start.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from kdaserve.config import ConfigError, KVTransferConfig
+from kdaserve.config import ConfigError, KVTransferConfig, json_flag
 
 CONNECTOR_NAMES = {"NixlConnector": "nixl", "nixl": "nixl", "ZmqConnector": "zmq", "zmq": "zmq"}
 KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": None}
@@ -25,16 +24,7 @@ JSON_KEYS = ("kv_connector", "kv_role", "kv_ip", "kv_port")
 
 def from_json(text: str) -> dict[str, Any]:
     """--kv-transfer-config's JSON as settings: connector, role, host, port (those given)."""
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--kv-transfer-config is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError("--kv-transfer-config must be a JSON object")
-    unknown = sorted(set(raw) - set(JSON_KEYS))
-    if unknown:
-        raise ConfigError(f"--kv-transfer-config: unknown keys {unknown} (known: "
-                          f"{list(JSON_KEYS)})")
+    raw = json_flag(text, "--kv-transfer-config", JSON_KEYS)
     out: dict[str, Any] = {}
     if "kv_connector" in raw:
         if raw["kv_connector"] not in CONNECTOR_NAMES:

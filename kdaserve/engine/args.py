@@ -22,11 +22,11 @@ from kdaserve.config import (
     MOE_BACKENDS,
     ROLES,
     CacheConfig,
-    ConfigError,
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    json_flag,
 )
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -275,18 +275,7 @@ SPECULATIVE_JSON_KEYS = {"method": "speculative_method", "model": "speculative_m
 
 def speculative_from_json(text: str) -> dict[str, Any]:
     """--speculative-config's JSON as EngineArgs fields (vLLM's keys)."""
-    import json
-
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--speculative-config is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError("--speculative-config must be a JSON object")
-    unknown = sorted(set(raw) - set(SPECULATIVE_JSON_KEYS))
-    if unknown:
-        raise ConfigError(f"--speculative-config: unknown keys {unknown} (known: "
-                          f"{sorted(SPECULATIVE_JSON_KEYS)})")
+    raw = json_flag(text, "--speculative-config", sorted(SPECULATIVE_JSON_KEYS))
     return {SPECULATIVE_JSON_KEYS[k]: v for k, v in raw.items()}
 
 
