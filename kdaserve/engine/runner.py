@@ -87,6 +87,7 @@ class ModelRunner:
         self.encoder_cache = EncoderCache()     # image embeddings by content hash
         # compiled single-token decode for few rows (built on first use; False: not available)
         self._fused: fused_decode.FusedDecoder | None | bool = None
+        self._row_inputs = fused_decode.RowInputs()
         self._threads = torch.get_num_threads()     # torch's, as the engine configured it
         if device_resident is None:
             env = os.environ.get("KDASERVE_DEVICE_RESIDENT", "")
@@ -200,7 +201,7 @@ class ModelRunner:
         """Decode rows, maybe with drafts (no media or prompt logprobs): one row per token,
         a token and its drafts each a row of the request's slot."""
         captured: list[torch.Tensor] = []
-        positions, state_slots, table = fused_decode.step_inputs(plan.seqs)
+        positions, state_slots, table = self._row_inputs.fill(plan.seqs)
         kept = fused_decode.Kept.allocate(self.cache, len(plan.ids)) if plan.verifying else None
         last = [plan.starts[b] + plan.lens[b] - 1 for b in range(len(plan.seqs))]
         logits = plan.fused(plan.ids, positions, state_slots, table, self.cache,
@@ -213,6 +214,7 @@ class ModelRunner:
             bs = self.cache.block_size
             cache_slots = (table.gather(1, (positions // bs)[:, None])[:, 0] * bs
                            + positions % bs)
+            positions = positions.clone()   # the buffer is filled again next step
         return ForwardResult(logits, captured, positions, cache_slots,
                              FusedKept(kept, plan.starts) if kept is not None else None)
 

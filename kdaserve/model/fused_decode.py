@@ -36,9 +36,9 @@ from kdaserve.model.fused_args import _I, _NULL, BlockArgs, _p
 from kdaserve.model.fused_rows import (  # noqa: F401 (the runner's names for them)
     MAX_FUSED_ROWS,
     Kept,
+    RowInputs,
     applies,
     split_parts,
-    step_inputs,
 )
 from kdaserve.model.kda import KimiDeltaAttention
 from kdaserve.model.layers import MLP
@@ -102,9 +102,13 @@ class FusedDecoder:
         model = self.model
         if self.k.parallel:      # the team size is per calling thread: torch's, every step
             self.k.threads(torch.get_num_threads())
-        x = model.model.embed_tokens(ids).float().contiguous()
-        slots, positions = slots.contiguous(), positions.contiguous()
-        block_table = block_table.contiguous()
+        x = torch.embedding(model.model.embed_tokens.weight, ids)   # (nn.Module's call: 3x)
+        if x.dtype != torch.float32:
+            x = x.float()
+        if not (slots.is_contiguous() and positions.is_contiguous()
+                and block_table.is_contiguous()):
+            slots, positions = slots.contiguous(), positions.contiguous()
+            block_table = block_table.contiguous()
         logits = torch.empty(x.shape[0], self.head[1].value, dtype=torch.float32)
         B = x.shape[0]
         # K3: x is the in-block running sum P; mix [B, Hd] each sublayer's mixed input, bank
@@ -118,8 +122,9 @@ class FusedDecoder:
             # decode rows are independent through the whole stack (each its own state slot
             # and pages): each thread runs every layer for its share (the calls drop the GIL)
             bounds = [B * i // parts for i in range(parts + 1)]
-            futures = [thread_pool(parts).submit(self._rows, i, bounds[i], bounds[i + 1], x,
-                                           positions, slots, block_table, cache, logits, res)
+            futures = [thread_pool(parts).submit(self._rows_in_mode, i, bounds[i],
+                                                 bounds[i + 1], x, positions, slots,
+                                                 block_table, cache, logits, res)
                        for i in range(parts)]
             for f in futures:
                 f.result()
@@ -132,7 +137,10 @@ class FusedDecoder:
                 scv.index_copy_(0, dest, cv[src].to(scv.dtype))
         return logits
 
-    @torch.inference_mode()      # also on the pool's threads (the mode is per thread)
+    @torch.inference_mode()      # the mode is per thread: the pool's need it too
+    def _rows_in_mode(self, *args) -> None:
+        self._rows(*args)
+
     def _rows(self, part: int, lo: int, hi: int, x: torch.Tensor, positions: torch.Tensor,
               slots: torch.Tensor, block_table: torch.Tensor, cache: HybridCache,
               logits: torch.Tensor, res: tuple[torch.Tensor, torch.Tensor] | None = None,
