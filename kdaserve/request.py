@@ -91,6 +91,12 @@ class SamplingParams:
             # logits / 1e-45 overflow to inf and softmax to NaN: such a temperature is greedy
             self.temperature = 0.0
 
+    @property
+    def penalised(self) -> bool:
+        """Whether a repetition, frequency or presence penalty applies."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
     def _check(self) -> None:
         def bad(name: str, why: str) -> SamplingParamsError:
             return SamplingParamsError(f"{name} {why}, got {getattr(self, name)!r}", name)

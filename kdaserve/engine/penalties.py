@@ -36,8 +36,7 @@ def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | N
 
 
 def penalised(params: SamplingParams) -> bool:
-    return bool(params.presence_penalty or params.frequency_penalty
-                or params.repetition_penalty != 1.0)
+    return params.penalised
 
 
 @dataclass

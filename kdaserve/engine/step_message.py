@@ -59,6 +59,14 @@ class RunnerRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
+    # its token is the argmax of its logits row: greedy, no penalty, bias, grammar or logprobs
+    # (the sampler's shortcut for such rows, row_sampling.py)
+    argmax_only: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.sampling_params
+        self.argmax_only = (p.temperature == 0 and not p.penalised and not p.logit_bias
+                            and p.logprobs is None and p.guided is None)
 
     @property
     def all_token_ids(self) -> list[int]:

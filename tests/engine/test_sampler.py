@@ -127,3 +127,31 @@ def test_sampled_tokens_follow_the_processed_distribution(temperature, top_p, fa
     # p-value of the chi-square statistic: the regularised upper incomplete gamma (no scipy)
     pvalue = float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
     assert pvalue > 1e-3, (stat, df)
+
+
+def test_argmax_rows_shortcut_equals_the_full_sampler():
+    """RowSampler takes plain greedy rows as an argmax (RunnerRequest.argmax_only); its
+    tokens equal sample()'s, and a row that asks for more (logprobs, a penalty, a bias, a
+    temperature) sends the whole step through the full path."""
+    from kdaserve.engine.row_sampling import RowSampler
+    from kdaserve.engine.step_message import RunnerRequest
+    from kdaserve.outputs import ScheduledSequence
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=g)
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1.0       # a tie: the lower id, both ways
+    kinds = [dict(temperature=0.0), dict(temperature=0.0, logprobs=2),
+             dict(temperature=0.0, repetition_penalty=1.3), dict(temperature=0.0,
+                                                                 logit_bias={3: 5.0})]
+    for extra in [None] + kinds[1:]:
+        params = [SamplingParams(**kinds[0]) for _ in range(4)]
+        if extra is not None:
+            params[1] = SamplingParams(**extra)
+        reqs = {f"r{i}": RunnerRequest(f"r{i}", [1, 2, 3], p, [4]) for i, p in enumerate(params)}
+        seqs = [ScheduledSequence(f"r{i}", [4], 4, [0], i, True) for i in range(4)]
+        got = RowSampler(0).sample(seqs, logits, reqs)
+        want = sample(logits, [row(f"r{i}", prompt=(1, 2, 3), out=(4,), **vars(p))
+                               for i, p in enumerate(params)], fast=False)
+        assert [got[f"r{i}"][0].token_id for i in range(4)] == [t.token_id for t in want]
+        assert all(reqs[f"r{i}"].argmax_only == (i != 1 or extra is None) for i in range(4))
+        assert (got["r1"][0].logprob is not None) == (extra is kinds[1])
