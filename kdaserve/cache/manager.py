@@ -127,6 +127,9 @@ class CacheManager:
         an offload tier get fresh device blocks / the slot, and load operations). All or
         nothing: on False nothing changed."""
         held = self._held.get(request_id)
+        if (held is not None and held.slot is not None
+                and num_tokens <= len(held.blocks) * self.block_size):
+            return True          # most decode steps: the room is held already
         need_slot = held is None or held.slot is None
         hit = hit if held is None else None
         hit_blocks = self.tiers.hit_blocks(hit)

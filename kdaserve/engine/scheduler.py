@@ -429,8 +429,10 @@ class Scheduler:
             tokens += req.spec_token_ids[:num_drafts]
         if rid in self._receives:
             ops.append(self._receives.pop(rid))
-        push = handoff.push_op(req, self.cache.block_ids(rid), self.cache.block_size,
-                               self._pushed.get(rid, (0, 0)))
+        block_ids = self.cache.block_ids(rid)
+        push = (handoff.push_op(req, block_ids, self.cache.block_size,
+                                self._pushed.get(rid, (0, 0)))
+                if req.sampling_params.kv_transfer is not None else None)
         if push is not None:
             ops.append(push)
             self._pushed[rid] = (push.token_end, push.part + 1)
@@ -449,10 +451,11 @@ class Scheduler:
             ops.append(SettleDrafts(rid, slot))
         return ScheduledSequence(
             request_id=rid, token_ids=tokens, context_len=start,
-            block_ids=self.cache.block_ids(rid), state_slot=slot,
+            block_ids=block_ids, state_slot=slot,
             sample=start + n - num_drafts == req.num_tokens,
             num_draft_tokens=num_drafts,
-            media=tuple(m for m in req.media if m.overlaps(start, start + n)),
+            media=tuple(m for m in req.media if m.overlaps(start, start + n)) if req.media
+            else (),
         )
 
     # ---- after the model ran ----------------------------------------------------------------
