@@ -44,15 +44,19 @@ def test_matches_f_linear(rows, out, inner):
         _close(y, F.linear(x, w))
 
 
-@pytest.mark.parametrize("rows", [4, 200])      # matmat_t's split by outputs, then by rows
-def test_rows_do_not_depend_on_their_batch(rows):
+# matmat_t's paths: up to 4 rows streamed, tiles split by outputs, then by rows; a matrix of
+# 2 MiB and more sums in two K halves (ksplit.h) on each of them
+@pytest.mark.parametrize("rows,out,inner", [(4, 48, 64), (12, 48, 64), (200, 48, 64),
+                                            (7, 1024, 1024)])
+def test_rows_do_not_depend_on_their_batch(rows, out, inner):
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 64, generator=g)
-    wk = k_major_weight(torch.randn(48, 64, generator=g))
+    x = torch.randn(rows, inner, generator=g)
+    wk = k_major_weight(torch.randn(out, inner, generator=g))
     whole = linear(x, wk)
     for r in (0, rows // 2, rows - 1):
         assert torch.equal(linear(x[r:r + 1], wk)[0], whole[r])
-    assert torch.equal(linear(x[:rows // 3], wk), whole[:rows // 3])
+    for n in {2, 3, 4, rows // 3}:
+        assert torch.equal(linear(x[:n], wk), whole[:n])
 
 
 def test_leading_dims_and_strided_rows():

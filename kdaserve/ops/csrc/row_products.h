@@ -141,7 +141,7 @@ static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *r
  * sum is one register with AVX-512 (32 of them) and two with AVX2 (16 of them): the AVX-512
  * tile (6 rows x 32 outputs = 24 sums) spills on AVX2, so there a tile is 6 rows x 16 outputs
  * (12 registers of sums, 2 of weights, 1 of input): 2.0 -> 7 GFLOPS a thread at 6-256 rows
- * of a [2304 x 2304] product on an AVX2 EPYC. One or two rows stream instead
+ * of a [2304 x 2304] product on an AVX2 EPYC. Up to STREAM_ROWS rows stream instead
  * (outer_rows_stream).
  * NEON (aarch64): 32 registers of 4 lanes, a 16-lane sum is four (vec16.h's VREGS16), and
  * the ISO C build does not fuse a multiply-add, so each product takes a register until its
@@ -228,24 +228,37 @@ static inline __attribute__((always_inline)) void NAME(outer_tile_k)(
     if (KH < K) NAME(outer_tile)(W, X, ldx, Y, ldy, N, KH, K, n, b, R, C, 1);
 }
 
-/* Outputs [n0, n1) (a multiple of ROW_LANES) of R <= 2 rows, i outer: each weight row's run
- * of the range is read once, in order, for both rows, and every output's running sum lives
- * in an L1 buffer between its adds. Register-held sums of 128 outputs at a time read the
- * weights in 512-byte runs a row apart, which the memory serves at 0.6-0.8x the rate of
- * these longer runs (docs/benchmarks.md). Each output still sums x[i] w[i, n] in i order,
+/* Outputs [n0, n1) (a multiple of ROW_LANES) of R <= STREAM_ROWS rows, i outer: each weight
+ * row's run of the range is read once, in order, for all R rows, and every output's running
+ * sum lives in an L1/L2 buffer between its adds. Register-held sums of 128 outputs at a time
+ * read the weights in 512-byte runs a row apart, which the memory serves at 0.6-0.8x the rate
+ * of these longer runs (docs/benchmarks.md); the tiles below read 64-byte runs a row apart,
+ * and with weights out of cache ran 3 and 4 rows at 0.5-0.6x this form's rate (a [900 x 256]
+ * fp32 product: 160-180 against 70-100 us). Each output still sums x[i] w[i, n] in i order,
  * y = y + x w: the same bits as the tiles. */
 #define STREAM_OUT 2048
+#define STREAM_ROWS 4
 static void NAME(outer_rows_stream)(const WT *restrict W, const float *restrict X, int64_t ldx,
                                     float *restrict Y, int64_t ldy, int64_t N, int64_t k0,
                                     int64_t k1, int64_t n0, int64_t n1, int64_t R) {
-    float acc[2][STREAM_OUT];
+    float acc[STREAM_ROWS][STREAM_OUT];
     for (int64_t a = n0; a < n1; a += STREAM_OUT) {
         const int64_t len = n1 - a < STREAM_OUT ? n1 - a : STREAM_OUT;
-        for (int64_t r = 0; r < R; ++r) memset(acc[r], 0, sizeof(float) * (size_t)len);
+        for (int64_t r = 0; r < (R > 2 ? STREAM_ROWS : R); ++r)
+            memset(acc[r], 0, sizeof(float) * (size_t)len);
         for (int64_t i = k0; i < k1; ++i) {
             const WT *w = W + i * N + a;
             const float x0 = X[i], x1 = R > 1 ? X[ldx + i] : 0.0f;
-            if (R > 1)
+            if (R > 2) {             /* a fourth row of zeros when R is 3: its sums unread */
+                const float x2 = X[2 * ldx + i], x3 = R > 3 ? X[3 * ldx + i] : 0.0f;
+                for (int64_t j = 0; j < len; j += ROW_LANES) {
+                    const ROW_T wv = LDROW(w + j);
+                    STROW(acc[0] + j, LDACC(acc[0] + j) + wv * x0);
+                    STROW(acc[1] + j, LDACC(acc[1] + j) + wv * x1);
+                    STROW(acc[2] + j, LDACC(acc[2] + j) + wv * x2);
+                    STROW(acc[3] + j, LDACC(acc[3] + j) + wv * x3);
+                }
+            } else if (R > 1)
                 for (int64_t j = 0; j < len; j += ROW_LANES) {
                     const ROW_T wv = LDROW(w + j);
                     STROW(acc[0] + j, LDACC(acc[0] + j) + wv * x0);
@@ -265,7 +278,7 @@ static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_
     const int64_t NT = N - N % TILE_OUT, N16 = N - N % 16;
     const int64_t KH = k_split_at(N, K, (int64_t)sizeof(WT));
     int64_t first = 0;                 /* outputs before it are done */
-    if (B <= 2 && KH < K) {
+    if (B <= STREAM_ROWS && KH < K) {
         /* few rows of a split product: the threads take (half, output range) parts, so with
          * two threads each reads one contiguous half of the matrix (ksplit.h); the first half
          * sums into Y, the second into T, then Y += T */
@@ -288,7 +301,7 @@ static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_
             for (int64_t n = 0; n < N16; ++n) Y[b * ldy + n] += T[b * N16 + n];
         free(T);
         first = N16;
-    } else if (B <= 2) {
+    } else if (B <= STREAM_ROWS) {
         /* few rows: each thread one contiguous range of the outputs (a 16-multiple), streamed;
          * whole 128-output chunks dealt out left threads uneven (900 outputs: 4 to 3) */
         const int64_t units = N16 / 16;
