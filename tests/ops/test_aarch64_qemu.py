@@ -114,8 +114,8 @@ def test_row_products(on_target, rows, out, inner):
 
 @NEON
 def test_row_products_independent_of_batch(on_target):
-    for rows in (4, 200):
-        test_cpu_linear.test_rows_do_not_depend_on_their_batch(rows)
+    for case in test_cpu_linear.BATCH_CASES:
+        test_cpu_linear.test_rows_do_not_depend_on_their_batch(*case)
 
 
 @pytest.mark.parametrize("runner,T", [("neon", 1), ("neon", 64), *((t, 3) for t in TARGETS)],

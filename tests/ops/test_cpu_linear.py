@@ -46,8 +46,10 @@ def test_matches_f_linear(rows, out, inner):
 
 # matmat_t's paths: up to 4 rows streamed, tiles split by outputs, then by rows; a matrix of
 # 2 MiB and more sums in two K halves (ksplit.h) on each of them
-@pytest.mark.parametrize("rows,out,inner", [(4, 48, 64), (12, 48, 64), (200, 48, 64),
-                                            (7, 1024, 1024)])
+BATCH_CASES = [(4, 48, 64), (12, 48, 64), (200, 48, 64), (7, 1024, 1024)]
+
+
+@pytest.mark.parametrize("rows,out,inner", BATCH_CASES)
 def test_rows_do_not_depend_on_their_batch(rows, out, inner):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, inner, generator=g)
