@@ -56,7 +56,7 @@ def run_disaggregated(pre: EngineCore, dec: EngineCore, prompts: list[list[int]]
     """All prompts at once: prefill with max_tokens = 1 on `pre`, then each goes on to `dec`
     with the first token. `tamper` rewrites an arrived transfer before its request takes it
     (the mutation test)."""
-    address = dec.transfer.connector.address
+    address = dec.transfer.address
     traces: dict[str, Trace] = {}
     for p in prompts:
         tid = f"t{next(_ids)}"
