@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class TransferTimes:
+    """Seconds on the engine thread: pushes (a part's host copy, handed to the connector while
+    the next chunk computes) and sends (the last part: the tail and the states, until every
+    part was acknowledged: the transfer time after the prompt's last chunk)."""
+
+    push_seconds: float = 0.0
     send_seconds: float = 0.0
     receive_seconds: float = 0.0
 
@@ -100,7 +105,7 @@ class CacheTransfer:
         header, frames = self._message(op.transfer_id, op.token_end, 0, -1, names, tensors,
                                        op.part, op.token_start, final=False)
         self.connector.push(op.peer, header, frames)
-        self.times.send_seconds += time.perf_counter() - start
+        self.times.push_seconds += time.perf_counter() - start
 
     def send(self, op: SendRequest) -> None:
         """The latents not pushed yet and the KDA states; returns once every part of the
