@@ -1,27 +1,46 @@
 """`kdaserve bench disagg`: prefill/decode disaggregation against colocated serving, under a
-mixed load of long and short prompts, in one process (kdaserve/disagg/local.py: a prefill and
-a decode engine stepping in turn, the cache moving over a real loopback socket).
+mixed load of long and short prompts.
 
-Reports, per request: the bytes moved, split into MLA latents and KDA states; the transfer
-time against the prefill time; TTFT and TPOT (p50, p99; short requests' TPOT p99 apart),
-colocated and disaggregated; the decode side's prefix-hit tokens; and `identical`: greedy
-output equal, token for token. Both engines share this machine's cores here, so the timings
-show the mechanics, not what two machines would do; `identical` and the byte counts hold
-anywhere."""
+Two ways to run the disaggregated pair:
+- by default in one process, the prefill and the decode engine stepping in turn in one thread
+  (kdaserve/disagg/local.py): the phases never overlap, so the timings show the mechanics only;
+- with `--prefill-cpus` and `--decode-cpus`, the prefill engine in a process of its own pinned
+  to its CPUs and the decode engine in this one pinned to its CPUs, running at the same time
+  as two instances of a deployment do (kdaserve/disagg/split_run.py); the colocated engine then
+  runs on the union of both sets (all cores for everything, as a colocated instance would).
+The cache moves over a real loopback socket either way.
+
+Reports: the bytes moved per request, split into MLA latents and KDA states; for one long
+prompt alone, its prefill time and the transfer time after its last chunk (the last part and
+the acknowledgements; the goal: at most 10% of the prefill), and the time its pushes took on
+the engine thread while it computed; TTFT and TPOT (p50, p99; short requests' TPOT p99
+apart), colocated and disaggregated, under the mixed load; the decode side's prefix-hit
+tokens; `identical`: greedy output equal, token for token; and which goals held."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+from pathlib import Path
 
 import torch
 
 from kdaserve.assets import default_model_path
 from kdaserve.config import KV_CONNECTORS
-from kdaserve.disagg.local import Trace, run_colocated, run_disaggregated
+from kdaserve.disagg.local import Trace, run_colocated, run_disaggregated, transfer_counters
+from kdaserve.disagg.split_run import PrefillProcess, pin
 from kdaserve.engine.llm import LLM
 from kdaserve.request import SamplingParams
+
+
+def _cpus(text: str) -> set[int]:
+    """'0', '0,1' or '0-3' -> a CPU set."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,6 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-connector", choices=KV_CONNECTORS, default="zmq",
                    help="how the caches travel (nixl: read through NIXL; needs `nixl`)")
+    p.add_argument("--prefill-cpus", type=_cpus, default=None, metavar="CPUS",
+                   help="run the prefill engine in its own process on these CPUs (e.g. 0 or "
+                   "0-3), at the same time as the decode engine; needs --decode-cpus")
+    p.add_argument("--decode-cpus", type=_cpus, default=None, metavar="CPUS",
+                   help="the decode engine's CPUs (this process); the colocated engine runs "
+                   "on both sets")
     p.add_argument("--json", action="store_true")
 
 
@@ -55,64 +80,121 @@ def _latency(traces: list[Trace], short: list[bool]) -> dict:
             "short_tpot_p99_s": _pct([x for x, s in zip(tpot, short) if s], 0.99)}
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def measure(model: str, long_len: int, num_long: int, short_len: int, num_short: int,
             max_tokens: int, prefill_block: int, decode_block: int, cache_memory: int,
-            seed: int, connector: str = "zmq") -> dict:
+            seed: int, connector: str = "zmq", prefill_cpus: set[int] | None = None,
+            decode_cpus: set[int] | None = None) -> dict:
+    split = prefill_cpus is not None or decode_cpus is not None
+    if split and not (prefill_cpus and decode_cpus):
+        raise ValueError("--prefill-cpus and --decode-cpus go together")
     common = {"cache_memory": cache_memory, "max_model_len": long_len + max_tokens + 64}
+    if split:
+        pin(prefill_cpus | decode_cpus)
     colo = LLM(model, block_size=decode_block, enable_prefix_caching=False, **common)
-    pre = LLM(model, block_size=prefill_block, role="prefill", enable_prefix_caching=False,
-              kv_connector=connector, **common)
+    vocab = colo.engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    lens = [long_len] * num_long + [short_len] * num_short
+    order = torch.randperm(len(lens), generator=g).tolist()     # mixed arrival order
+    lens = [lens[i] for i in order]
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+    lone = torch.randint(3, vocab, (long_len,), generator=g).tolist()
+    short = [n == short_len for n in lens]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    run_colocated(colo.engine, [prompts[0][:8]], params)                 # warm-up
+    colocated = run_colocated(colo.engine, prompts, params)
+    colo_threads = torch.get_num_threads()
+    if split:
+        pin(decode_cpus)
     dec = LLM(model, block_size=decode_block, role="decode", kv_transfer_port=0,
               enable_prefix_caching=False, kv_connector=connector, **common)
+    pre_args = {"block_size": prefill_block, "enable_prefix_caching": False,
+                "kv_connector": connector, **common}
+    if split:
+        proc = PrefillProcess(model, pre_args, dec.engine.transfer.address, prefill_cpus)
+        run = proc.run
+    else:
+        pre = LLM(model, role="prefill", **pre_args)
+
+        def run(d, ps, p):
+            before = transfer_counters(pre.engine)
+            traces = run_disaggregated(pre.engine, d, ps, p)
+            after = transfer_counters(pre.engine)
+            return traces, {k: v - before[k] for k, v in after.items()}
     try:
-        vocab = colo.engine.model_config.vocab_size
-        g = torch.Generator().manual_seed(seed)
-        lens = [long_len] * num_long + [short_len] * num_short
-        order = torch.randperm(len(lens), generator=g).tolist()     # mixed arrival order
-        lens = [lens[i] for i in order]
-        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
-        short = [n == short_len for n in lens]
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        run_colocated(colo.engine, [prompts[0][:8]], params)                 # warm-up
-        run_disaggregated(pre.engine, dec.engine, [prompts[0][:8]], params)
-        conn, times = pre.engine.transfer.connector.stats, pre.engine.transfer.times
-        sent0 = (conn.sent, conn.sent_mla_bytes, conn.sent_kda_bytes, times.send_seconds)
-        steps0 = pre.engine.stats.steps
-        colocated = run_colocated(colo.engine, prompts, params)
-        disagg = run_disaggregated(pre.engine, dec.engine, prompts, params)
-        n = max(1, conn.sent - sent0[0])
-        send_s = times.send_seconds - sent0[3]
-        # prefill time: each request's time to its first token on the prefill side, less the
-        # sends it waited for (they run between steps)
-        prefill_s = sum(t.ttft for t in disagg) / len(disagg) - send_s / n
-        errors = [t.error for t in colocated + disagg if t.error]
-        return {
-            "requests": len(prompts), "long_len": long_len, "num_long": num_long,
-            "short_len": short_len, "num_short": num_short, "max_tokens": max_tokens,
-            "block_size": {"prefill": prefill_block, "decode": decode_block},
-            "kv_connector": connector,
-            "identical": not errors and [t.tokens for t in disagg] == [t.tokens for t in
-                                                                       colocated],
-            "errors": errors,
-            "bytes_per_request": {"mla": (conn.sent_mla_bytes - sent0[1]) // n,
-                                  "kda": (conn.sent_kda_bytes - sent0[2]) // n},
-            "bytes_per_long_request_mla": _latents(pre) * long_len,
-            "parts_pushed": conn.parts_pushed,       # while prompts were still computing
-            "transfer_s_per_request": round(send_s / n, 5),
-            "prefill_s_per_request": round(prefill_s, 5),
-            # send time (pushes, the last part, waiting for acknowledgements) over prefill time
-            "transfer_after_prefill_frac": round(send_s / n / prefill_s, 4) if prefill_s > 0
-            else None,
-            "decode_prefix_hit_tokens": dec.engine.cache.stats.hit_tokens,
-            "prefill_steps": pre.engine.stats.steps - steps0,
-            "colocated": _latency(colocated, short),
-            "disaggregated": _latency(disagg, short),
-            "note": "both engines share this machine's cores: timings show the mechanics only",
-            "threads": torch.get_num_threads(),
-        }
+        run(dec.engine, [prompts[0][:8]], params)                        # warm-up
+        (alone,), one = run(dec.engine, [lone], params)
+        disagg, moved = run(dec.engine, prompts, params)
     finally:
-        for e in (pre, dec):
-            e.engine.transfer.connector.close()
+        if split:
+            proc.close()
+        else:
+            pre.engine.transfer.connector.close()
+        dec.engine.transfer.connector.close()
+    n = max(1.0, moved["sent"])
+    # the lone long prompt: its time to the first token on the prefill side is its chunks'
+    # compute, the pushes' host copies between them, and the last part's send
+    after_last = one["send_seconds"]
+    prefill_s = alone.ttft - after_last
+    frac = after_last / prefill_s if prefill_s > 0 else None
+    errors = [t.error for t in colocated + disagg + [alone] if t.error]
+    identical = not errors and [t.tokens for t in disagg] == [t.tokens for t in colocated]
+    lat_c, lat_d = _latency(colocated, short), _latency(disagg, short)
+    return {
+        "requests": len(prompts), "long_len": long_len, "num_long": num_long,
+        "short_len": short_len, "num_short": num_short, "max_tokens": max_tokens,
+        "block_size": {"prefill": prefill_block, "decode": decode_block},
+        "kv_connector": connector,
+        "identical": identical,
+        "errors": errors,
+        "bytes_per_request": {"mla": int(moved["sent_mla_bytes"] // n),
+                              "kda": int(moved["sent_kda_bytes"] // n)},
+        "bytes_per_long_request_mla": _latents(dec) * long_len,
+        "long_alone": {
+            "tokens": long_len,
+            "prefill_s": round(prefill_s, 5),
+            "transfer_after_last_chunk_s": round(after_last, 5),
+            "transfer_after_last_chunk_frac": round(frac, 4) if frac is not None else None,
+            "push_s_on_engine_thread": round(one["push_seconds"], 5),
+            "parts_pushed": int(one["parts_pushed"]),
+            "prefill_steps": int(one["steps"]),
+        },
+        "mixed": {"parts_pushed": int(moved["parts_pushed"]),
+                  "push_s_per_request": round(moved["push_seconds"] / n, 5),
+                  "transfer_after_last_chunk_s_per_request":
+                      round(moved["send_seconds"] / n, 5),
+                  "prefill_steps": int(moved["steps"])},
+        "decode_prefix_hit_tokens": dec.engine.cache.stats.hit_tokens,
+        "colocated": lat_c,
+        "disaggregated": lat_d,
+        "goals": {
+            "identical": identical,
+            "transfer_after_last_chunk_le_10pct_of_prefill":
+                frac is not None and frac <= 0.10,
+            "short_tpot_p99_lower_disaggregated":
+                lat_d["short_tpot_p99_s"] < lat_c["short_tpot_p99_s"],
+        },
+        "mode": "processes" if split else "in_turn",
+        "cpus": {"prefill": sorted(prefill_cpus), "decode": sorted(decode_cpus),
+                 "colocated": sorted(prefill_cpus | decode_cpus)} if split else None,
+        "threads": {"colocated": colo_threads, "decode": torch.get_num_threads(),
+                    "prefill": len(prefill_cpus) if split else torch.get_num_threads()},
+        "cpu": _cpu_model(), "os_cpus": os.cpu_count(),
+        "note": ("prefill and decode in separate processes on their own CPUs, at the same "
+                 "time (one machine: shared memory bandwidth and caches); colocated on both "
+                 "sets" if split else
+                 "prefill and decode engines step in turn in one thread: their phases never "
+                 "overlap, so the timings show the mechanics only"),
+    }
 
 
 def _latents(llm: LLM) -> int:
@@ -123,6 +205,7 @@ def _latents(llm: LLM) -> int:
 def run(args: argparse.Namespace) -> int:
     result = measure(str(args.model or default_model_path()), args.long_len, args.num_long,
                      args.short_len, args.num_short, args.max_tokens, args.prefill_block_size,
-                     args.decode_block_size, args.cache_memory, args.seed, args.kv_connector)
+                     args.decode_block_size, args.cache_memory, args.seed, args.kv_connector,
+                     args.prefill_cpus, args.decode_cpus)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0 if result["identical"] else 1

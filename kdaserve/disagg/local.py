@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from kdaserve.disagg.connector import Arrived
 from kdaserve.disagg.params import KVTransferParams
@@ -46,7 +46,7 @@ def run_colocated(eng: EngineCore, prompts: list[list[int]], params: SamplingPar
     for rid, p in zip(traces, prompts):
         eng.add_request(rid, p, params)
     while eng.has_unfinished():
-        _take(eng.step(), traces)
+        take_deltas(eng.step(), traces)
     return list(traces.values())
 
 
@@ -56,7 +56,7 @@ def run_disaggregated(pre: EngineCore, dec: EngineCore, prompts: list[list[int]]
     """All prompts at once: prefill with max_tokens = 1 on `pre`, then each goes on to `dec`
     with the first token. `tamper` rewrites an arrived transfer before its request takes it
     (the mutation test)."""
-    address = dec.transfer.connector.address
+    address = dec.transfer.address
     traces: dict[str, Trace] = {}
     for p in prompts:
         tid = f"t{next(_ids)}"
@@ -72,22 +72,36 @@ def run_disaggregated(pre: EngineCore, dec: EngineCore, prompts: list[list[int]]
                 tr.times += [time.perf_counter()] * len(d.new_token_ids)
                 if not d.finished:
                     continue
-                if d.finish_reason != "length" or params.max_tokens == 1:
-                    tr.reason, tr.error = d.finish_reason, d.error
-                    continue
-                if tamper is not None:
+                if tamper is not None and d.finish_reason == "length" and params.max_tokens != 1:
                     inbox = dec.transfer.connector.inbox
                     inbox.put(tamper(inbox.take(d.request_id, 1.0)))
-                dec.add_request(d.request_id, by_id[d.request_id], replace(
-                    params, kv_transfer=KVTransferParams(d.request_id,
-                                                         first_token_id=tr.tokens[0])))
-                tr.tokens, tr.times = [], tr.times[:1]    # the decode side repeats it
+                hand_over(dec, d.request_id, by_id[d.request_id], params, tr, d.finish_reason,
+                          d.error)
         if dec.has_unfinished():
-            _take(dec.step(), traces, skip_first=True)
+            take_deltas(dec.step(), traces, skip_first=True)
     return list(traces.values())
 
 
-def _take(deltas, traces: dict[str, Trace], skip_first: bool = False) -> None:
+def hand_over(dec: EngineCore, tid: str, prompt: list[int], params: SamplingParams,
+              tr: Trace, reason: str | None, error: str | None) -> None:
+    """A request whose prefill ended (`tr` holds its first token and when it came): on to the
+    decode engine with that token, unless it ended otherwise or needs no more tokens."""
+    if reason != "length" or params.max_tokens == 1:
+        tr.reason, tr.error = reason, error
+        return
+    dec.add_request(tid, prompt, replace(params, kv_transfer=KVTransferParams(
+        tid, first_token_id=tr.tokens[0])))
+    tr.tokens, tr.times = [], tr.times[:1]      # the decode side repeats the first token
+
+
+def transfer_counters(eng: EngineCore) -> dict[str, float]:
+    """A prefill engine's transfer seconds (pushes, last parts) and connector counters, and
+    its steps: subtract two of them for what a run moved."""
+    return {**asdict(eng.transfer.times), **eng.transfer.metrics(),
+            "steps": float(eng.stats.steps)}
+
+
+def take_deltas(deltas, traces: dict[str, Trace], skip_first: bool = False) -> None:
     now = time.perf_counter()
     for d in deltas:
         tr = traces[d.request_id]

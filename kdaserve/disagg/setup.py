@@ -1,7 +1,7 @@
 """Gives an engine its kv-transfer connector (serve --role prefill|decode): the model
 identity and cache layout a transfer must match, its connector (ZeroMQ, or NIXL with
 --kv-connector nixl), and the torch side that the runner's executor of cache operations
-calls: on the engine's own runner, or on every rank of a tensor-parallel prefill instance
+calls: on the engine's own runner, or on every rank of a tensor-parallel instance
 (kdaserve/engine/executor/worker.py)."""
 
 from __future__ import annotations
@@ -53,24 +53,23 @@ def model_identity(model_dir: str | None, layout: CacheLayout) -> str:
 
 
 def check_role_layout(config: EngineConfig) -> None:
-    """Before any rank starts: a prefill instance may run tensor parallel (each rank sends its
-    heads' states; the decode side joins them), a decode instance runs one rank."""
+    """Before any rank starts: either role may run tensor parallel (a prefill rank sends its
+    heads' states, the decode side joins them; a decode instance's rank 0 receives and hands
+    each rank its heads), not data or pipeline parallel (a rank would hold another request's
+    cache, or another layer's)."""
     kt, par = config.kv_transfer, config.parallel
     if kt is None or par.world_size == 1:
         return
-    if kt.role == "decode":
-        raise ConfigError("--role decode runs one rank per instance (joining a tensor-parallel "
-                          "sender's shards is built, splitting into several receiving ranks "
-                          "is not): use tensor/expert/data/pipeline parallel size 1")
     if par.world_size != par.tensor_parallel_size:
-        raise ConfigError("--role prefill runs tensor parallel only: expert, data and "
+        raise ConfigError(f"--role {kt.role} runs tensor parallel only: expert, data and "
                           "pipeline parallel size must be 1 (or expert parallel equal to "
                           "tensor parallel)")
 
 
 def attach_transfer(config: EngineConfig, cfg: Any, runner: Any, tp_size: int = 1,
-                    tp_rank: int = 0) -> CacheTransfer:
-    """`cfg`: this rank's share of the model (its KDA heads)."""
+                    tp_rank: int = 0, group: Any = None) -> CacheTransfer:
+    """`cfg`: this rank's share of the model (its KDA heads); `group`: the ranks' control
+    group (a tensor-parallel decode instance's rank 0 hands the others their share on it)."""
     kt = config.kv_transfer
     assert kt is not None
     check_role_layout(config)
@@ -80,10 +79,18 @@ def attach_transfer(config: EngineConfig, cfg: Any, runner: Any, tp_size: int = 
     kind = ZmqConnector
     if kt.connector == "nixl":
         from kdaserve.disagg.nixl_connector import NixlConnector as kind
-    connector = kind(identity, layout, port=kt.port if kt.role == "decode" else None,
+    decode = kt.role == "decode"
+    # a decode instance receives on rank 0 alone, checking and joining as the whole model
+    connector = kind(identity, layout.whole() if decode else layout,
+                     port=kt.port if decode and tp_rank == 0 else None,
                      host=kt.host, send_timeout_s=kt.timeout_s, ttl_s=kt.ttl_s)
+    take = None
+    if decode and tp_size > 1:
+        from kdaserve.disagg.rank_receive import RankReceiver
+
+        take = RankReceiver(connector, tp_size, tp_rank, group).take
     transfer = CacheTransfer(runner.cache, connector, identity, layout, kt.timeout_s, draft,
-                             draft_identity(config) if draft is not None else "")
+                             draft_identity(config) if draft is not None else "", take)
     runner.cache_ops.transfer = transfer
     return transfer
 
@@ -103,10 +110,21 @@ def rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 class RankTransfers:
     """The engine core's handle on its ranks' transfers (they live in the worker processes):
-    their counters, for /metrics."""
+    their counters, for /metrics; where a decode instance's rank 0 receives; the drafts that
+    came with a transfer."""
 
-    def __init__(self, executor: Any) -> None:
+    def __init__(self, executor: Any, speculates: bool = False) -> None:
         self.executor = executor
+        self.speculates = speculates
 
     def metrics(self) -> dict[str, float]:
         return self.executor._call(("kv_transfer_stats",), "reporting")
+
+    @property
+    def address(self) -> str | None:
+        return self.executor._call(("kv_transfer_address",), "reporting")
+
+    def arrived_drafts(self, transfer_id: str) -> list[int]:
+        if not self.speculates:    # no drafter here: spare every import a trip to rank 0
+            return []
+        return self.executor._call(("kv_transfer_drafts", transfer_id), "reporting")

@@ -1,6 +1,7 @@
 """Tensor-parallel layouts of a transfer: a TP=N prefill instance sends N messages (one per
-rank), a TP=1 decode instance joins them into one; `split` is the inverse (what a TP=N
-receiver would scatter, and what the tests join back byte for byte).
+rank), the decode instance joins them into one; `split` is the inverse: what a TP=N sender's
+ranks send (latents from rank 0 only), or, with `replicate`, what each rank of a TP=N decode
+instance installs (latents on every rank; kdaserve/disagg/rank_receive.py).
 
 What each rank holds (kdaserve/distributed/layout.py): the KDA heads are split evenly and in
 order over the ranks, so
@@ -48,16 +49,17 @@ def _is_kda(name: str) -> bool:
     return name.startswith(("kda_state.", "kda_conv."))
 
 
-def split(header: TransferHeader, frames: Sequence[memoryview], tp_size: int
-          ) -> list[Message]:
-    """A whole (TP=1) transfer as the `tp_size` messages its ranks would send."""
+def split(header: TransferHeader, frames: Sequence[memoryview], tp_size: int,
+          replicate: bool = False) -> list[Message]:
+    """A whole (TP=1) transfer as the `tp_size` messages its ranks would send; `replicate`:
+    as its ranks would receive (the latents and draft pages, per token, on every rank)."""
     out = []
     for r in range(tp_size):
         specs: list[BufferSpec] = []
         parts: list[memoryview] = []
         for spec, f in zip(header.buffers, frames):
-            if not _is_kda(spec.name):              # latents, draft pages: rank 0's
-                if r == 0:
+            if not _is_kda(spec.name):              # latents, draft pages: per token
+                if r == 0 or replicate:
                     specs.append(spec)
                     parts.append(f)
                 continue
@@ -73,7 +75,7 @@ def split(header: TransferHeader, frames: Sequence[memoryview], tp_size: int
                 shape = [spec.shape[0], spec.shape[1] // tp_size]
             specs.append(_spec(spec.name, spec.dtype, shape, g))
             parts.append(g)
-        extra = {} if r == 0 else {"part": 0, "token_start": 0}
+        extra = {} if r == 0 or replicate else {"part": 0, "token_start": 0}
         out.append((msgspec.structs.replace(
             header, layout=rank_layout(header.layout, tp_size, r), buffers=specs, **extra),
             parts))

@@ -1,6 +1,7 @@
 """The torch side of a transfer: carries out SendRequest and ReceiveRequest (cache/ops.py)
 against the device cache, through a connector. Under tensor parallelism every rank runs
-the same operations on its own cache and sends its own message (tp_layout.py).
+the same operations on its own cache: a prefill rank sends its own message (tp_layout.py), a
+decode rank is handed its share by rank 0 (rank_receive.py).
 
 Sending gathers each MLA layer's latents of the request's first `num_tokens` tokens from its
 blocks into one [num_tokens, D] tensor (so the receiver may use another block size) and takes
@@ -12,6 +13,7 @@ token) and scatters the latents into the receiver's own blocks, the states into 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -20,7 +22,7 @@ import torch
 
 from kdaserve.cache.ops import DISAGG, OpFailure, PushBlocks, ReceiveRequest, SendRequest
 from kdaserve.disagg import wire
-from kdaserve.disagg.connector import FAILED_PREFIX, Connector, TransferFailed
+from kdaserve.disagg.connector import FAILED_PREFIX, Arrived, Connector, TransferFailed
 from kdaserve.disagg.wire import BufferSpec, CacheLayout, TransferHeader, TransferRefused
 from kdaserve.model.hybrid_cache import HybridCache
 
@@ -30,6 +32,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class TransferTimes:
+    """Seconds on the engine thread: pushes (a part's host copy, handed to the connector while
+    the next chunk computes) and sends (the last part: the tail and the states, until every
+    part was acknowledged: the transfer time after the prompt's last chunk)."""
+
+    push_seconds: float = 0.0
     send_seconds: float = 0.0
     receive_seconds: float = 0.0
 
@@ -37,7 +44,10 @@ class TransferTimes:
 class CacheTransfer:
     def __init__(self, cache: HybridCache, connector: Connector, identity: str,
                  layout: CacheLayout, receive_timeout_s: float = 10.0,
-                 draft: DSparkProposer | None = None, draft_identity: str = "") -> None:
+                 draft: DSparkProposer | None = None, draft_identity: str = "",
+                 take: Callable[[str, float], Arrived] | None = None) -> None:
+        """`take`: where a receive gets its transfer (a TP=N decode rank: from rank 0,
+        rank_receive.py); by default the connector's inbox."""
         self.cache = cache
         self.connector = connector
         self.identity = identity
@@ -47,6 +57,12 @@ class CacheTransfer:
         self.draft = draft
         self.draft_identity = draft_identity
         self.times = TransferTimes()
+        self.take = take or connector.take
+
+    @property
+    def address(self) -> str | None:
+        """Where prefill instances send to (a decode instance's; None on a prefill one)."""
+        return self.connector.address
 
     def _same_draft(self, h: TransferHeader) -> bool:
         """The sender speculates with this instance's draft: its pages and drafts fit here."""
@@ -89,7 +105,7 @@ class CacheTransfer:
         header, frames = self._message(op.transfer_id, op.token_end, 0, -1, names, tensors,
                                        op.part, op.token_start, final=False)
         self.connector.push(op.peer, header, frames)
-        self.times.send_seconds += time.perf_counter() - start
+        self.times.push_seconds += time.perf_counter() - start
 
     def send(self, op: SendRequest) -> None:
         """The latents not pushed yet and the KDA states; returns once every part of the
@@ -137,7 +153,7 @@ class CacheTransfer:
     # ---- decode side ------------------------------------------------------------------------
     def receive(self, op: ReceiveRequest) -> None:
         began = time.perf_counter()
-        got = self.connector.take(op.transfer_id, self.receive_timeout_s)
+        got = self.take(op.transfer_id, self.receive_timeout_s)
         h = got.header
         if h.num_tokens != op.num_tokens or h.token_hash != op.token_hash:
             raise TransferRefused(f"transfer {op.transfer_id} holds another prompt ({h.num_tokens} "
@@ -146,10 +162,10 @@ class CacheTransfer:
         if h.first_token_id != op.first_token_id:
             raise TransferRefused(f"transfer {op.transfer_id} was sent with first token "
                                   f"{h.first_token_id}, the request says {op.first_token_id}")
-        names = wire.cache_names(self.layout)
+        names = wire.cache_names(self.layout.whole())   # every rank installs the latents
         listed = [b.name for b in h.buffers]
         if listed[:len(names)] != names or listed[len(names):] not in (
-                [], wire.draft_names(h.layout)):
+                [], wire.draft_names(h.layout.whole())):
             raise TransferRefused(f"transfer {op.transfer_id} lists buffers {listed}, this "
                                   f"layout needs {names} (and the sender's draft pages, if "
                                   "any)")

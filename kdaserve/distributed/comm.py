@@ -50,3 +50,22 @@ def union_failures(failures: list, group=None) -> list:
                 seen.add(key)
                 out.append(f)
     return out
+
+
+def send_frames(frames: list, dst: int, group=None) -> None:
+    """Raw byte buffers to rank `dst`, as one message (it knows their sizes: recv_frames)."""
+    if sum(len(f) for f in frames):
+        joined = bytearray(b"".join(frames))
+        dist.send(torch.frombuffer(joined, dtype=torch.uint8), dst, group=group)
+
+
+def recv_frames(sizes: list[int], src: int, group=None) -> list[memoryview]:
+    """What rank `src` sent with send_frames, as buffers of these sizes."""
+    buf = torch.empty(sum(sizes), dtype=torch.uint8)
+    if sizes and buf.numel():
+        dist.recv(buf, src, group=group)
+    view, out, at = memoryview(buf.numpy()), [], 0
+    for n in sizes:
+        out.append(view[at:at + n])
+        at += n
+    return out

@@ -126,7 +126,7 @@ class EngineCore:
         elif config.kv_transfer is not None:     # each rank attached its own (worker.py)
             from kdaserve.disagg.setup import RankTransfers
 
-            self.transfer = RankTransfers(self.executor)
+            self.transfer = RankTransfers(self.executor, config.speculative is not None)
         if config.async_scheduling and config.kv_transfer is not None:
             logger.warning("async scheduling is off on a prefill or decode instance (a "
                            "finished request's cache is sent between steps)")

@@ -1,6 +1,7 @@
 """Tensor-parallel layouts of a transfer (kdaserve/disagg/tp_layout.py), without a model: a
 whole (TP=1) transfer split into the messages of 2 and 4 ranks joins back to the same bytes;
-each rank holds its heads' states and conv columns; the ranks' messages sent over real sockets
+each rank holds its heads' states and conv columns (and, split for a TP=N receiver, every
+rank the latents and draft pages); the ranks' messages sent over real sockets
 to a TP=1 receiver arrive joined (a lone rank's expires); shards that do not fit together are
 refused."""
 
@@ -62,6 +63,23 @@ def test_split_then_join_is_identity(tp, layout):
         jh, jf = tp_layout.join(order)
         assert jh == header
         assert [bytes(f) for f in jf] == [bytes(f) for f in frames]
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, DRAFTED])
+def test_split_for_receiving_ranks_replicates_the_latents(layout):
+    """What each rank of a TP=2 decode instance installs: its heads, as a sender's rank sends
+    them, plus everything per token (latents, draft pages), unchanged, on every rank."""
+    header, frames = whole(layout=layout)
+    sent = tp_layout.split(header, frames, 2)
+    got = tp_layout.split(header, frames, 2, replicate=True)
+    per_token = [i for i, b in enumerate(header.buffers) if not b.name.startswith("kda_")]
+    for r, ((h, f), (sh, sf)) in enumerate(zip(got, sent)):
+        wire.check_buffers(h, f)
+        assert h.layout == sh.layout and h.layout.tp_rank == r
+        assert [b.name for b in h.buffers] == [b.name for b in header.buffers]
+        assert [bytes(f[i]) for i in per_token] == [bytes(frames[i]) for i in per_token]
+        kda = [bytes(x) for b, x in zip(h.buffers, f) if b.name.startswith("kda_")]
+        assert kda == [bytes(x) for b, x in zip(sh.buffers, sf) if b.name.startswith("kda_")]
 
 
 def test_shards_that_do_not_fit_are_refused():

@@ -45,11 +45,13 @@ def corpus(num_lines: int = 300, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tiny_model(out: Path, vocab_target: int = 300, seed: int = 0) -> Path:
-    """A BPE tokenizer (~300 ids) and a random 4-layer KDA+MLA MoE model of the same vocab."""
+def build_tiny_model(out: Path, vocab_target: int = 300, seed: int = 0, **over) -> Path:
+    """A BPE tokenizer (~300 ids) and a random 4-layer KDA+MLA MoE model of the same vocab;
+    `over`: config fields to change (tiny_config)."""
     tok = train_bpe_tokenizer(corpus(), vocab_size=vocab_target)
     save_tokenizer(tok, out, model_max_length=4096)
-    cfg = tiny_config(vocab_size=tok.get_vocab_size(with_added_tokens=True), eos_token_id=0)
+    cfg = tiny_config(vocab_size=tok.get_vocab_size(with_added_tokens=True), eos_token_id=0,
+                      **over)
     model = random_model(cfg, seed=seed, chunk=16)
     save_model(model.eval(), out)
     return out

@@ -65,10 +65,10 @@ def build_worker_runner(config: EngineConfig, plan, ctx, local_rank: int | None 
     stores = worker_stores(config, rank_cfg, engine_chunk_size(config), device, ctx.rank,
                            ctx.world_size)
     runner = build_runner(config, plan, model, device, tok, stores=stores)
-    if config.kv_transfer is not None:      # a tensor-parallel prefill instance's rank
+    if config.kv_transfer is not None:      # a tensor-parallel prefill or decode instance's rank
         from kdaserve.disagg.setup import attach_transfer
 
-        attach_transfer(config, rank_cfg, runner, ctx.tp_size, ctx.tp_rank)
+        attach_transfer(config, rank_cfg, runner, ctx.tp_size, ctx.tp_rank, ctx.control)
     if (stores or config.kv_transfer is not None) and ctx.world_size > 1:
         runner.cache_ops.set_agreement(union_failures)
     return runner
@@ -143,6 +143,10 @@ def handle(runner, msg: tuple, rank: int, world_size: int, data_parallel: bool) 
             every = [None] * world_size
             dist.all_gather_object(every, mine)
         return rank_metrics(every)
+    if kind == "kv_transfer_address":    # rank 0's (a decode instance receives there)
+        return runner.cache_ops.transfer.address
+    if kind == "kv_transfer_drafts":     # in rank 0's inbox (the other ranks answer [])
+        return runner.cache_ops.transfer.arrived_drafts(msg[1])
     if kind == "num_forward_tokens":
         result = runner.num_forward_tokens
         if data_parallel:            # each rank computed its own requests' tokens
