@@ -49,7 +49,8 @@ def _cache_dir() -> Path:
 
 # sources whose kernels run on threads of their own when the compiler has OpenMP (they share
 # torch's libgomp: csrc/decode_cpu.c); built without it where it is missing
-_OPENMP_SOURCES = {"decode_cpu.c", "kda_cpu.c", "mla_cpu.c", "moe_cpu.c", "int_linear_cpu.c"}
+_OPENMP_SOURCES = {"decode_cpu.c", "kda_cpu.c", "mla_cpu.c", "moe_cpu.c", "int_linear_cpu.c",
+                   "sample_cpu.c"}
 
 
 def _build(src: Path) -> Path | None:

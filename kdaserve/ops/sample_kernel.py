@@ -5,17 +5,17 @@ int32 array per call (prompt ids, then output ids), only for rows that are penal
 
 from __future__ import annotations
 
-import ctypes
 from array import array
 from collections.abc import Callable, Sequence
 from functools import cache
 
 import torch
 
-from kdaserve.ops.cpu_kernels import _I64, _PTR, _c_function, _ptr, thread_pool
+from kdaserve.ops.cpu_kernels import _I64, _PTR, _c_function, _openmp_built, _ptr
 
-# rows x vocabulary below which one thread samples them all (a hand-off costs ~50 us)
-_PARALLEL_MIN = 64 * 4096
+# rows x vocabulary below which one thread samples them all: a sampled row of 4,096 costs
+# ~50 us, an OpenMP hand-off on torch's spinning workers a few
+_PARALLEL_MIN = 4 * 4096
 _CAND_BYTES = 8                       # struct { float v; int32 i; }
 
 SampleRows = Callable[..., torch.Tensor]
@@ -24,9 +24,11 @@ SampleRows = Callable[..., torch.Tensor]
 @cache
 def sample_rows_kernel() -> SampleRows | None:
     """The compiled sampler, or None (no compiler, disabled, build failed)."""
-    fn = _c_function("sample_cpu.c", "sample_rows", [_I64, _I64, _I64] + [_PTR] * 17)
+    fn = _c_function("sample_cpu.c", "sample_rows_threads",
+                     [_I64, _I64, _I64] + [_PTR] * 14 + [_I64])
     if fn is None:
         return None
+    split = _openmp_built("sample_cpu.c")       # else one thread takes every row
 
     def run(logits: torch.Tensor, temps: Sequence[float], top_k: Sequence[int],
             top_p: Sequence[float], min_p: Sequence[float], uniforms: Sequence[float],
@@ -58,26 +60,13 @@ def sample_rows_kernel() -> SampleRows | None:
         np_t = torch.frombuffer(n_prompt, dtype=torch.int64)
         k_t = torch.tensor(top_k, dtype=torch.int64).clamp_(max=V)
         out = torch.empty(S, dtype=torch.int64)
-        parts = min(torch.get_num_threads(), S) if S * V >= _PARALLEL_MIN else 1
+        parts = min(torch.get_num_threads(), S) if split and S * V >= _PARALLEL_MIN else 1
         # per part: the row (V floats), candidates (V), counts (V floats), marks (V bytes)
         row_bytes = (V * (4 + _CAND_BYTES + 4) + V + 63) // 64 * 64
         scratch = torch.empty(parts, row_bytes, dtype=torch.uint8)
         scratch[:, V * (4 + _CAND_BYTES):].zero_()
-        bounds = [S * i // parts for i in range(parts + 1)]
-
-        def rows(i: int) -> None:
-            base = scratch[i].data_ptr()
-            fn(bounds[i], bounds[i + 1], V, _ptr(logits), *(_ptr(t) for t in f32[:1]),
-               _ptr(k_t), *(_ptr(t) for t in f32[1:]), _ptr(hist_t), _ptr(off_t), _ptr(np_t),
-               _ptr(out), ctypes.c_void_p(base), ctypes.c_void_p(base + 4 * V),
-               ctypes.c_void_p(base + (4 + _CAND_BYTES) * V),
-               ctypes.c_void_p(base + (8 + _CAND_BYTES) * V))
-
-        if parts == 1:
-            rows(0)
-        else:
-            for f in [thread_pool(parts).submit(rows, i) for i in range(parts)]:
-                f.result()
+        fn(S, parts, V, _ptr(logits), _ptr(f32[0]), _ptr(k_t), *(_ptr(t) for t in f32[1:]),
+           _ptr(hist_t), _ptr(off_t), _ptr(np_t), _ptr(out), _ptr(scratch), row_bytes)
         return out
 
     return run

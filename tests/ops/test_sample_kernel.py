@@ -85,3 +85,22 @@ def test_top_k_one_and_ties_keep_the_first_best():
     assert [t.token_id for t in sample(logits, rows, fast=True)] == [5, 40]
     rows = _rows(2, 64, 1, temperature=0.0)
     assert [t.token_id for t in sample(logits, rows, fast=True)] == [5, 40]
+
+
+def test_rows_split_over_threads_sample_the_same_tokens():
+    """Rows split over torch's threads (one OpenMP region, each thread a run of rows and its
+    own scratch) give each row the token it gets alone and on one thread."""
+    V, B = 4096, 32
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(9)) * 3
+    kw = CASES[2]                                    # sampled, top-p, a repetition penalty
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        split = [t.token_id for t in sample(logits, _rows(B, V, 7, **kw))]
+        torch.set_num_threads(1)
+        one = [t.token_id for t in sample(logits, _rows(B, V, 7, **kw))]
+    finally:
+        torch.set_num_threads(before)
+    alone = [sample(logits[i:i + 1], _rows(B, V, 7, **kw)[i:i + 1])[0].token_id
+             for i in range(B)]
+    assert split == one == alone

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "fastmath.h"
+#include "threads.h"
 
 typedef struct {
     float v;
@@ -295,5 +296,37 @@ void sample_rows(int64_t r0, int64_t r1, int64_t V, const float *logits, const f
             pick = draw_all(x, V, mx, min_p[r], u[r]);
         }
         out[r] = pick >= 0 ? pick : best;
+    }
+}
+
+/* All S rows, split over `threads` threads when built with OpenMP (torch's pool, shared like
+ * the decode blocks': a Python pool beside it met torch's workers still spinning from the
+ * step's kernels). Each thread takes a contiguous run of rows with its own scratch, `stride`
+ * bytes apart (sample_rows' four regions each); a row's token depends only on its own inputs,
+ * so the split changes nothing in the result. */
+void sample_rows_threads(int64_t S, int64_t threads, int64_t V, const float *logits,
+                         const float *temps, const int64_t *top_k, const float *top_p,
+                         const float *min_p, const float *u, const float *rep,
+                         const float *freq, const float *pres, const int32_t *hist,
+                         const int64_t *hist_off, const int64_t *n_prompt, int64_t *out,
+                         uint8_t *scratch, int64_t stride) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads((int)(threads > 0 ? threads : 1)) if (threads > 1 && S > 1)
+#endif
+    {
+        int64_t part = 0, parts = 1;
+#ifdef _OPENMP
+        part = omp_get_thread_num();
+        parts = omp_get_num_threads();
+#endif
+        const int64_t r0 = S * part / parts, r1 = S * (part + 1) / parts;
+        uint8_t *base = scratch + part * stride;
+        const size_t cand_bytes = sizeof(Cand) * (size_t)V;
+        if (r0 < r1)
+            sample_rows(r0, r1, V, logits, temps, top_k, top_p, min_p, u, rep, freq, pres,
+                        hist, hist_off, n_prompt, out, (float *)(void *)base,
+                        (Cand *)(void *)(base + 4 * V),
+                        (float *)(void *)(base + 4 * V + cand_bytes),
+                        base + 8 * V + cand_bytes);
     }
 }
