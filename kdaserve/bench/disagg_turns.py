@@ -36,13 +36,15 @@ def per_request(moved: dict[str, float]) -> dict[str, int]:
 
 
 def _seconds(moved: dict[str, float]) -> dict[str, float]:
-    """Per request: the pushes' host copies and the last part until every acknowledgement
-    (prefill side), and installing the transfer into the cache (decode side)."""
+    """Per request: the pushes' host copies (on the prefill engine thread while later chunks
+    compute), the last part until every acknowledgement (prefill side) and installing the
+    transfer into the cache (decode side); the last two are what the request waits for
+    after its prompt's last chunk (`wait_s`)."""
     n = max(1.0, moved["sent"])
     push, send = moved["push_seconds"] / n, moved["send_seconds"] / n
     receive = moved["decode_receive_seconds"] / n
     return {"push_s": round(push, 6), "send_s": round(send, 6),
-            "receive_s": round(receive, 6), "total_s": round(push + send + receive, 6)}
+            "receive_s": round(receive, 6), "wait_s": round(send + receive, 6)}
 
 
 def _errors(traces: list[Trace]) -> list[str]:
