@@ -113,7 +113,8 @@ def _bench_args(bench: argparse.ArgumentParser) -> None:
         ("offline", "offline throughput vs transformers", _from("kdaserve.bench.offline")),
         ("prefix", "shared-prefix TTFT, caching off vs on", _from("kdaserve.bench.prefix")),
         ("disagg", "prefill/decode disaggregation vs colocated: bytes, transfer time, "
-         "TTFT/TPOT, identical output", _from("kdaserve.bench.disagg")),
+         "TTFT/TPOT, second-turn decode-side prefix hits, identical output",
+         _from("kdaserve.bench.disagg")),
         ("spec", "speculative decoding vs plain decode", _from("kdaserve.bench.spec")),
         ("kda", "KDA recurrence: torch vs compiled CPU kernel", _from("kdaserve.bench.kda")),
         ("reference", "model vs transformers, fla-core (kimi_linear) or mlx-lm (kimi_k3)",

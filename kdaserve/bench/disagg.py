@@ -15,7 +15,8 @@ prompt alone, its prefill time and the transfer time after its last chunk (the l
 the acknowledgements; the goal: at most 10% of the prefill), and the time its pushes took on
 the engine thread while it computed; TTFT and TPOT (p50, p99; short requests' TPOT p99
 apart), colocated and disaggregated, under the mixed load; the decode side's prefix-hit
-tokens; `identical`: greedy output equal, token for token; and which goals held."""
+savings in a chat's second turn (`turns`, kdaserve/bench/disagg_turns.py); `identical`:
+greedy output equal, token for token (both turns included); and which goals held."""
 
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ from pathlib import Path
 import torch
 
 from kdaserve.assets import default_model_path
+from kdaserve.bench.disagg_pair import Pair
+from kdaserve.bench.disagg_turns import SCENARIOS, measure_turns, per_request
 from kdaserve.config import KV_CONNECTORS
-from kdaserve.disagg.local import Trace, run_colocated, run_disaggregated, transfer_counters
-from kdaserve.disagg.split_run import PrefillProcess, pin
+from kdaserve.disagg.local import Trace, run_colocated
+from kdaserve.disagg.split_run import pin
 from kdaserve.engine.llm import LLM
 from kdaserve.request import SamplingParams
 
@@ -62,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-cpus", type=_cpus, default=None, metavar="CPUS",
                    help="the decode engine's CPUs (this process); the colocated engine runs "
                    "on both sets")
+    p.add_argument("--num-chats", type=int, default=4,
+                   help="conversations of the second-turn scenarios (0: skip them)")
+    p.add_argument("--chat-len", type=int, default=1024, help="most tokens of a first-turn prompt (drawn from half that up)")
+    p.add_argument("--turn-len", type=int, default=64,
+                   help="tokens of the new user turn in a follow-up")
     p.add_argument("--json", action="store_true")
 
 
@@ -93,11 +101,15 @@ def _cpu_model() -> str:
 def measure(model: str, long_len: int, num_long: int, short_len: int, num_short: int,
             max_tokens: int, prefill_block: int, decode_block: int, cache_memory: int,
             seed: int, connector: str = "zmq", prefill_cpus: set[int] | None = None,
-            decode_cpus: set[int] | None = None) -> dict:
+            decode_cpus: set[int] | None = None, num_chats: int = 4, chat_len: int = 1024,
+            turn_len: int = 64, engine_args: dict | None = None) -> dict:
+    """`engine_args`: more LLM arguments for every engine (the tests' thread count)."""
     split = prefill_cpus is not None or decode_cpus is not None
     if split and not (prefill_cpus and decode_cpus):
         raise ValueError("--prefill-cpus and --decode-cpus go together")
-    common = {"cache_memory": cache_memory, "max_model_len": long_len + max_tokens + 64}
+    longest = max(long_len, chat_len + max_tokens + turn_len if num_chats else 0)
+    common = {"cache_memory": cache_memory, "max_model_len": longest + max_tokens + 64,
+              **(engine_args or {})}
     if split:
         pin(prefill_cpus | decode_cpus)
     colo = LLM(model, block_size=decode_block, enable_prefix_caching=False, **common)
@@ -115,31 +127,20 @@ def measure(model: str, long_len: int, num_long: int, short_len: int, num_short:
     colo_threads = torch.get_num_threads()
     if split:
         pin(decode_cpus)
-    dec = LLM(model, block_size=decode_block, role="decode", kv_transfer_port=0,
-              enable_prefix_caching=False, kv_connector=connector, **common)
-    pre_args = {"block_size": prefill_block, "enable_prefix_caching": False,
+    dec_args = {"block_size": decode_block, "enable_prefix_caching": False,
                 "kv_connector": connector, **common}
-    if split:
-        proc = PrefillProcess(model, pre_args, dec.engine.transfer.address, prefill_cpus)
-        run = proc.run
-    else:
-        pre = LLM(model, role="prefill", **pre_args)
-
-        def run(d, ps, p):
-            before = transfer_counters(pre.engine)
-            traces = run_disaggregated(pre.engine, d, ps, p)
-            after = transfer_counters(pre.engine)
-            return traces, {k: v - before[k] for k, v in after.items()}
+    pre_args = {**dec_args, "block_size": prefill_block}
+    pair = Pair(model, pre_args, dec_args, prefill_cpus if split else None)
+    dec = pair.dec
     try:
-        run(dec.engine, [prompts[0][:8]], params)                        # warm-up
-        (alone,), one = run(dec.engine, [lone], params)
-        disagg, moved = run(dec.engine, prompts, params)
+        pair.run([prompts[0][:8]], params)                              # warm-up
+        (alone,), one = pair.run([lone], params)
+        disagg, moved = pair.run(prompts, params)
+        turns = measure_turns(model, pair, colo.engine, pre_args, dec_args, num_chats,
+                              chat_len, turn_len, params, seed, _latents(dec), decode_block,
+                              prefill_cpus if split else None) if num_chats else None
     finally:
-        if split:
-            proc.close()
-        else:
-            pre.engine.transfer.connector.close()
-        dec.engine.transfer.connector.close()
+        pair.close()
     n = max(1.0, moved["sent"])
     # the lone long prompt: its time to the first token on the prefill side is its chunks'
     # compute, the pushes' host copies between them, and the last part's send
@@ -148,6 +149,8 @@ def measure(model: str, long_len: int, num_long: int, short_len: int, num_short:
     frac = after_last / prefill_s if prefill_s > 0 else None
     errors = [t.error for t in colocated + disagg + [alone] if t.error]
     identical = not errors and [t.tokens for t in disagg] == [t.tokens for t in colocated]
+    if turns is not None:
+        identical = identical and all(turns[k]["identical"] for k in SCENARIOS)
     lat_c, lat_d = _latency(colocated, short), _latency(disagg, short)
     return {
         "requests": len(prompts), "long_len": long_len, "num_long": num_long,
@@ -156,8 +159,7 @@ def measure(model: str, long_len: int, num_long: int, short_len: int, num_short:
         "kv_connector": connector,
         "identical": identical,
         "errors": errors,
-        "bytes_per_request": {"mla": int(moved["sent_mla_bytes"] // n),
-                              "kda": int(moved["sent_kda_bytes"] // n)},
+        "bytes_per_request": per_request(moved),
         "bytes_per_long_request_mla": _latents(dec) * long_len,
         "long_alone": {
             "tokens": long_len,
@@ -173,7 +175,8 @@ def measure(model: str, long_len: int, num_long: int, short_len: int, num_short:
                   "transfer_after_last_chunk_s_per_request":
                       round(moved["send_seconds"] / n, 5),
                   "prefill_steps": int(moved["steps"])},
-        "decode_prefix_hit_tokens": dec.engine.cache.stats.hit_tokens,
+        "decode_prefix_hit_tokens": int(moved["decode_hit_tokens"]),
+        "turns": turns,
         "colocated": lat_c,
         "disaggregated": lat_d,
         "goals": {
@@ -206,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
     result = measure(str(args.model or default_model_path()), args.long_len, args.num_long,
                      args.short_len, args.num_short, args.max_tokens, args.prefill_block_size,
                      args.decode_block_size, args.cache_memory, args.seed, args.kv_connector,
-                     args.prefill_cpus, args.decode_cpus)
+                     args.prefill_cpus, args.decode_cpus, args.num_chats, args.chat_len,
+                     args.turn_len)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0 if result["identical"] else 1

@@ -95,10 +95,11 @@ def hand_over(dec: EngineCore, tid: str, prompt: list[int], params: SamplingPara
 
 
 def transfer_counters(eng: EngineCore) -> dict[str, float]:
-    """A prefill engine's transfer seconds (pushes, last parts) and connector counters, and
-    its steps: subtract two of them for what a run moved."""
+    """An engine's transfer seconds (pushes, last parts; receives on a decode engine),
+    connector counters, steps and prefix-cache hit tokens: subtract two of them for what a
+    run moved."""
     return {**asdict(eng.transfer.times), **eng.transfer.metrics(),
-            "steps": float(eng.stats.steps)}
+            "steps": float(eng.stats.steps), "hit_tokens": float(eng.cache.stats.hit_tokens)}
 
 
 def take_deltas(deltas, traces: dict[str, Trace], skip_first: bool = False) -> None:
