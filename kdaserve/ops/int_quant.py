@@ -147,3 +147,72 @@ def unpack_zero_points(packed: torch.Tensor, bits: int, rows: int) -> torch.Tens
 def pack_zero_points(zero: torch.Tensor, bits: int) -> torch.Tensor:
     """int8 [N, G] -> int32 [words(N), G] packed along the rows (compressed-tensors')."""
     return to_int32_words(pack(zero.t(), bits)).t().contiguous()
+
+
+# ---- the integer dots of decode rows (csrc/int_dot.h), in torch -----------------------------
+
+ACT_BLOCK = 32
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] fp32 (K a multiple of 32) -> (codes int8 [..., K], block scales fp32
+    [..., K/32]): d = amax / 127 per block of 32, codes = round(x * (1 / d)) (ties to even),
+    the fp32 operations of csrc/int_dot.h qacts_make, so the same bits."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, ACT_BLOCK)
+    d = blocks.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)),
+                      torch.zeros_like(d))
+    codes = torch.round(blocks * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return codes.reshape(x.shape), d
+
+
+def lane_columns(bits: int) -> torch.Tensor:
+    """The columns of a 32-block in the kernels' lane order (8 lanes of 4): INT8 as they are;
+    INT4 the even columns (low nibbles), then the odd ones."""
+    p = torch.arange(ACT_BLOCK)
+    return p if bits == 8 else (p % 16) * 2 + p // 16
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 fused multiply-add, rounded once: a*b is exact in float64, the sum's error is
+    kept exactly (TwoSum), and a tie of the float64 sum between two floats is broken by it."""
+    s, c = a.double() * b.double(), c.double().expand_as(a)
+    hi = s + c
+    bb = hi - s
+    err = (s - (hi - bb)) + (c - bb)
+    r = hi.float()
+    diff = hi - r.double()
+    toward = torch.nextafter(r, torch.where(diff > 0, torch.tensor(float("inf")),
+                                            torch.tensor(float("-inf"))))
+    tie = (diff != 0) & (diff.abs() == (toward.double() - r.double()).abs() / 2)
+    return torch.where(tie & (err * diff > 0), toward, r)
+
+
+def int_dot_oracle(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                   zero: torch.Tensor | None, bits: int, k: int, group: int) -> torch.Tensor:
+    """x [B, k] @ the stored weight [N, k]^T as csrc/int_dot.h computes it, bit for bit: each
+    row's activations to int8 blocks (quantize_activations); per block and lane the exact
+    integer sum of (q - zero) * code; per group t = fma(I, d_block, t) over its blocks, then
+    acc = fma(t, scale, acc); the 8 lanes summed ((0+4)+(2+6))+((1+5)+(3+7))."""
+    group = min(group, k)
+    if k % ACT_BLOCK or group % ACT_BLOCK:
+        raise ValueError("the integer dots need k and the group in multiples of 32")
+    nb, gb = k // ACT_BLOCK, group // ACT_BLOCK
+    codes, d = quantize_activations(x.reshape(-1, k))
+    q = unpack(packed, bits, k).double()
+    if zero is not None:
+        q = q - _expand(zero.double(), group, k)
+    idx = (torch.arange(nb).unsqueeze(1) * ACT_BLOCK + lane_columns(bits)).reshape(-1)
+    a4 = codes.double()[:, idx].reshape(-1, nb, 8, 4)
+    w4 = q[:, idx].reshape(-1, nb, 8, 4)
+    lanes = torch.einsum("bjlc,njlc->bnjl", a4, w4).float()     # small integers: exact
+    rows, n = a4.shape[0], w4.shape[0]
+    acc = torch.zeros(rows, n, 8)
+    for g in range(scale.shape[-1]):
+        t = torch.zeros(rows, n, 8)
+        for b in range(g * gb, min((g + 1) * gb, nb)):
+            t = _fma(lanes[:, :, b], d[:, b, None, None], t)
+        acc = _fma(t, scale[None, :, g, None].float(), acc)
+    a = acc.unbind(-1)
+    y = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+    return y.reshape(*x.shape[:-1], n)

@@ -32,7 +32,10 @@ typedef struct {
     const float *scale;
     const int8_t *zero;       /* NULL: symmetric */
     int64_t row_bytes, groups, group, bits;
+    int64_t act8;             /* 1: decode rows take int_dot.h's integer dots where they apply */
 } qmat;
+
+#include "int_dot.h"
 
 static inline qv8f q_ld8(const float *p) {
     qv8f v;
@@ -159,6 +162,12 @@ static inline float q_dot_packed(const qmat *m, int64_t n, const float *restrict
  * apart; wb holds QB * K floats. */
 static void q_rows(const qmat *m, const float *X, int64_t ldx, float *Y, int64_t ldy,
                    int64_t n0, int64_t n1, int64_t K, int64_t B, float *wb) {
+    if (idot_applies(m, K)) {
+        qacts a = qacts_make(X, ldx, B, K, m->bits);
+        idot_rows(m, &a, B, Y, ldy, n0, n1);
+        qacts_free(&a);
+        return;
+    }
     float *xl = NULL;                /* INT4: the rows in q_lanes4 order */
     if (m->bits == 4) {
         xl = malloc(sizeof(float) * (size_t)(B * K));
@@ -196,11 +205,16 @@ static void q_matmat(const qmat *m, const float *X, int64_t ldx, float *Y, int64
                      int64_t N, int64_t K, int64_t B, int64_t nthreads) {
     (void)nthreads;
     const int64_t blocks = (N + QB - 1) / QB;
+    const int idot = idot_applies(m, K);
+    qacts a = {0};
+    if (idot) a = qacts_make(X, ldx, B, K, m->bits);       /* once for both threads */
 #pragma omp parallel num_threads((int)nthreads) if (nthreads > 1 && N * K * B >= 32768)
     {
         int64_t lo, hi;
         thread_share(0, blocks, &lo, &hi);
-        if (lo < hi) {
+        if (lo < hi && idot) {
+            idot_rows(m, &a, B, Y, ldy, lo * QB, hi * QB < N ? hi * QB : N);
+        } else if (lo < hi) {
             float *wb = malloc(sizeof(float) * QB * K);
             if (wb) {
                 const int64_t n1 = hi * QB < N ? hi * QB : N;
@@ -209,6 +223,7 @@ static void q_matmat(const qmat *m, const float *X, int64_t ldx, float *Y, int64
             }
         }
     }
+    if (idot) qacts_free(&a);
 }
 
 #endif
