@@ -36,6 +36,9 @@
 #endif
 
 #define IDOT_BLOCK 32
+#ifndef IDOT_AHEAD
+#define IDOT_AHEAD 4096
+#endif
 
 /* B input rows quantized: row r's codes q + r*K (INT4: each block in lane order), block
  * scales d + r*nb, lane sums of the codes A + r*nb*8 (for the zero offsets) */
@@ -226,10 +229,15 @@ idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, f
         const int64_t b1 = (g + 1) * gb < nb ? (g + 1) * gb : nb;
         idot_f t[4];
         for (int i = 0; i < NO * R; ++i) t[i] = idot_zero();
-        int32_t off[2];
+        int32_t off[4];
         for (int o = 0; o < NO; ++o)
             off[o] = base + (m->zero ? m->zero[(n + o) * m->groups + g] : 0);
         for (int64_t b = g * gb; b < b1; ++b) {
+            /* the tile's rows are read side by side (NO streams a row apart), which the
+             * hardware prefetcher followed worse than one row after another: ask for the
+             * bytes IDOT_AHEAD past where the tile reads, as fast as it consumes them */
+            const uint8_t *pf = m->packed + n * m->row_bytes + IDOT_AHEAD + b * NO * bb;
+            for (int64_t c = 0; IDOT_AHEAD && c < NO * bb; c += 64) __builtin_prefetch(pf + c);
             for (int o = 0; o < NO; ++o) {
                 const idot_w w = idot_wb(m->packed + (n + o) * m->row_bytes + b * bb, bits);
                 for (int r = 0; r < R; ++r) {
@@ -254,6 +262,8 @@ static inline __attribute__((always_inline)) void
 idot_rows_b(const qmat *m, const qacts *a, int64_t B, float *Y, int64_t ldy, int64_t n0,
             int64_t n1, int bits) {
     int64_t n = n0;
+    if (B == 1)         /* a lone row: four outputs, four independent sums */
+        for (; n + 4 <= n1; n += 4) idot_tile(m, n, 4, a, 0, 1, Y, ldy, bits);
     for (; n + 2 <= n1; n += 2) {
         int64_t r = 0;
         for (; r + 2 <= B; r += 2) idot_tile(m, n, 2, a, r, 2, Y, ldy, bits);
