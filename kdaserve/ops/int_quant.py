@@ -166,11 +166,15 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(x.shape), d
 
 
-def lane_columns(bits: int) -> torch.Tensor:
-    """The columns of a 32-block in the kernels' lane order (8 lanes of 4): INT8 as they are;
-    INT4 the even columns (low nibbles), then the odd ones."""
-    p = torch.arange(ACT_BLOCK)
-    return p if bits == 8 else (p % 16) * 2 + p // 16
+def unit_columns(bits: int) -> int:
+    """Columns of one 32-byte unit of a packed row (csrc/int_dot.h): 8 lanes of them."""
+    return 64 if bits == 4 else 32
+
+
+def int_dot_applies(k: int, group: int, bits: int) -> bool:
+    """Whether csrc/int_dot.h takes a product of k columns (else the fp32 decode does)."""
+    group, unit = min(group, k), unit_columns(bits)
+    return k % unit == 0 and (group % unit == 0 or (bits == 4 and group == 32))
 
 
 def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -190,29 +194,34 @@ def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 def int_dot_oracle(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                    zero: torch.Tensor | None, bits: int, k: int, group: int) -> torch.Tensor:
-    """x [B, k] @ the stored weight [N, k]^T as csrc/int_dot.h computes it, bit for bit: each
-    row's activations to int8 blocks (quantize_activations); per block and lane the exact
-    integer sum of (q - zero) * code; per group t = fma(I, d_block, t) over its blocks, then
+    """x [..., k] @ the stored weight [N, k]^T as csrc/int_dot.h computes it, bit for bit:
+    each row's activations to int8 blocks (quantize_activations); per unit of 32 weight bytes
+    (unit_columns) 8 lanes of consecutive columns, each lane's exact integer sum of
+    (q - zero) * code; per lane and group t = fma(I, d_block, t) over the group's units, then
     acc = fma(t, scale, acc); the 8 lanes summed ((0+4)+(2+6))+((1+5)+(3+7))."""
     group = min(group, k)
-    if k % ACT_BLOCK or group % ACT_BLOCK:
-        raise ValueError("the integer dots need k and the group in multiples of 32")
-    nb, gb = k // ACT_BLOCK, group // ACT_BLOCK
+    if not int_dot_applies(k, group, bits):
+        raise ValueError(f"no integer dots for {k} columns in groups of {group} (INT{bits})")
+    unit = unit_columns(bits)
+    cpl, units = unit // 8, k // unit
     codes, d = quantize_activations(x.reshape(-1, k))
     q = unpack(packed, bits, k).double()
     if zero is not None:
         q = q - _expand(zero.double(), group, k)
-    idx = (torch.arange(nb).unsqueeze(1) * ACT_BLOCK + lane_columns(bits)).reshape(-1)
-    a4 = codes.double()[:, idx].reshape(-1, nb, 8, 4)
-    w4 = q[:, idx].reshape(-1, nb, 8, 4)
-    lanes = torch.einsum("bjlc,njlc->bnjl", a4, w4).float()     # small integers: exact
-    rows, n = a4.shape[0], w4.shape[0]
+    a = codes.double().reshape(-1, units, 8, cpl)
+    lanes = torch.einsum("bulc,nulc->bnul", a, q.reshape(-1, units, 8, cpl)).float()  # exact
+    first = torch.arange(units).unsqueeze(1) * unit + torch.arange(8) * cpl   # [U, 8] columns
+    dl = d[:, first // ACT_BLOCK]                                             # [B, U, 8]
+    lane_group = first // group
+    rows, n = a.shape[0], q.shape[0]
     acc = torch.zeros(rows, n, 8)
     for g in range(scale.shape[-1]):
         t = torch.zeros(rows, n, 8)
-        for b in range(g * gb, min((g + 1) * gb, nb)):
-            t = _fma(lanes[:, :, b], d[:, b, None, None], t)
-        acc = _fma(t, scale[None, :, g, None].float(), acc)
-    a = acc.unbind(-1)
-    y = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+        for u in range((g * group) // unit, min(((g + 1) * group - 1) // unit + 1, units)):
+            mine = lane_group[u] == g
+            t = torch.where(mine, _fma(lanes[:, :, u], dl[:, None, u], t), t)
+        mine = (lane_group == g).any(0)
+        acc = torch.where(mine, _fma(t, scale[None, :, g, None].float(), acc), acc)
+    s = acc.unbind(-1)
+    y = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]))
     return y.reshape(*x.shape[:-1], n)

@@ -1,24 +1,24 @@
 /* Integer dot products over packed INT8/INT4 rows (int_rows.h's qmat) for decode rows, as
  * llama.cpp's Q4_0 / Q8_0 take them: each input row is quantized once per product to int8 in
- * blocks of 32 columns (one fp32 scale a block), the weights stay integers, and a block's
- * products sum exactly in int32; only the blocks' sums meet floats. The decoded fp32 weights
- * of int_rows.h cost about twice the instructions per weight, which kept the INT4 lone row
- * compute-bound; here a 32-column block is ~10 instructions for a row (AVX2).
+ * blocks of 32 columns (one fp32 scale a block), the weights stay integers, and the products
+ * sum exactly in int32; only those sums meet floats. int_rows.h's fp32 decode costs about
+ * twice the instructions per weight, which kept the INT4 lone row compute-bound.
  *
  * The math, exactly (kdaserve/ops/int_quant.py `int_dot_oracle` is its torch form):
- * - activation block b of a row: d = amax|x| / 127, id = d > 0 ? 1 / d : 0, qa = rint(x * id)
+ * - activation block b of a row: d = amax|x| / 127, id = d > 0 ? 1 / d : 0, code = rint(x * id)
  *   (fp32, ties to even);
- * - the 32 columns of a block fall in 8 lanes of 4: INT8 lane l holds columns 4l..4l+3; INT4
- *   lanes 0-3 hold the even columns (the low nibbles, 0,2,..,30 in fours), lanes 4-7 the odd
- *   ones: how the bytes unpack, so nothing is shuffled per weight (the activations are stored
- *   in that order once);
- * - I[l] = sum over the lane's columns of (q - zero) * qa, exact (int32);
- * - per group g of the weight (its blocks in order): t = 0; t = fma(I, d_b, t) per block;
- *   acc = fma(t, scale_g, acc); lanes independent, then y = ((a0+a4)+(a2+a6))+((a1+a5)+(a3+a7)).
- * Every fma is a fused one on every build (AVX2 / NEON intrinsics, fmaf otherwise), and the
- * build is ISO C (no other contraction), so every ISA gives the same bits, and a row's result
- * depends on nothing but its own inputs (not the batch, not the thread count).
- * Needs K and the group to be multiples of 32 (int_rows.h falls back to its fp32 decode). */
+ * - a row's columns in units of 32 bytes of weights (INT8: 32 columns, INT4: 64, two blocks),
+ *   each unit in 8 lanes of consecutive columns (4 or 8); a lane lies in one block, scale d;
+ * - I = sum over a lane's columns of (q - zero) * code, exact (int32);
+ * - per lane: t = 0 at each group's start, t = fma(I, d, t) unit after unit, and at the group's
+ *   end acc = fma(t, scale_g, acc); then y = ((a0+a4)+(a2+a6))+((a1+a5)+(a3+a7)).
+ * Every fma is fused on every build (AVX2 / NEON intrinsics, fmaf otherwise) and the build is
+ * ISO C (no other contraction), so every ISA gives the same bits, and a row's result depends
+ * on nothing but its own inputs (not the batch, not the thread count). An INT4 unit's bytes
+ * unpack to its even columns (low nibbles) and its odd ones (high): the activations are
+ * stored in that order once per row, so no weight is shuffled. Needs K a multiple of the unit
+ * and the group a multiple of 64 (INT4; or 32 exactly) or 32 (INT8): int_rows.h falls back
+ * to its fp32 decode otherwise. */
 #ifndef KDASERVE_INT_DOT_H
 #define KDASERVE_INT_DOT_H
 
@@ -36,46 +36,59 @@
 #endif
 
 #define IDOT_BLOCK 32
+/* bytes read ahead of a tile's rows (int_dot.h's tiles read NO rows side by side, which the
+ * hardware prefetcher followed at half the rate of one row after another) */
 #ifndef IDOT_AHEAD
 #define IDOT_AHEAD 4096
 #endif
 
-/* B input rows quantized: row r's codes q + r*K (INT4: each block in lane order), block
- * scales d + r*nb, lane sums of the codes A + r*nb*8 (for the zero offsets) */
+static inline int64_t idot_unit(int64_t bits) { return bits == 4 ? 64 : 32; }
+
+/* B input rows quantized: row r's codes q + r*K (INT4: each unit's even columns, then its odd
+ * ones), per unit and lane the block scale d + (r*U + u)*8 and the lane's sum of codes A
+ * (for the zero offsets) */
 typedef struct {
     int8_t *q;
     float *d;
     int32_t *A;
-    int64_t K, nb;
+    int64_t K, U;
 } qacts;
 
 static void qacts_free(qacts *a) { free(a->q); }
 
-/* one allocation for all of it (qacts_free) */
 static qacts qacts_make(const float *X, int64_t ldx, int64_t B, int64_t K, int64_t bits) {
-    qacts a = {NULL, NULL, NULL, K, K / IDOT_BLOCK};
-    const size_t nq = (size_t)(B * K), nd = (size_t)(B * a.nb);
-    char *p = malloc(nq + sizeof(float) * nd + sizeof(int32_t) * 8 * nd + 64);
+    const int64_t unit = idot_unit(bits), cpl = unit / 8;
+    qacts a = {NULL, NULL, NULL, K, K / unit};
+    const size_t nq = (size_t)(B * K), nl = (size_t)(B * a.U * 8);
+    char *p = malloc(((nq + 31) & ~(size_t)31) + (sizeof(float) + sizeof(int32_t)) * nl);
     if (!p) abort();
     a.q = (int8_t *)p;
     a.d = (float *)(void *)(p + ((nq + 31) & ~(size_t)31));
-    a.A = (int32_t *)(void *)(a.d + nd);
+    a.A = (int32_t *)(void *)(a.d + nl);
     for (int64_t r = 0; r < B; ++r) {
         const float *x = X + r * ldx;
-        for (int64_t b = 0; b < a.nb; ++b) {
-            const float *xb = x + b * IDOT_BLOCK;
-            float amax = 0.0f;
-            for (int j = 0; j < IDOT_BLOCK; ++j) amax = fmaxf(amax, fabsf(xb[j]));
-            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *q = a.q + r * K + b * IDOT_BLOCK;
-            for (int j = 0; j < IDOT_BLOCK; ++j) {
-                /* INT4: column j goes to position j/2 (even) or 16 + j/2 (odd) */
-                const int at = bits == 4 ? (j & 1) * 16 + j / 2 : j;
-                q[at] = (int8_t)lrintf(xb[j] * id);
+        for (int64_t u = 0; u < a.U; ++u) {
+            int8_t *q = a.q + r * K + u * unit;
+            float *d = a.d + (r * a.U + u) * 8;
+            int32_t *A = a.A + (r * a.U + u) * 8;
+            for (int64_t b = 0; b < unit / IDOT_BLOCK; ++b) {
+                const float *xb = x + u * unit + b * IDOT_BLOCK;
+                float amax = 0.0f;
+                for (int j = 0; j < IDOT_BLOCK; ++j) amax = fmaxf(amax, fabsf(xb[j]));
+                const float db = amax / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;
+                for (int j = 0; j < IDOT_BLOCK; ++j) {
+                    const int64_t c = b * IDOT_BLOCK + j;         /* column in the unit */
+                    q[bits == 4 ? (c & 1) * 32 + c / 2 : c] = (int8_t)lrintf(xb[j] * id);
+                }
+                for (int64_t l = b * IDOT_BLOCK / cpl; l < (b + 1) * IDOT_BLOCK / cpl; ++l)
+                    d[l] = db;
             }
-            a.d[r * a.nb + b] = d;
-            int32_t *A = a.A + (r * a.nb + b) * 8;
-            for (int l = 0; l < 8; ++l) A[l] = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
+            for (int l = 0; l < 8; ++l) {
+                int32_t s = 0;
+                for (int64_t c = l * cpl; c < (l + 1) * cpl; ++c)
+                    s += q[bits == 4 ? (c & 1) * 32 + c / 2 : c];
+                A[l] = s;
+            }
         }
     }
     return a;
@@ -84,57 +97,66 @@ static qacts qacts_make(const float *X, int64_t ldx, int64_t B, int64_t K, int64
 #if defined(IDOT_AVX2)
 typedef __m256 idot_f;
 typedef __m256i idot_i;
+typedef struct { __m256i lo, hi; } idot_w;
 static inline idot_f idot_zero(void) { return _mm256_setzero_ps(); }
-static inline idot_f idot_fma(idot_i i, float d, idot_f t) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(d), t);
+static inline idot_f idot_ldf(const float *p) { return _mm256_loadu_ps(p); }
+static inline idot_f idot_f2(float s0, float s1) {    /* s0 in lanes 0-3, s1 in 4-7 */
+    return _mm256_setr_m128(_mm_set1_ps(s0), _mm_set1_ps(s1));
 }
-static inline idot_f idot_fmaf(idot_f t, float s, idot_f acc) {
-    return _mm256_fmadd_ps(t, _mm256_set1_ps(s), acc);
+static inline idot_f idot_fma(idot_i i, idot_f d, idot_f t) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), d, t);
+}
+static inline idot_f idot_fmaf(idot_f t, idot_f s, idot_f acc) {
+    return _mm256_fmadd_ps(t, s, acc);
 }
 static inline float idot_sum(idot_f v) {
     float f[8];
     _mm256_storeu_ps(f, v);
     return ((f[0] + f[4]) + (f[2] + f[6])) + ((f[1] + f[5]) + (f[3] + f[7]));
 }
-/* the lanes I of one block: weights w (as idot_wb makes them) against codes qa */
-typedef __m256i idot_w;
+/* one unit's weights: INT4 the low and the high nibbles; INT8 |q| and q (for the signs) */
 static inline idot_w idot_wb(const uint8_t *p, int bits) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)p);
     if (bits == 4) {
-        const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)p);
-        return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b),
-                                _mm256_set1_epi8(15));
+        const __m256i m = _mm256_set1_epi8(15);
+        return (idot_w){_mm256_and_si256(v, m), _mm256_and_si256(_mm256_srli_epi16(v, 4), m)};
     }
-    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(const void *)p),
-                            _mm256_set1_epi8((char)0x80));
+    const __m256i w = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+    return (idot_w){_mm256_sign_epi8(w, w), w};
 }
 static inline idot_i idot_lanes(idot_w w, const int8_t *qa, int bits) {
-    const __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)qa);
+    const __m256i a0 = _mm256_loadu_si256((const __m256i *)(const void *)qa);
     __m256i p16;
-    if (bits == 4) {
-        p16 = _mm256_maddubs_epi16(w, a);       /* nibbles 0..15 unsigned: no saturation */
-    } else {                                     /* |w| <= 128 unsigned, sign moved to qa */
-        p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+    if (bits == 4) {          /* nibbles 0..15 unsigned; two byte pairs of each: |sum| < 2^13 */
+        const __m256i a1 = _mm256_loadu_si256((const __m256i *)(const void *)(qa + 32));
+        p16 = _mm256_add_epi16(_mm256_maddubs_epi16(w.lo, a0), _mm256_maddubs_epi16(w.hi, a1));
+    } else {                  /* |q| <= 128 unsigned, its sign moved to the code */
+        p16 = _mm256_maddubs_epi16(w.lo, _mm256_sign_epi8(a0, w.hi));
     }
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
-static inline idot_i idot_correct(idot_i I, const int32_t *A, int32_t off) {
+static inline idot_i idot_correct(idot_i I, const int32_t *A, int32_t off0, int32_t off1) {
     const __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)A);
-    if (off == 8) return _mm256_sub_epi32(I, _mm256_slli_epi32(a, 3));
-    return _mm256_sub_epi32(I, _mm256_mullo_epi32(a, _mm256_set1_epi32(off)));
+    if (off0 == 8 && off1 == 8) return _mm256_sub_epi32(I, _mm256_slli_epi32(a, 3));
+    const __m256i off = _mm256_setr_m128i(_mm_set1_epi32(off0), _mm_set1_epi32(off1));
+    return _mm256_sub_epi32(I, _mm256_mullo_epi32(a, off));
 }
-#else
-/* NEON and portable C: eight lanes as two halves (NEON registers) or an array */
-#if defined(IDOT_NEON)
+#elif defined(IDOT_NEON)
+/* eight lanes as two NEON registers; a unit's bytes 0-15 give lanes 0-3, 16-31 lanes 4-7 */
 typedef struct { float32x4_t v[2]; } idot_f;
 typedef struct { int32x4_t v[2]; } idot_i;
-typedef struct { int8x16_t v[2]; } idot_w;
+typedef struct { int8x16_t lo[2], hi[2]; } idot_w;
 static inline idot_f idot_zero(void) { return (idot_f){{vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)}}; }
-static inline idot_f idot_fma(idot_i i, float d, idot_f t) {
-    for (int h = 0; h < 2; ++h) t.v[h] = vfmaq_n_f32(t.v[h], vcvtq_f32_s32(i.v[h]), d);
+static inline idot_f idot_ldf(const float *p) { return (idot_f){{vld1q_f32(p), vld1q_f32(p + 4)}}; }
+static inline idot_f idot_f2(float s0, float s1) {
+    return (idot_f){{vdupq_n_f32(s0), vdupq_n_f32(s1)}};
+}
+static inline idot_f idot_fma(idot_i i, idot_f d, idot_f t) {
+    for (int h = 0; h < 2; ++h) t.v[h] = vfmaq_f32(t.v[h], vcvtq_f32_s32(i.v[h]), d.v[h]);
     return t;
 }
-static inline idot_f idot_fmaf(idot_f t, float s, idot_f acc) {
-    for (int h = 0; h < 2; ++h) acc.v[h] = vfmaq_n_f32(acc.v[h], t.v[h], s);
+static inline idot_f idot_fmaf(idot_f t, idot_f s, idot_f acc) {
+    for (int h = 0; h < 2; ++h) acc.v[h] = vfmaq_f32(acc.v[h], t.v[h], s.v[h]);
     return acc;
 }
 static inline float idot_sum(idot_f v) {
@@ -145,45 +167,61 @@ static inline float idot_sum(idot_f v) {
 }
 static inline idot_w idot_wb(const uint8_t *p, int bits) {
     idot_w w;
-    if (bits == 4) {
-        const uint8x16_t b = vld1q_u8(p);
-        w.v[0] = vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(15)));
-        w.v[1] = vreinterpretq_s8_u8(vshrq_n_u8(b, 4));
-    } else {
-        for (int h = 0; h < 2; ++h)
-            w.v[h] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(p + 16 * h), vdupq_n_u8(0x80)));
+    for (int h = 0; h < 2; ++h) {
+        const uint8x16_t b = vld1q_u8(p + 16 * h);
+        if (bits == 4) {
+            w.lo[h] = vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(15)));
+            w.hi[h] = vreinterpretq_s8_u8(vshrq_n_u8(b, 4));
+        } else {
+            w.lo[h] = vreinterpretq_s8_u8(veorq_u8(b, vdupq_n_u8(0x80)));
+            w.hi[h] = vdupq_n_s8(0);
+        }
     }
     return w;
 }
-/* sums of 4 consecutive byte products: lanes of 16 bytes */
-static inline int32x4_t idot_4s(int8x16_t w, int8x16_t a) {
+/* sums of 4 consecutive byte products, added to s */
+static inline int32x4_t idot_4s(int32x4_t s, int8x16_t w, int8x16_t a) {
 #if defined(__ARM_FEATURE_DOTPROD)
-    return vdotq_s32(vdupq_n_s32(0), w, a);
+    return vdotq_s32(s, w, a);
 #else
     const int32x4_t p0 = vpaddlq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(a)));
     const int32x4_t p1 = vpaddlq_s16(vmull_high_s8(w, a));
-    return vpaddq_s32(p0, p1);
+    return vaddq_s32(s, vpaddq_s32(p0, p1));
 #endif
 }
 static inline idot_i idot_lanes(idot_w w, const int8_t *qa, int bits) {
-    (void)bits;
-    return (idot_i){{idot_4s(w.v[0], vld1q_s8(qa)), idot_4s(w.v[1], vld1q_s8(qa + 16))}};
+    idot_i I;
+    for (int h = 0; h < 2; ++h) {
+        I.v[h] = idot_4s(vdupq_n_s32(0), w.lo[h], vld1q_s8(qa + 16 * h));
+        if (bits == 4) I.v[h] = idot_4s(I.v[h], w.hi[h], vld1q_s8(qa + 32 + 16 * h));
+    }
+    return I;
 }
-static inline idot_i idot_correct(idot_i I, const int32_t *A, int32_t off) {
-    for (int h = 0; h < 2; ++h) I.v[h] = vmlsq_n_s32(I.v[h], vld1q_s32(A + 4 * h), off);
+static inline idot_i idot_correct(idot_i I, const int32_t *A, int32_t off0, int32_t off1) {
+    I.v[0] = vmlsq_n_s32(I.v[0], vld1q_s32(A), off0);
+    I.v[1] = vmlsq_n_s32(I.v[1], vld1q_s32(A + 4), off1);
     return I;
 }
 #else
+/* portable C: the definition, lane by lane */
 typedef struct { float v[8]; } idot_f;
 typedef struct { int32_t v[8]; } idot_i;
-typedef struct { int8_t v[32]; } idot_w;
+typedef struct { const uint8_t *p; } idot_w;
 static inline idot_f idot_zero(void) { return (idot_f){{0}}; }
-static inline idot_f idot_fma(idot_i i, float d, idot_f t) {
-    for (int l = 0; l < 8; ++l) t.v[l] = fmaf((float)i.v[l], d, t.v[l]);
+static inline idot_f idot_ldf(const float *p) {
+    idot_f f;
+    memcpy(f.v, p, sizeof f.v);
+    return f;
+}
+static inline idot_f idot_f2(float s0, float s1) {
+    return (idot_f){{s0, s0, s0, s0, s1, s1, s1, s1}};
+}
+static inline idot_f idot_fma(idot_i i, idot_f d, idot_f t) {
+    for (int l = 0; l < 8; ++l) t.v[l] = fmaf((float)i.v[l], d.v[l], t.v[l]);
     return t;
 }
-static inline idot_f idot_fmaf(idot_f t, float s, idot_f acc) {
-    for (int l = 0; l < 8; ++l) acc.v[l] = fmaf(t.v[l], s, acc.v[l]);
+static inline idot_f idot_fmaf(idot_f t, idot_f s, idot_f acc) {
+    for (int l = 0; l < 8; ++l) acc.v[l] = fmaf(t.v[l], s.v[l], acc.v[l]);
     return acc;
 }
 static inline float idot_sum(idot_f v) {
@@ -191,101 +229,108 @@ static inline float idot_sum(idot_f v) {
     return ((f[0] + f[4]) + (f[2] + f[6])) + ((f[1] + f[5]) + (f[3] + f[7]));
 }
 static inline idot_w idot_wb(const uint8_t *p, int bits) {
-    idot_w w;
-    for (int j = 0; j < 16 && bits == 4; ++j) {
-        w.v[j] = (int8_t)(p[j] & 15);
-        w.v[16 + j] = (int8_t)(p[j] >> 4);
-    }
-    for (int j = 0; j < 32 && bits == 8; ++j) w.v[j] = (int8_t)(p[j] - 128);
-    return w;
+    (void)bits;
+    return (idot_w){p};
 }
 static inline idot_i idot_lanes(idot_w w, const int8_t *qa, int bits) {
-    (void)bits;
+    const int cpl = bits == 4 ? 8 : 4;
     idot_i I;
     for (int l = 0; l < 8; ++l) {
         int32_t s = 0;
-        for (int j = 4 * l; j < 4 * l + 4; ++j) s += (int32_t)w.v[j] * qa[j];
+        for (int c = l * cpl; c < (l + 1) * cpl; ++c) {
+            const int32_t q = bits == 4 ? (w.p[c / 2] >> (4 * (c & 1))) & 15 : w.p[c] - 128;
+            s += q * qa[bits == 4 ? (c & 1) * 32 + c / 2 : c];
+        }
         I.v[l] = s;
     }
     return I;
 }
-static inline idot_i idot_correct(idot_i I, const int32_t *A, int32_t off) {
-    for (int l = 0; l < 8; ++l) I.v[l] -= off * A[l];
+static inline idot_i idot_correct(idot_i I, const int32_t *A, int32_t off0, int32_t off1) {
+    for (int l = 0; l < 8; ++l) I.v[l] -= (l < 4 ? off0 : off1) * A[l];
     return I;
 }
 #endif
-#endif
 
 /* Y[r * ldy + n + o] for NO outputs from n and R rows (NO * R <= 4: the sums stay in
- * registers), each (row, output) computed as the header says whatever its tile mates. */
+ * registers), each (row, output) computed as the header says whatever its tile mates. gu:
+ * units per group (0: INT4 in groups of 32, each unit's lanes 0-3 and 4-7 in groups of
+ * their own). */
 static inline __attribute__((always_inline)) void
 idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, float *Y,
-          int64_t ldy, int bits) {
-    const int64_t nb = a->nb, gb = m->group / IDOT_BLOCK, bb = bits * IDOT_BLOCK / 8;
+          int64_t ldy, int bits, int64_t gu) {
+    const int64_t U = a->U, G = m->groups;
     const int32_t base = bits == 4 ? 8 : 0;
+    const uint8_t *w0 = m->packed + n * m->row_bytes;
     idot_f acc[4];
     for (int i = 0; i < NO * R; ++i) acc[i] = idot_zero();
-    for (int64_t g = 0; g < m->groups; ++g) {
-        const int64_t b1 = (g + 1) * gb < nb ? (g + 1) * gb : nb;
+    const int64_t steps = gu ? G : U;                  /* groups, or units of two groups */
+    for (int64_t g = 0; g < steps; ++g) {
+        const int64_t u0 = gu ? g * gu : g, u1 = gu ? ((g + 1) * gu < U ? (g + 1) * gu : U) : g + 1;
+        const int64_t g0 = gu ? g : 2 * g, g1 = gu ? g : 2 * g + 1;
         idot_f t[4];
         for (int i = 0; i < NO * R; ++i) t[i] = idot_zero();
-        int32_t off[4];
-        for (int o = 0; o < NO; ++o)
-            off[o] = base + (m->zero ? m->zero[(n + o) * m->groups + g] : 0);
-        for (int64_t b = g * gb; b < b1; ++b) {
-            /* the tile's rows are read side by side (NO streams a row apart), which the
-             * hardware prefetcher followed worse than one row after another: ask for the
-             * bytes IDOT_AHEAD past where the tile reads, as fast as it consumes them */
-            const uint8_t *pf = m->packed + n * m->row_bytes + IDOT_AHEAD + b * NO * bb;
-            for (int64_t c = 0; IDOT_AHEAD && c < NO * bb; c += 64) __builtin_prefetch(pf + c);
+        int32_t off0[4], off1[4];
+        for (int o = 0; o < NO; ++o) {
+            const int8_t *z = m->zero ? m->zero + (n + o) * G : NULL;
+            off0[o] = base + (z ? z[g0] : 0);
+            off1[o] = base + (z ? z[g1] : 0);
+        }
+        for (int64_t u = u0; u < u1; ++u) {
+            const uint8_t *pf = w0 + IDOT_AHEAD + u * NO * 32;
+            for (int c = 0; IDOT_AHEAD && c < NO * 32; c += 64) __builtin_prefetch(pf + c);
             for (int o = 0; o < NO; ++o) {
-                const idot_w w = idot_wb(m->packed + (n + o) * m->row_bytes + b * bb, bits);
+                const idot_w w = idot_wb(w0 + o * m->row_bytes + u * 32, bits);
                 for (int r = 0; r < R; ++r) {
-                    const int64_t rb = (r0 + r) * nb + b;
-                    idot_i I = idot_lanes(w, a->q + rb * IDOT_BLOCK, bits);
-                    if (off[o]) I = idot_correct(I, a->A + rb * 8, off[o]);
-                    t[o * R + r] = idot_fma(I, a->d[rb], t[o * R + r]);
+                    const int64_t ru = (r0 + r) * U + u;
+                    idot_i I = idot_lanes(w, a->q + (r0 + r) * a->K + u * idot_unit(bits), bits);
+                    if (off0[o] || off1[o]) I = idot_correct(I, a->A + ru * 8, off0[o], off1[o]);
+                    t[o * R + r] = idot_fma(I, idot_ldf(a->d + ru * 8), t[o * R + r]);
                 }
             }
         }
         for (int o = 0; o < NO; ++o) {
-            const float s = m->scale[(n + o) * m->groups + g];
-            for (int r = 0; r < R; ++r) acc[o * R + r] = idot_fmaf(t[o * R + r], s, acc[o * R + r]);
+            const float *s = m->scale + (n + o) * G;
+            const idot_f sv = idot_f2(s[g0], s[g1]);
+            for (int r = 0; r < R; ++r) acc[o * R + r] = idot_fmaf(t[o * R + r], sv, acc[o * R + r]);
         }
     }
     for (int o = 0; o < NO; ++o)
         for (int r = 0; r < R; ++r) Y[(r0 + r) * ldy + n + o] = idot_sum(acc[o * R + r]);
 }
 
-/* Y[b, n] for all rows of `a`, outputs [n0, n1): two outputs by two rows at a time */
+/* Y[b, n] for all rows of `a`, outputs [n0, n1): a lone row four outputs at a time (four
+ * independent sums), more rows two outputs by two rows */
 static inline __attribute__((always_inline)) void
 idot_rows_b(const qmat *m, const qacts *a, int64_t B, float *Y, int64_t ldy, int64_t n0,
-            int64_t n1, int bits) {
+            int64_t n1, int bits, int64_t gu) {
     int64_t n = n0;
-    if (B == 1)         /* a lone row: four outputs, four independent sums */
-        for (; n + 4 <= n1; n += 4) idot_tile(m, n, 4, a, 0, 1, Y, ldy, bits);
+    if (B == 1)
+        for (; n + 4 <= n1; n += 4) idot_tile(m, n, 4, a, 0, 1, Y, ldy, bits, gu);
     for (; n + 2 <= n1; n += 2) {
         int64_t r = 0;
-        for (; r + 2 <= B; r += 2) idot_tile(m, n, 2, a, r, 2, Y, ldy, bits);
-        if (r < B) idot_tile(m, n, 2, a, r, 1, Y, ldy, bits);
+        for (; r + 2 <= B; r += 2) idot_tile(m, n, 2, a, r, 2, Y, ldy, bits, gu);
+        if (r < B) idot_tile(m, n, 2, a, r, 1, Y, ldy, bits, gu);
     }
     if (n < n1) {
         int64_t r = 0;
-        for (; r + 2 <= B; r += 2) idot_tile(m, n, 1, a, r, 2, Y, ldy, bits);
-        if (r < B) idot_tile(m, n, 1, a, r, 1, Y, ldy, bits);
+        for (; r + 2 <= B; r += 2) idot_tile(m, n, 1, a, r, 2, Y, ldy, bits, gu);
+        if (r < B) idot_tile(m, n, 1, a, r, 1, Y, ldy, bits, gu);
     }
 }
 
 static void idot_rows(const qmat *m, const qacts *a, int64_t B, float *Y, int64_t ldy,
                       int64_t n0, int64_t n1) {
-    if (m->bits == 4) idot_rows_b(m, a, B, Y, ldy, n0, n1, 4);
-    else idot_rows_b(m, a, B, Y, ldy, n0, n1, 8);
+    const int64_t gu = m->group / idot_unit(m->bits);
+    if (m->bits == 8) idot_rows_b(m, a, B, Y, ldy, n0, n1, 8, gu);
+    else if (gu) idot_rows_b(m, a, B, Y, ldy, n0, n1, 4, gu);
+    else idot_rows_b(m, a, B, Y, ldy, n0, n1, 4, 0);
 }
 
 /* whether a product over m with K columns takes the integer dots */
 static inline int idot_applies(const qmat *m, int64_t K) {
-    return m->act8 && (m->bits == 4 || m->bits == 8) && K % IDOT_BLOCK == 0
-           && m->group % IDOT_BLOCK == 0 && m->group > 0;
+    if (!m->act8 || (m->bits != 4 && m->bits != 8) || m->group <= 0) return 0;
+    const int64_t unit = idot_unit(m->bits);
+    return K % unit == 0 && (m->group % unit == 0 || (m->bits == 4 && m->group == 32));
 }
 
 #endif
