@@ -31,13 +31,17 @@ from kdaserve.ops.cpu_kernels import (
     activation_args,
     parallel_rows,
 )
+from kdaserve.ops.int_quant import int_dot_applies
 
 if TYPE_CHECKING:
     from kdaserve.ops.activation import GLUActivation
 
-# rows from which the dequantized weight's product beats decoding in the product (one
-# dequantization of N*K weights against N*K*rows multiply-adds)
+# rows up to which the compiled product beats the dequantized weight's (one dequantization of
+# N*K weights against N*K*rows multiply-adds): the fp32 decode, and the integer dots (on the
+# AVX2 EPYC of docs/benchmarks.md, [4096 x 1024] at 128 rows: 8-9 ms against 20-47; at 512
+# rows about even)
 MAX_ROWS = 64
+MAX_INT_DOT_ROWS = 256
 
 
 
@@ -59,10 +63,17 @@ def available() -> bool:
     return _kernel() is not None
 
 
+def max_rows(layer) -> int:
+    """The most rows `layer`'s compiled product takes."""
+    if int_dot() and int_dot_applies(layer.in_features, layer.group, layer.bits):
+        return MAX_INT_DOT_ROWS
+    return MAX_ROWS
+
+
 def applies(x: torch.Tensor, layer) -> bool:
     """Whether `layer`(x) takes the compiled product."""
     return (x.dtype == torch.float32 and x.device.type == "cpu"
-            and x.numel() <= MAX_ROWS * layer.in_features
+            and x.numel() <= max_rows(layer) * layer.in_features
             and not (torch.is_grad_enabled() and x.requires_grad)
             and layer.weight_packed.device.type == "cpu" and _kernel() is not None)
 

@@ -115,9 +115,14 @@ def test_rows_do_not_depend_on_their_batch(bits, threads, k, int_dot, monkeypatc
     assert torch.equal(batch, alone) and torch.equal(batch, odd)
 
 
-def test_many_rows_and_autograd_take_the_oracle() -> None:
+@pytest.mark.parametrize("int_dot", ["1", "0"])
+def test_many_rows_and_autograd_take_the_oracle(int_dot, monkeypatch) -> None:
+    monkeypatch.setenv("KDASERVE_INT_DOT", int_dot)
     layer = _layer(8, 16, 32, 32, True)
-    x = torch.randn(cpu_int_linear.MAX_ROWS + 1, 32)
+    limit = cpu_int_linear.MAX_INT_DOT_ROWS if int_dot == "1" else cpu_int_linear.MAX_ROWS
+    assert cpu_int_linear.max_rows(layer) == limit
+    assert cpu_int_linear.applies(torch.randn(limit, 32), layer)
+    x = torch.randn(limit + 1, 32)
     assert not cpu_int_linear.applies(x, layer)
     assert torch.equal(layer(x), reference(x, layer))
     xg = torch.randn(2, 32, requires_grad=True)

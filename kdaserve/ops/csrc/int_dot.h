@@ -135,11 +135,17 @@ static inline idot_i idot_lanes(idot_w w, const int8_t *qa, int bits) {
     }
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
-static inline idot_i idot_correct(idot_i I, const int32_t *A, int32_t off0, int32_t off1) {
+/* I - off * A: off0 in lanes 0-3, off1 in 4-7 (zero points), or 8 everywhere (INT4) */
+static inline idot_i idot_offs(int32_t off0, int32_t off1) {
+    return _mm256_setr_m128i(_mm_set1_epi32(off0), _mm_set1_epi32(off1));
+}
+static inline idot_i idot_correct(idot_i I, const int32_t *A, idot_i off) {
     const __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)A);
-    if (off0 == 8 && off1 == 8) return _mm256_sub_epi32(I, _mm256_slli_epi32(a, 3));
-    const __m256i off = _mm256_setr_m128i(_mm_set1_epi32(off0), _mm_set1_epi32(off1));
     return _mm256_sub_epi32(I, _mm256_mullo_epi32(a, off));
+}
+static inline idot_i idot_correct8(idot_i I, const int32_t *A) {
+    const __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)A);
+    return _mm256_sub_epi32(I, _mm256_slli_epi32(a, 3));
 }
 #elif defined(IDOT_NEON)
 /* eight lanes as two NEON registers; a unit's bytes 0-15 give lanes 0-3, 16-31 lanes 4-7 */
@@ -197,9 +203,15 @@ static inline idot_i idot_lanes(idot_w w, const int8_t *qa, int bits) {
     }
     return I;
 }
-static inline idot_i idot_correct(idot_i I, const int32_t *A, int32_t off0, int32_t off1) {
-    I.v[0] = vmlsq_n_s32(I.v[0], vld1q_s32(A), off0);
-    I.v[1] = vmlsq_n_s32(I.v[1], vld1q_s32(A + 4), off1);
+static inline idot_i idot_offs(int32_t off0, int32_t off1) {
+    return (idot_i){{vdupq_n_s32(off0), vdupq_n_s32(off1)}};
+}
+static inline idot_i idot_correct(idot_i I, const int32_t *A, idot_i off) {
+    for (int h = 0; h < 2; ++h) I.v[h] = vmlsq_s32(I.v[h], vld1q_s32(A + 4 * h), off.v[h]);
+    return I;
+}
+static inline idot_i idot_correct8(idot_i I, const int32_t *A) {
+    for (int h = 0; h < 2; ++h) I.v[h] = vsubq_s32(I.v[h], vshlq_n_s32(vld1q_s32(A + 4 * h), 3));
     return I;
 }
 #else
@@ -245,8 +257,15 @@ static inline idot_i idot_lanes(idot_w w, const int8_t *qa, int bits) {
     }
     return I;
 }
-static inline idot_i idot_correct(idot_i I, const int32_t *A, int32_t off0, int32_t off1) {
-    for (int l = 0; l < 8; ++l) I.v[l] -= (l < 4 ? off0 : off1) * A[l];
+static inline idot_i idot_offs(int32_t off0, int32_t off1) {
+    return (idot_i){{off0, off0, off0, off0, off1, off1, off1, off1}};
+}
+static inline idot_i idot_correct(idot_i I, const int32_t *A, idot_i off) {
+    for (int l = 0; l < 8; ++l) I.v[l] -= off.v[l] * A[l];
+    return I;
+}
+static inline idot_i idot_correct8(idot_i I, const int32_t *A) {
+    for (int l = 0; l < 8; ++l) I.v[l] -= 8 * A[l];
     return I;
 }
 #endif
@@ -257,9 +276,9 @@ static inline idot_i idot_correct(idot_i I, const int32_t *A, int32_t off0, int3
  * their own). */
 static inline __attribute__((always_inline)) void
 idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, float *Y,
-          int64_t ldy, int bits, int64_t gu) {
+          int64_t ldy, int bits, int64_t gu, int zp) {
     const int64_t U = a->U, G = m->groups;
-    const int32_t base = bits == 4 ? 8 : 0;
+    const int32_t base = bits == 4 ? 8 : 0;   /* the unsigned nibbles' offset */
     const uint8_t *w0 = m->packed + n * m->row_bytes;
     idot_f acc[4];
     for (int i = 0; i < NO * R; ++i) acc[i] = idot_zero();
@@ -269,11 +288,10 @@ idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, f
         const int64_t g0 = gu ? g : 2 * g, g1 = gu ? g : 2 * g + 1;
         idot_f t[4];
         for (int i = 0; i < NO * R; ++i) t[i] = idot_zero();
-        int32_t off0[4], off1[4];
-        for (int o = 0; o < NO; ++o) {
-            const int8_t *z = m->zero ? m->zero + (n + o) * G : NULL;
-            off0[o] = base + (z ? z[g0] : 0);
-            off1[o] = base + (z ? z[g1] : 0);
+        idot_i off[4];
+        for (int o = 0; zp && o < NO; ++o) {
+            const int8_t *z = m->zero + (n + o) * G;
+            off[o] = idot_offs(base + z[g0], base + z[g1]);
         }
         for (int64_t u = u0; u < u1; ++u) {
             const uint8_t *pf = w0 + IDOT_AHEAD + u * NO * 32;
@@ -283,7 +301,8 @@ idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, f
                 for (int r = 0; r < R; ++r) {
                     const int64_t ru = (r0 + r) * U + u;
                     idot_i I = idot_lanes(w, a->q + (r0 + r) * a->K + u * idot_unit(bits), bits);
-                    if (off0[o] || off1[o]) I = idot_correct(I, a->A + ru * 8, off0[o], off1[o]);
+                    if (zp) I = idot_correct(I, a->A + ru * 8, off[o]);
+                    else if (bits == 4) I = idot_correct8(I, a->A + ru * 8);
                     t[o * R + r] = idot_fma(I, idot_ldf(a->d + ru * 8), t[o * R + r]);
                 }
             }
@@ -298,32 +317,43 @@ idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, f
         for (int r = 0; r < R; ++r) Y[(r0 + r) * ldy + n + o] = idot_sum(acc[o * R + r]);
 }
 
-/* Y[b, n] for all rows of `a`, outputs [n0, n1): a lone row four outputs at a time (four
- * independent sums), more rows two outputs by two rows */
+/* Y[b, n] for rows [r0, r1) of `a`, outputs [n0, n1): a lone row four outputs at a time
+ * (four independent sums), more rows two outputs by two rows */
 static inline __attribute__((always_inline)) void
-idot_rows_b(const qmat *m, const qacts *a, int64_t B, float *Y, int64_t ldy, int64_t n0,
-            int64_t n1, int bits, int64_t gu) {
+idot_rows_b(const qmat *m, const qacts *a, int64_t r0, int64_t r1, float *Y, int64_t ldy,
+            int64_t n0, int64_t n1, int bits, int64_t gu, int zp) {
+    const int64_t B = r1;
     int64_t n = n0;
-    if (B == 1)
-        for (; n + 4 <= n1; n += 4) idot_tile(m, n, 4, a, 0, 1, Y, ldy, bits, gu);
+    if (r1 - r0 == 1)
+        for (; n + 4 <= n1; n += 4) idot_tile(m, n, 4, a, r0, 1, Y, ldy, bits, gu, zp);
     for (; n + 2 <= n1; n += 2) {
-        int64_t r = 0;
-        for (; r + 2 <= B; r += 2) idot_tile(m, n, 2, a, r, 2, Y, ldy, bits, gu);
-        if (r < B) idot_tile(m, n, 2, a, r, 1, Y, ldy, bits, gu);
+        int64_t r = r0;
+        for (; r + 2 <= B; r += 2) idot_tile(m, n, 2, a, r, 2, Y, ldy, bits, gu, zp);
+        if (r < B) idot_tile(m, n, 2, a, r, 1, Y, ldy, bits, gu, zp);
     }
     if (n < n1) {
-        int64_t r = 0;
-        for (; r + 2 <= B; r += 2) idot_tile(m, n, 1, a, r, 2, Y, ldy, bits, gu);
-        if (r < B) idot_tile(m, n, 1, a, r, 1, Y, ldy, bits, gu);
+        int64_t r = r0;
+        for (; r + 2 <= B; r += 2) idot_tile(m, n, 1, a, r, 2, Y, ldy, bits, gu, zp);
+        if (r < B) idot_tile(m, n, 1, a, r, 1, Y, ldy, bits, gu, zp);
     }
 }
 
+/* rows a block at a time, so that their codes stay in the L1 cache while the outputs pass */
+#define IDOT_ROWS 16
+
 static void idot_rows(const qmat *m, const qacts *a, int64_t B, float *Y, int64_t ldy,
                       int64_t n0, int64_t n1) {
+    /* one copy per case, so that the tiles' loops hold no branch */
     const int64_t gu = m->group / idot_unit(m->bits);
-    if (m->bits == 8) idot_rows_b(m, a, B, Y, ldy, n0, n1, 8, gu);
-    else if (gu) idot_rows_b(m, a, B, Y, ldy, n0, n1, 4, gu);
-    else idot_rows_b(m, a, B, Y, ldy, n0, n1, 4, 0);
+    for (int64_t r0 = 0; r0 < B; r0 += IDOT_ROWS) {
+        const int64_t r1 = r0 + IDOT_ROWS < B ? r0 + IDOT_ROWS : B;
+        if (m->bits == 8 && !m->zero) idot_rows_b(m, a, r0, r1, Y, ldy, n0, n1, 8, gu, 0);
+        else if (m->bits == 8) idot_rows_b(m, a, r0, r1, Y, ldy, n0, n1, 8, gu, 1);
+        else if (gu && !m->zero) idot_rows_b(m, a, r0, r1, Y, ldy, n0, n1, 4, gu, 0);
+        else if (gu) idot_rows_b(m, a, r0, r1, Y, ldy, n0, n1, 4, gu, 1);
+        else if (!m->zero) idot_rows_b(m, a, r0, r1, Y, ldy, n0, n1, 4, 0, 0);
+        else idot_rows_b(m, a, r0, r1, Y, ldy, n0, n1, 4, 0, 1);
+    }
 }
 
 /* whether a product over m with K columns takes the integer dots */
