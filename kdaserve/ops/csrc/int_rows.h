@@ -4,12 +4,14 @@
  * q + 8 for INT4 two a byte, the even column in the low nibble); scale fp32 [N, G], one per
  * `group` consecutive columns (the last group may be shorter); zero int8 [N, G] or NULL.
  *
- * Each pass decodes QB weight rows once into a small fp32 buffer, w = (q - zero) * scale
- * (one rounding: the oracle's dequantized weight, bit for bit), and every input row takes its
- * dot products with them, so the packed bytes are read once per call for all rows. A dot
- * product always runs the same way (two 8-lane sums over alternate 8-column chunks, the tail
- * in column order, a fixed reduction), so a row's result does not depend on how many rows
- * share the call, nor on the thread that computed it. */
+ * With qmat.act8 (the default, kdaserve/ops/cpu_int_linear.py `int_dot`) and a shape it
+ * takes, a product is int_dot.h's integer dots over int8-quantized input rows. Otherwise (the
+ * fp32 decode below) each pass decodes QB weight rows once into a small fp32 buffer,
+ * w = (q - zero) * scale (one rounding: the oracle's dequantized weight, bit for bit), and
+ * every input row takes its dot products with them, so the packed bytes are read once per
+ * call for all rows. A dot product always runs the same way (two 8-lane sums over alternate
+ * 8-column chunks, the tail in column order, a fixed reduction), so a row's result does not
+ * depend on how many rows share the call, nor on the thread that computed it. */
 #ifndef KDASERVE_INT_ROWS_H
 #define KDASERVE_INT_ROWS_H
 
