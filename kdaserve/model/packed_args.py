@@ -14,13 +14,15 @@ from torch import nn
 
 from kdaserve.model.moe import SparseMoE
 from kdaserve.model.quant_linear import QuantLinear
+from kdaserve.ops.cpu_int_linear import int_dot
 
 
 class QMat(ctypes.Structure):
     """int_rows.h's qmat, field for field."""
     _fields_ = [("packed", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("zero", ctypes.c_void_p), ("row_bytes", ctypes.c_int64),
-                ("groups", ctypes.c_int64), ("group", ctypes.c_int64), ("bits", ctypes.c_int64)]
+                ("groups", ctypes.c_int64), ("group", ctypes.c_int64), ("bits", ctypes.c_int64),
+                ("act8", ctypes.c_int64)]
 
 
 def has_packed(model: nn.Module) -> bool:
@@ -43,6 +45,7 @@ class Descriptors:
         d.zero = None if zero is None else zero.data_ptr()
         d.groups = 0 if scale is None else scale.shape[-1]
         d.group, d.bits = group, bits
+        d.act8 = int(bits != 32 and int_dot())
 
     def matrix(self, m: nn.Module | torch.Tensor) -> ctypes.c_void_p:
         """A descriptor of a layer (QuantLinear or float) or a float weight [out, in]."""

@@ -3,14 +3,20 @@ quant_linear.py) and routed experts (SparseMoE with int_quant, csrc/moe_int.h). 
 the product reads the packed bytes and group scales in place (csrc/int_rows.h), so a decode
 step reads a quarter (INT8) or an eighth (INT4) of an fp32 weight's bytes.
 
-Each pass decodes a few weight rows to fp32 exactly as the oracle dequantizes them and runs
-every input row's dot products against them, each in one fixed order: a row's output does not
-depend on the other rows of its call. Many rows (a prefill) amortise a whole dequantized
-weight instead, so they take the oracle, dequantize-then-matmul, whose product torch runs at
-its full speed. Everything else (other dtypes and devices, autograd) takes the oracle too."""
+By default (integer dots, csrc/int_dot.h) each input row is quantized to int8 in blocks of 32
+columns, as llama.cpp's Q8_0 / Q4_0 products do, and the weights stay integers: a block's
+products sum exactly in int32, then meet the block and group scales in fp32
+(int_quant.int_dot_oracle is the same math in torch). That needs the width and the group to be
+multiples of 32; otherwise, and with KDASERVE_INT_DOT=0, each pass decodes a few weight rows
+to fp32 exactly as the oracle dequantizes them and takes fp32 dot products. Either way each
+(row, output) sums in one fixed order: a row's output does not depend on the other rows of its
+call nor on the thread count. Many rows (a prefill) amortise a whole dequantized weight
+instead, so they take dequantize-then-matmul, whose product torch runs at its full speed.
+Everything else (other dtypes and devices, autograd) takes that too."""
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -25,30 +31,49 @@ from kdaserve.ops.cpu_kernels import (
     activation_args,
     parallel_rows,
 )
+from kdaserve.ops.int_quant import int_dot_applies
 
 if TYPE_CHECKING:
     from kdaserve.ops.activation import GLUActivation
 
-# rows from which the dequantized weight's product beats decoding in the product (one
-# dequantization of N*K weights against N*K*rows multiply-adds)
+# rows up to which the compiled product beats the dequantized weight's (one dequantization of
+# N*K weights against N*K*rows multiply-adds): the fp32 decode, and the integer dots (on the
+# AVX2 EPYC of docs/benchmarks.md, [4096 x 1024] at 128 rows: 8-9 ms against 20-47; at 512
+# rows about even)
 MAX_ROWS = 64
+MAX_INT_DOT_ROWS = 256
+
+
+
+
+def int_dot() -> bool:
+    """Whether decode rows take the integer dots (csrc/int_dot.h): KDASERVE_INT_DOT, default 1;
+    0 keeps the fp32 products over the exactly dequantized weights."""
+    return os.environ.get("KDASERVE_INT_DOT", "1") != "0"
 
 
 @cache
 def _kernel():
     return _c_function("int_linear_cpu.c", "int_linear_rows",
                        [_I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
-                        _PTR, _I64, _I64])
+                        _PTR, _I64, _I64, _I64])
 
 
 def available() -> bool:
     return _kernel() is not None
 
 
+def max_rows(layer) -> int:
+    """The most rows `layer`'s compiled product takes."""
+    if int_dot() and int_dot_applies(layer.in_features, layer.group, layer.bits):
+        return MAX_INT_DOT_ROWS
+    return MAX_ROWS
+
+
 def applies(x: torch.Tensor, layer) -> bool:
     """Whether `layer`(x) takes the compiled product."""
     return (x.dtype == torch.float32 and x.device.type == "cpu"
-            and x.numel() <= MAX_ROWS * layer.in_features
+            and x.numel() <= max_rows(layer) * layer.in_features
             and not (torch.is_grad_enabled() and x.requires_grad)
             and layer.weight_packed.device.type == "cpu" and _kernel() is not None)
 
@@ -61,7 +86,9 @@ def linear(x: torch.Tensor, layer) -> torch.Tensor:
 
 
 def rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                 zero: torch.Tensor | None, bits: int, group: int, n: int) -> torch.Tensor:
+                 zero: torch.Tensor | None, bits: int, group: int, n: int,
+                 act8: bool | None = None) -> torch.Tensor:
+    """act8: the integer dots (None: as int_dot() says)."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
@@ -74,7 +101,7 @@ def rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         _kernel()(rows.shape[0], n, k, rows.data_ptr(), rows.stride(0), packed.data_ptr(),
                   packed.shape[-1], scale.data_ptr(), None if zero is None else zero.data_ptr(),
                   scale.shape[-1], min(group, k), bits, out.data_ptr(), n,
-                  torch.get_num_threads())
+                  torch.get_num_threads(), int(int_dot() if act8 is None else act8))
     return out.view(*x.shape[:-1], n)
 
 
@@ -83,7 +110,7 @@ def _experts_kernel():
     return _c_function("moe_cpu.c", "moe_experts_int_rows",
                        [_I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
                         _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64,
-                        _I64, _I64, _PTR, _I64, _F32, _F32])
+                        _I64, _I64, _I64, _PTR, _I64, _F32, _F32])
 
 
 def experts_kernel():
@@ -110,5 +137,5 @@ def experts(x: torch.Tensor, token: torch.Tensor, offsets: torch.Tensor,
     assert x.dim() == 2 and x.shape[1] == H == out.shape[1]
     parallel_rows("moe_cpu.c", _experts_kernel(), x.shape[0], token.numel() * 2 * I, E, H, I,
                   _ptr(x), _ptr(token), _ptr(offsets), _ptr(slot_w), *stacks, wq.group_size,
-                  wq.bits, _ptr(out), *activation_args(act), pool=False)
+                  wq.bits, int(int_dot()), _ptr(out), *activation_args(act), pool=False)
     return out

@@ -147,3 +147,81 @@ def unpack_zero_points(packed: torch.Tensor, bits: int, rows: int) -> torch.Tens
 def pack_zero_points(zero: torch.Tensor, bits: int) -> torch.Tensor:
     """int8 [N, G] -> int32 [words(N), G] packed along the rows (compressed-tensors')."""
     return to_int32_words(pack(zero.t(), bits)).t().contiguous()
+
+
+# ---- the integer dots of decode rows (csrc/int_dot.h), in torch -----------------------------
+
+ACT_BLOCK = 32
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] fp32 (K a multiple of 32) -> (codes int8 [..., K], block scales fp32
+    [..., K/32]): d = amax / 127 per block of 32, codes = round(x * (1 / d)) (ties to even),
+    the fp32 operations of csrc/int_dot.h qacts_make, so the same bits."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, ACT_BLOCK)
+    d = blocks.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)),
+                      torch.zeros_like(d))
+    codes = torch.round(blocks * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return codes.reshape(x.shape), d
+
+
+def unit_columns(bits: int) -> int:
+    """Columns of one 32-byte unit of a packed row (csrc/int_dot.h): 8 lanes of them."""
+    return 64 if bits == 4 else 32
+
+
+def int_dot_applies(k: int, group: int, bits: int) -> bool:
+    """Whether csrc/int_dot.h takes a product of k columns (else the fp32 decode does)."""
+    group, unit = min(group, k), unit_columns(bits)
+    return k % unit == 0 and (group % unit == 0 or (bits == 4 and group == 32))
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 fused multiply-add, rounded once: a*b is exact in float64, the sum's error is
+    kept exactly (TwoSum), and a tie of the float64 sum between two floats is broken by it."""
+    s, c = a.double() * b.double(), c.double().expand_as(a)
+    hi = s + c
+    bb = hi - s
+    err = (s - (hi - bb)) + (c - bb)
+    r = hi.float()
+    diff = hi - r.double()
+    toward = torch.nextafter(r, torch.where(diff > 0, torch.tensor(float("inf")),
+                                            torch.tensor(float("-inf"))))
+    tie = (diff != 0) & (diff.abs() == (toward.double() - r.double()).abs() / 2)
+    return torch.where(tie & (err * diff > 0), toward, r)
+
+
+def int_dot_oracle(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                   zero: torch.Tensor | None, bits: int, k: int, group: int) -> torch.Tensor:
+    """x [..., k] @ the stored weight [N, k]^T as csrc/int_dot.h computes it, bit for bit:
+    each row's activations to int8 blocks (quantize_activations); per unit of 32 weight bytes
+    (unit_columns) 8 lanes of consecutive columns, each lane's exact integer sum of
+    (q - zero) * code; per lane and group t = fma(I, d_block, t) over the group's units, then
+    acc = fma(t, scale, acc); the 8 lanes summed ((0+4)+(2+6))+((1+5)+(3+7))."""
+    group = min(group, k)
+    if not int_dot_applies(k, group, bits):
+        raise ValueError(f"no integer dots for {k} columns in groups of {group} (INT{bits})")
+    unit = unit_columns(bits)
+    cpl, units = unit // 8, k // unit
+    codes, d = quantize_activations(x.reshape(-1, k))
+    q = unpack(packed, bits, k).double()
+    if zero is not None:
+        q = q - _expand(zero.double(), group, k)
+    a = codes.double().reshape(-1, units, 8, cpl)
+    lanes = torch.einsum("bulc,nulc->bnul", a, q.reshape(-1, units, 8, cpl)).float()  # exact
+    first = torch.arange(units).unsqueeze(1) * unit + torch.arange(8) * cpl   # [U, 8] columns
+    dl = d[:, first // ACT_BLOCK]                                             # [B, U, 8]
+    lane_group = first // group
+    rows, n = a.shape[0], q.shape[0]
+    acc = torch.zeros(rows, n, 8)
+    for g in range(scale.shape[-1]):
+        t = torch.zeros(rows, n, 8)
+        for u in range((g * group) // unit, min(((g + 1) * group - 1) // unit + 1, units)):
+            mine = lane_group[u] == g
+            t = torch.where(mine, _fma(lanes[:, :, u], dl[:, None, u], t), t)
+        mine = (lane_group == g).any(0)
+        acc = torch.where(mine, _fma(t, scale[None, :, g, None].float(), acc), acc)
+    s = acc.unbind(-1)
+    y = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]))
+    return y.reshape(*x.shape[:-1], n)

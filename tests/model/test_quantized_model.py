@@ -20,6 +20,15 @@ CFG = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 48,
        "kv_lora_rank": 32}
 
 
+@pytest.fixture
+def fp32_decode(monkeypatch):
+    """The packed products over the exactly dequantized weights (KDASERVE_INT_DOT=0): the
+    twin's weights bit for bit. The default integer dots round the activations to 8 bits
+    (tests/ops/test_cpu_int_linear.py checks them against their own oracle), and on these
+    random models that moves expert routing and greedy tokens."""
+    monkeypatch.setenv("KDASERVE_INT_DOT", "0")
+
+
 def _dequantized_twin(q: nn.Module, cfg) -> nn.Module:
     """A float model holding q's weights as the oracle reads them."""
     ref = random_model(cfg)
@@ -40,7 +49,7 @@ def _dequantized_twin(q: nn.Module, cfg) -> nn.Module:
 
 
 @pytest.mark.parametrize("scheme,group", [("int8", 32), ("int4", 32), ("int4", 64)])
-def test_quantized_model_is_its_dequantized_twin(scheme: str, group: int) -> None:
+def test_quantized_model_is_its_dequantized_twin(scheme: str, group: int, fp32_decode) -> None:
     cfg = tiny_config(**CFG)
     q = quantize_model(random_model(cfg), from_scheme(scheme, group))
     kinds = {type(m).__name__ for m in q.modules()}
@@ -107,7 +116,7 @@ def test_tied_head_is_packed_and_embedding_stays(tmp_path) -> None:
     assert torch.equal(r.lm_head.weight_packed, q.lm_head.weight_packed)
 
 
-def test_engine_quantizes_on_load(tmp_path) -> None:
+def test_engine_quantizes_on_load(tmp_path, fp32_decode) -> None:
     """`--quantization int4` through the engine: the greedy tokens of the model whose float
     weights are the dequantized INT4 ones (the oracle), run as a plain float checkpoint."""
     from kdaserve import LLM, SamplingParams

@@ -42,14 +42,24 @@ def _perplexity(model, windows: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
-def test_held_out_perplexity_of_the_quantized_demo(held_out_windows) -> None:
+def test_held_out_perplexity_of_the_quantized_demo(held_out_windows, monkeypatch) -> None:
+    """Each scheme twice: every packed product through the integer dots (8-bit activations,
+    csrc/int_dot.h: decode's products, here on every row), and through the fp32 decode of
+    the exact dequantized weights (KDASERVE_INT_DOT=0)."""
+    from kdaserve.ops import cpu_int_linear
+
     path = kimi_linear_demo_path()
     base = _perplexity(load_model(path, progress=False), held_out_windows)
     results = {}
     for scheme, group, bound in (("int8", 128, 0.01), ("int4", 32, 0.05)):
         model = load_model(path, progress=False, quantization=from_scheme(scheme, group))
-        ppl = _perplexity(model, held_out_windows)
-        results[scheme] = (group, ppl, ppl / base - 1.0, bound)
+        for mode in ("int-dot", "fp32-decode"):
+            with monkeypatch.context() as m:
+                m.setenv("KDASERVE_INT_DOT", "1" if mode == "int-dot" else "0")
+                m.setattr(cpu_int_linear, "MAX_ROWS", 1 << 30)    # the prefill's rows too
+                m.setattr(cpu_int_linear, "MAX_INT_DOT_ROWS", 1 << 30)
+                ppl = _perplexity(model, held_out_windows)
+            results[f"{scheme} {mode}"] = (group, ppl, ppl / base - 1.0, bound)
     print(f"\nheld-out perplexity ({WINDOWS} x {LENGTH} tokens): fp32 {base:.3f}")
     for scheme, (group, ppl, rel, bound) in results.items():
         print(f"  {scheme} (group {group}): {ppl:.3f} ({100 * rel:+.2f}%, bound "

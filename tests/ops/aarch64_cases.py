@@ -123,5 +123,23 @@ def _fused() -> list[torch.Tensor]:
     return out
 
 
+def _int_dots() -> list[torch.Tensor]:
+    """The integer dots over packed INT8/INT4 rows (csrc/int_dot.h: AVX2, NEON, portable C
+    are one definition, fused multiply-adds included), a lone row and a few, with and
+    without zero points, INT4 in groups of half a unit and of two units."""
+    from kdaserve.ops.cpu_int_linear import rows_product
+    from kdaserve.ops.int_quant import quantize
+
+    g = torch.Generator().manual_seed(8)
+    out = []
+    for bits, n, k, group, symmetric in ((4, 37, 128, 32, True), (4, 20, 256, 128, False),
+                                         (8, 19, 96, 32, False), (8, 33, 128, 64, True)):
+        packed, scale, zero = quantize(torch.randn(n, k, generator=g), bits, group, symmetric)
+        for rows in (1, 3):
+            x = torch.randn(rows, k, generator=g)
+            out.append(rows_product(x, packed, scale, zero, bits, group, n, act8=True))
+    return out
+
+
 CASES = {"row_products": _linear, "kda": _kda, "moe": _moe, "mla_paged": _mla,
-         "sampling": _sample, "fused_decode": _fused}
+         "sampling": _sample, "fused_decode": _fused, "int_dots": _int_dots}

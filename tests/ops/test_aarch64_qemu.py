@@ -21,6 +21,7 @@ import aarch64_cases
 import cross_build as cb
 import pytest
 import remote_kernels as rk
+import test_cpu_int_linear
 import test_cpu_kernels
 import test_cpu_linear
 import test_moe_kernel_k3
@@ -116,6 +117,15 @@ def test_row_products(on_target, rows, out, inner):
 def test_row_products_independent_of_batch(on_target):
     for case in test_cpu_linear.BATCH_CASES:
         test_cpu_linear.test_rows_do_not_depend_on_their_batch(*case)
+
+
+@NEON
+def test_integer_dots(on_target):
+    """The NEON build's integer dots (csrc/int_dot.h without the dot-product extension)
+    against their oracle, bit for bit, and rows independent of their batch."""
+    for bits in (8, 4):
+        for shape in test_cpu_int_linear.INT_DOT_SHAPES[:4]:
+            test_cpu_int_linear.test_integer_dots_are_their_oracle(bits, *shape, rows=2)
 
 
 @pytest.mark.parametrize("runner,T", [("neon", 1), ("neon", 64), *((t, 3) for t in TARGETS)],

@@ -1,6 +1,9 @@
 """The compiled products over packed INT8/INT4 weights (kdaserve.ops.cpu_int_linear) against
-the oracle, dequantize-then-matmul: the weights they multiply by are the oracle's bit for bit,
-the sums within fp32 rounding of the exact product, and each row independent of its batch."""
+their oracles. The fp32 decode (KDASERVE_INT_DOT=0, and shapes the integer dots do not take)
+against dequantize-then-matmul: the weights it multiplies by are the oracle's bit for bit, the
+sums within fp32 rounding of the exact product. The integer dots (csrc/int_dot.h, the default)
+against int_quant.int_dot_oracle, bit for bit. Either way each row independent of its batch and
+of the thread count."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from compiled_kernels import needs_kernels, require
 from kdaserve.model.quant_linear import QuantLinear, reference
 from kdaserve.ops import cpu_int_linear
 from kdaserve.ops.cpu_int_linear import rows_product
+from kdaserve.ops.int_quant import dequantize, int_dot_applies, int_dot_oracle, quantize
 
 pytestmark = needs_kernels
 
@@ -22,6 +26,11 @@ SHAPES = [(37, 64, 32, True), (16, 48, 32, False), (9, 100, 16, True), (5, 7, 4,
 @pytest.fixture(autouse=True)
 def _built():
     require(cpu_int_linear._kernel(), "the packed INT product (csrc/int_rows.h)")
+
+
+@pytest.fixture
+def fp32_decode(monkeypatch):
+    monkeypatch.setenv("KDASERVE_INT_DOT", "0")
 
 
 def _layer(bits: int, n: int, k: int, group: int, symmetric: bool) -> QuantLinear:
@@ -36,13 +45,14 @@ def test_decoded_weights_are_the_oracles(bits, n, k, group, symmetric) -> None:
     layer = _layer(bits, n, k, group, symmetric)
     eye = torch.eye(k)
     got = rows_product(eye, layer.weight_packed, layer.weight_scale, layer.weight_zero_point,
-                       bits, layer.group, n)
+                       bits, layer.group, n, act8=False)
     assert torch.equal(got, layer.dequantized().t())
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("n,k,group,symmetric", SHAPES)
-def test_product_within_fp32_rounding_of_the_oracle(bits, n, k, group, symmetric) -> None:
+def test_product_within_fp32_rounding_of_the_oracle(bits, n, k, group, symmetric,
+                                                    fp32_decode) -> None:
     layer = _layer(bits, n, k, group, symmetric)
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(k))
     with torch.no_grad():
@@ -57,11 +67,39 @@ def test_product_within_fp32_rounding_of_the_oracle(bits, n, k, group, symmetric
         assert ((reference(x, layer).double() - exact).abs() <= bound).all()
 
 
+# (outputs, inputs, group, symmetric): INT4 in units of two blocks, groups of one or several
+# units (INT4 groups of 32: half a unit each), ragged last groups, zero points; odd outputs
+INT_DOT_SHAPES = [(37, 64, 32, True), (16, 192, 64, False), (9, 320, 128, True),
+                  (130, 256, 128, False), (5, 128, 32, False), (3, 96, 32, True)]
+
+
+@pytest.mark.parametrize("bits,n,k,group,symmetric",
+                         [(bits, *shape) for bits in (8, 4) for shape in INT_DOT_SHAPES
+                          if int_dot_applies(shape[1], shape[2], bits)])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_integer_dots_are_their_oracle(bits, n, k, group, symmetric, rows) -> None:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k + bits))
+    packed, scale, zero = quantize(w, bits, group, symmetric)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+    x[0, :5] = 0.0                                    # a block with zeros, and a zero block
+    if k >= 64:
+        x[-1, 32:64] = 0.0
+    got = rows_product(x, packed, scale, zero, bits, group, n, act8=True)
+    assert torch.equal(got, int_dot_oracle(x, packed, scale, zero, bits, k, group))
+    # and near the exact product: 8-bit activations cost about a percent of its scale
+    exact = x.double() @ dequantize(packed, scale, zero, bits, k, group).double().t()
+    assert (got.double() - exact).abs().max() <= 0.03 * exact.abs().max()
+
+
+@pytest.mark.parametrize("int_dot", ["1", "0"])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("k", [256, 200])      # 200: a tail past the last 16 columns
-def test_rows_do_not_depend_on_their_batch(bits, threads, k) -> None:
-    # a lone row decodes in registers (int_rows.h q_dot_packed), several through a buffer
+def test_rows_do_not_depend_on_their_batch(bits, threads, k, int_dot, monkeypatch) -> None:
+    # the fp32 decode: a lone row decodes in registers (int_rows.h q_dot_packed), several
+    # through a buffer; the integer dots (k 256 only): a lone row four outputs a tile, more
+    # rows two by two
+    monkeypatch.setenv("KDASERVE_INT_DOT", int_dot)
     layer = _layer(bits, 300, k, 64, bits == 4)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(bits))
     before = torch.get_num_threads()
@@ -76,9 +114,14 @@ def test_rows_do_not_depend_on_their_batch(bits, threads, k) -> None:
     assert torch.equal(batch, alone) and torch.equal(batch, odd)
 
 
-def test_many_rows_and_autograd_take_the_oracle() -> None:
+@pytest.mark.parametrize("int_dot", ["1", "0"])
+def test_many_rows_and_autograd_take_the_oracle(int_dot, monkeypatch) -> None:
+    monkeypatch.setenv("KDASERVE_INT_DOT", int_dot)
     layer = _layer(8, 16, 32, 32, True)
-    x = torch.randn(cpu_int_linear.MAX_ROWS + 1, 32)
+    limit = cpu_int_linear.MAX_INT_DOT_ROWS if int_dot == "1" else cpu_int_linear.MAX_ROWS
+    assert cpu_int_linear.max_rows(layer) == limit
+    assert cpu_int_linear.applies(torch.randn(limit, 32), layer)
+    x = torch.randn(limit + 1, 32)
     assert not cpu_int_linear.applies(x, layer)
     assert torch.equal(layer(x), reference(x, layer))
     xg = torch.randn(2, 32, requires_grad=True)

@@ -26,3 +26,20 @@ def test_kernels_cross_compile_for_aarch64(source, march, tmp_path):
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert out.read_bytes()[18] == 0xB7          # ELF e_machine: EM_AARCH64
+
+
+@pytest.mark.skipif(CROSS is None, reason="no aarch64 cross compiler (gcc-aarch64-linux-gnu)")
+def test_integer_dots_use_the_dot_product_extension(tmp_path):
+    """csrc/int_dot.h with __ARM_FEATURE_DOTPROD takes sdot (the emulated targets of
+    test_aarch64_qemu.py lack it and run the widening multiplies instead)."""
+    out = tmp_path / "k.so"
+    done = subprocess.run(
+        [CROSS, "-O3", "-march=armv8.2-a+dotprod", "-fno-math-errno", "-fno-trapping-math",
+         "-shared", "-fPIC", "-std=c11", "-fopenmp", str(CSRC / "int_linear_cpu.c"), "-o",
+         str(out), "-lm"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    objdump = shutil.which("aarch64-linux-gnu-objdump")
+    if objdump:
+        text = subprocess.run([objdump, "-d", str(out)], capture_output=True, text=True,
+                              check=True).stdout
+        assert "\tsdot\t" in text

@@ -9,7 +9,7 @@
 void int_linear_rows(int64_t B, int64_t N, int64_t K, const float *X, int64_t ldx,
                      const uint8_t *packed, int64_t row_bytes, const float *scale,
                      const int8_t *zero, int64_t groups, int64_t group, int64_t bits, float *Y,
-                     int64_t ldy, int64_t nthreads) {
-    const qmat m = {packed, scale, zero, row_bytes, groups, group, bits};
+                     int64_t ldy, int64_t nthreads, int64_t act8) {
+    const qmat m = {packed, scale, zero, row_bytes, groups, group, bits, act8};
     q_matmat(&m, X, ldx, Y, ldy, N, K, B, nthreads);
 }

@@ -4,12 +4,14 @@
  * q + 8 for INT4 two a byte, the even column in the low nibble); scale fp32 [N, G], one per
  * `group` consecutive columns (the last group may be shorter); zero int8 [N, G] or NULL.
  *
- * Each pass decodes QB weight rows once into a small fp32 buffer, w = (q - zero) * scale
- * (one rounding: the oracle's dequantized weight, bit for bit), and every input row takes its
- * dot products with them, so the packed bytes are read once per call for all rows. A dot
- * product always runs the same way (two 8-lane sums over alternate 8-column chunks, the tail
- * in column order, a fixed reduction), so a row's result does not depend on how many rows
- * share the call, nor on the thread that computed it. */
+ * With qmat.act8 (the default, kdaserve/ops/cpu_int_linear.py `int_dot`) and a shape it
+ * takes, a product is int_dot.h's integer dots over int8-quantized input rows. Otherwise (the
+ * fp32 decode below) each pass decodes QB weight rows once into a small fp32 buffer,
+ * w = (q - zero) * scale (one rounding: the oracle's dequantized weight, bit for bit), and
+ * every input row takes its dot products with them, so the packed bytes are read once per
+ * call for all rows. A dot product always runs the same way (two 8-lane sums over alternate
+ * 8-column chunks, the tail in column order, a fixed reduction), so a row's result does not
+ * depend on how many rows share the call, nor on the thread that computed it. */
 #ifndef KDASERVE_INT_ROWS_H
 #define KDASERVE_INT_ROWS_H
 
@@ -32,7 +34,10 @@ typedef struct {
     const float *scale;
     const int8_t *zero;       /* NULL: symmetric */
     int64_t row_bytes, groups, group, bits;
+    int64_t act8;             /* 1: decode rows take int_dot.h's integer dots where they apply */
 } qmat;
+
+#include "int_dot.h"
 
 static inline qv8f q_ld8(const float *p) {
     qv8f v;
@@ -159,6 +164,12 @@ static inline float q_dot_packed(const qmat *m, int64_t n, const float *restrict
  * apart; wb holds QB * K floats. */
 static void q_rows(const qmat *m, const float *X, int64_t ldx, float *Y, int64_t ldy,
                    int64_t n0, int64_t n1, int64_t K, int64_t B, float *wb) {
+    if (idot_applies(m, K)) {
+        qacts a = qacts_make(X, ldx, B, K, m->bits);
+        idot_rows(m, &a, B, Y, ldy, n0, n1);
+        qacts_free(&a);
+        return;
+    }
     float *xl = NULL;                /* INT4: the rows in q_lanes4 order */
     if (m->bits == 4) {
         xl = malloc(sizeof(float) * (size_t)(B * K));
@@ -196,11 +207,16 @@ static void q_matmat(const qmat *m, const float *X, int64_t ldx, float *Y, int64
                      int64_t N, int64_t K, int64_t B, int64_t nthreads) {
     (void)nthreads;
     const int64_t blocks = (N + QB - 1) / QB;
+    const int idot = idot_applies(m, K);
+    qacts a = {0};
+    if (idot) a = qacts_make(X, ldx, B, K, m->bits);       /* once for both threads */
 #pragma omp parallel num_threads((int)nthreads) if (nthreads > 1 && N * K * B >= 32768)
     {
         int64_t lo, hi;
         thread_share(0, blocks, &lo, &hi);
-        if (lo < hi) {
+        if (lo < hi && idot) {
+            idot_rows(m, &a, B, Y, ldy, lo * QB, hi * QB < N ? hi * QB : N);
+        } else if (lo < hi) {
             float *wb = malloc(sizeof(float) * QB * K);
             if (wb) {
                 const int64_t n1 = hi * QB < N ? hi * QB : N;
@@ -209,6 +225,7 @@ static void q_matmat(const qmat *m, const float *X, int64_t ldx, float *Y, int64
             }
         }
     }
+    if (idot) qacts_free(&a);
 }
 
 #endif

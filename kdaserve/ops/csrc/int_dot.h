@@ -1,0 +1,224 @@
+/* Integer dot products over packed INT8/INT4 rows (int_rows.h's qmat) for decode rows, as
+ * llama.cpp's Q4_0 / Q8_0 take them: each input row is quantized once per product to int8 in
+ * blocks of 32 columns (one fp32 scale a block), the weights stay integers, and the products
+ * sum exactly in int32; only those sums meet floats. int_rows.h's fp32 decode costs about
+ * twice the instructions per weight, which kept the INT4 lone row compute-bound.
+ *
+ * The math, exactly (kdaserve/ops/int_quant.py `int_dot_oracle` is its torch form):
+ * - activation block b of a row: d = amax|x| / 127, id = d > 0 ? 1 / d : 0, code = rint(x * id)
+ *   (fp32, ties to even);
+ * - a row's columns in units of 32 bytes of weights (INT8: 32 columns, INT4: 64, two blocks),
+ *   each unit in 8 lanes of consecutive columns (4 or 8); a lane lies in one block, scale d;
+ * - I = sum over a lane's columns of (q - zero) * code, exact (int32);
+ * - per lane: t = 0 at each group's start, t = fma(I, d, t) unit after unit, and at the group's
+ *   end acc = fma(t, scale_g, acc); then y = ((a0+a4)+(a2+a6))+((a1+a5)+(a3+a7)).
+ * Every fma is fused on every build (AVX2 / NEON intrinsics, fmaf otherwise) and the build is
+ * ISO C (no other contraction), so every ISA gives the same bits, and a row's result depends
+ * on nothing but its own inputs (not the batch, not the thread count). An INT4 unit's bytes
+ * unpack to its even columns (low nibbles) and its odd ones (high): the activations are
+ * stored in that order once per row, so no weight is shuffled. Needs K a multiple of the unit
+ * and the group a multiple of 64 (INT4; or 32 exactly) or 32 (INT8): int_rows.h falls back
+ * to its fp32 decode otherwise. */
+#ifndef KDASERVE_INT_DOT_H
+#define KDASERVE_INT_DOT_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "int_dot_lanes.h"
+
+#define IDOT_BLOCK 32
+/* bytes read ahead of a tile's rows (int_dot.h's tiles read NO rows side by side, which the
+ * hardware prefetcher followed at half the rate of one row after another) */
+#ifndef IDOT_AHEAD
+#define IDOT_AHEAD 4096
+#endif
+
+static inline int64_t idot_unit(int64_t bits) { return bits == 4 ? 64 : 32; }
+
+/* B input rows quantized: row r's codes q + r*K (INT4: each unit's even columns, then its odd
+ * ones), per unit and lane the block scale d + (r*U + u)*8 and the lane's sum of codes A
+ * (for the zero offsets) */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *A;
+    int64_t K, U;
+} qacts;
+
+static void qacts_free(qacts *a) { free(a->q); }
+
+/* Block `half` of a unit (INT8: the unit itself; INT4: its first or second 32 columns): its
+ * codes into the unit's q (INT4: even columns from 16*half, odd ones from 32 + 16*half), its
+ * scale into its lanes' d, its lanes' code sums into A. */
+static inline void qacts_block(const float *xb, int bits, int half, int8_t *q, float *d,
+                               int32_t *A) {
+    const int lanes = bits == 4 ? 4 : 8, cpl = IDOT_BLOCK / lanes;
+#if defined(IDOT_AVX2)
+    __m256 v[4], m = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < IDOT_BLOCK; ++j) amax = fmaxf(amax, fabsf(xb[j]));
+#endif
+    const float db = amax / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;
+    for (int l = 0; l < lanes; ++l) d[half * lanes + l] = db;
+#if defined(IDOT_AVX2)
+    /* rounding to nearest even (the default MXCSR mode), as lrintf */
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+    const __m256i c8 = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));             /* 32 codes in column order */
+    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), c8),
+                                  _mm256_set1_epi16(1));          /* sums of 4 columns */
+    if (bits == 8) {
+        _mm256_storeu_si256((__m256i *)(void *)q, c8);
+        _mm256_storeu_si256((__m256i *)(void *)A, s);
+        return;
+    }
+    const __m256i eo = _mm256_permute4x64_epi64(                 /* 16 even, then 16 odd */
+        _mm256_shuffle_epi8(c8, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11,
+                                                 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5,
+                                                 7, 9, 11, 13, 15)), 0xD8);
+    _mm_storeu_si128((__m128i *)(void *)(q + 16 * half), _mm256_castsi256_si128(eo));
+    _mm_storeu_si128((__m128i *)(void *)(q + 32 + 16 * half), _mm256_extracti128_si256(eo, 1));
+    s = _mm256_permute4x64_epi64(_mm256_hadd_epi32(s, s), 0xD8);  /* sums of 8 columns */
+    _mm_storeu_si128((__m128i *)(void *)(A + 4 * half), _mm256_castsi256_si128(s));
+#else
+    int8_t c8[IDOT_BLOCK];
+    for (int j = 0; j < IDOT_BLOCK; ++j) c8[j] = (int8_t)lrintf(xb[j] * id);
+    for (int j = 0; j < IDOT_BLOCK; ++j)
+        q[bits == 4 ? (j & 1) * 32 + 16 * half + j / 2 : j] = c8[j];
+    for (int l = 0; l < lanes; ++l) {
+        int32_t t = 0;
+        for (int j = l * cpl; j < (l + 1) * cpl; ++j) t += c8[j];
+        A[half * lanes + l] = t;
+    }
+#endif
+    (void)cpl;
+}
+
+static qacts qacts_make(const float *X, int64_t ldx, int64_t B, int64_t K, int64_t bits) {
+    const int64_t unit = idot_unit(bits);
+    qacts a = {NULL, NULL, NULL, K, K / unit};
+    const size_t nq = (size_t)(B * K), nl = (size_t)(B * a.U * 8);
+    char *p = malloc(((nq + 31) & ~(size_t)31) + (sizeof(float) + sizeof(int32_t)) * nl);
+    if (!p) abort();
+    a.q = (int8_t *)p;
+    a.d = (float *)(void *)(p + ((nq + 31) & ~(size_t)31));
+    a.A = (int32_t *)(void *)(a.d + nl);
+    for (int64_t r = 0; r < B; ++r)
+        for (int64_t u = 0; u < a.U; ++u)
+            for (int half = 0; half < unit / IDOT_BLOCK; ++half)
+                qacts_block(X + r * ldx + u * unit + half * IDOT_BLOCK, (int)bits, half,
+                            a.q + r * K + u * unit, a.d + (r * a.U + u) * 8,
+                            a.A + (r * a.U + u) * 8);
+    return a;
+}
+
+/* Y[r * ldy + n + o] for NO outputs from n and R rows (NO * R <= 4: the sums stay in
+ * registers), each (row, output) computed as the header says whatever its tile mates. gu:
+ * units per group (0: INT4 in groups of 32, each unit's lanes 0-3 and 4-7 in groups of
+ * their own). */
+static inline __attribute__((always_inline)) void
+idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, float *Y,
+          int64_t ldy, int bits, int64_t gu, int zp) {
+    const int64_t U = a->U, G = m->groups;
+    const int32_t base = bits == 4 ? 8 : 0;   /* the unsigned nibbles' offset */
+    const uint8_t *w0 = m->packed + n * m->row_bytes;
+    idot_f acc[4];
+    for (int i = 0; i < NO * R; ++i) acc[i] = idot_zero();
+    const int64_t steps = gu ? G : U;                  /* groups, or units of two groups */
+    for (int64_t g = 0; g < steps; ++g) {
+        const int64_t u0 = gu ? g * gu : g, u1 = gu ? ((g + 1) * gu < U ? (g + 1) * gu : U) : g + 1;
+        const int64_t g0 = gu ? g : 2 * g, g1 = gu ? g : 2 * g + 1;
+        idot_f t[4];
+        for (int i = 0; i < NO * R; ++i) t[i] = idot_zero();
+        idot_i off[4];
+        for (int o = 0; zp && o < NO; ++o) {
+            const int8_t *z = m->zero + (n + o) * G;
+            off[o] = idot_offs(base + z[g0], base + z[g1]);
+        }
+        for (int64_t u = u0; u < u1; ++u) {
+            const uint8_t *pf = w0 + IDOT_AHEAD + u * NO * 32;
+            for (int c = 0; IDOT_AHEAD && c < NO * 32; c += 64) __builtin_prefetch(pf + c);
+            for (int o = 0; o < NO; ++o) {
+                const idot_w w = idot_wb(w0 + o * m->row_bytes + u * 32, bits);
+                for (int r = 0; r < R; ++r) {
+                    const int64_t ru = (r0 + r) * U + u;
+                    idot_i I = idot_lanes(w, a->q + (r0 + r) * a->K + u * idot_unit(bits), bits);
+                    if (zp) I = idot_correct(I, a->A + ru * 8, off[o]);
+                    else if (bits == 4) I = idot_correct8(I, a->A + ru * 8);
+                    t[o * R + r] = idot_fma(I, idot_ldf(a->d + ru * 8), t[o * R + r]);
+                }
+            }
+        }
+        for (int o = 0; o < NO; ++o) {
+            const float *s = m->scale + (n + o) * G;
+            const idot_f sv = idot_f2(s[g0], s[g1]);
+            for (int r = 0; r < R; ++r)
+                acc[o * R + r] = idot_fmaf(t[o * R + r], sv, acc[o * R + r]);
+        }
+    }
+    for (int o = 0; o < NO; ++o)
+        for (int r = 0; r < R; ++r) Y[(r0 + r) * ldy + n + o] = idot_sum(acc[o * R + r]);
+}
+
+/* Y[b, n] for rows [r0, r1) of `a`, outputs [n0, n1): a lone row four outputs at a time
+ * (four independent sums), more rows two outputs by two rows */
+static inline __attribute__((always_inline)) void
+idot_rows_b(const qmat *m, const qacts *a, int64_t r0, int64_t r1, float *Y, int64_t ldy,
+            int64_t n0, int64_t n1, int bits, int64_t gu, int zp) {
+    const int64_t B = r1;
+    int64_t n = n0;
+    if (r1 - r0 == 1)
+        for (; n + 4 <= n1; n += 4) idot_tile(m, n, 4, a, r0, 1, Y, ldy, bits, gu, zp);
+    for (; n + 2 <= n1; n += 2) {
+        int64_t r = r0;
+        for (; r + 2 <= B; r += 2) idot_tile(m, n, 2, a, r, 2, Y, ldy, bits, gu, zp);
+        if (r < B) idot_tile(m, n, 2, a, r, 1, Y, ldy, bits, gu, zp);
+    }
+    if (n < n1) {
+        int64_t r = r0;
+        for (; r + 2 <= B; r += 2) idot_tile(m, n, 1, a, r, 2, Y, ldy, bits, gu, zp);
+        if (r < B) idot_tile(m, n, 1, a, r, 1, Y, ldy, bits, gu, zp);
+    }
+}
+
+/* rows a block at a time, so that their codes stay in the L1 cache while the outputs pass */
+#define IDOT_ROWS 16
+
+static void idot_rows(const qmat *m, const qacts *a, int64_t B, float *Y, int64_t ldy,
+                      int64_t n0, int64_t n1) {
+    /* one copy per case, so that the tiles' loops hold no branch */
+    const int64_t gu = m->group / idot_unit(m->bits);
+    for (int64_t r0 = 0; r0 < B; r0 += IDOT_ROWS) {
+        const int64_t r1 = r0 + IDOT_ROWS < B ? r0 + IDOT_ROWS : B;
+        if (m->bits == 8 && !m->zero) idot_rows_b(m, a, r0, r1, Y, ldy, n0, n1, 8, gu, 0);
+        else if (m->bits == 8) idot_rows_b(m, a, r0, r1, Y, ldy, n0, n1, 8, gu, 1);
+        else if (gu && !m->zero) idot_rows_b(m, a, r0, r1, Y, ldy, n0, n1, 4, gu, 0);
+        else if (gu) idot_rows_b(m, a, r0, r1, Y, ldy, n0, n1, 4, gu, 1);
+        else if (!m->zero) idot_rows_b(m, a, r0, r1, Y, ldy, n0, n1, 4, 0, 0);
+        else idot_rows_b(m, a, r0, r1, Y, ldy, n0, n1, 4, 0, 1);
+    }
+}
+
+/* whether a product over m with K columns takes the integer dots */
+static inline int idot_applies(const qmat *m, int64_t K) {
+    if (!m->act8 || (m->bits != 4 && m->bits != 8) || m->group <= 0) return 0;
+    const int64_t unit = idot_unit(m->bits);
+    return K % unit == 0 && (m->group % unit == 0 || (m->bits == 4 && m->group == 32));
+}
+
+#endif
