@@ -140,9 +140,9 @@ def test_argmax_rows_shortcut_equals_the_full_sampler():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 50, generator=g)
     logits[2, 7] = logits[2, 9] = logits[2].max() + 1.0       # a tie: the lower id, both ways
-    kinds = [dict(temperature=0.0), dict(temperature=0.0, logprobs=2),
-             dict(temperature=0.0, repetition_penalty=1.3), dict(temperature=0.0,
-                                                                 logit_bias={3: 5.0})]
+    kinds = [{"temperature": 0.0}, {"temperature": 0.0, "logprobs": 2},
+             {"temperature": 0.0, "repetition_penalty": 1.3},
+             {"temperature": 0.0, "logit_bias": {3: 5.0}}]
     for extra in [None] + kinds[1:]:
         params = [SamplingParams(**kinds[0]) for _ in range(4)]
         if extra is not None:
