@@ -150,8 +150,6 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Toke
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kdaserve.engine.executor.torchrun import is_torchrun_worker, run_torchrun_rank
-
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(level)       # also when the caller configured logging first
@@ -161,11 +159,19 @@ def run_serve(args: argparse.Namespace) -> int:
         tokenizer = Tokenizer.from_pretrained(model_dir)
         defaults = load_generation_defaults(model_dir)
         config = replace(EngineArgs.from_cli(args), model=str(model_dir)).to_engine_config()
-        worker = is_torchrun_worker(config.parallel)
+        # torchrun.py imports torch (its ranks' loop): only a torchrun rank needs it here, the
+        # server process of any other layout never imports torch (its engine process does)
+        worker = False
+        if config.parallel.executor == "torchrun":
+            from kdaserve.engine.executor.torchrun import is_torchrun_worker
+
+            worker = is_torchrun_worker(config.parallel)
     except (OSError, ValueError) as exc:
         logger.error("%s", exc)
         return 2
     if worker:                       # a torchrun rank > 0: the worker loop, no server
+        from kdaserve.engine.executor.torchrun import run_torchrun_rank
+
         return run_torchrun_rank(config)
     if defaults:
         logger.info("sampling defaults from generation_config.json: %s", defaults)
