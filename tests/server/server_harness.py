@@ -112,6 +112,15 @@ class Server:
         raise LookupError(f"no engine child of {self.proc.pid}")
 
 
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
 def start_server(model_dir: Path, log_path: Path, *args: str, env: dict | None = None,
                  timeout: float = 180.0) -> Server:
     port = free_port()
