@@ -132,12 +132,12 @@ def _bench_args(bench: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from kdaserve.server.cli import run_serve
 
-        return run_serve(args)
+        return run_serve(args)          # configures logging itself (--log-level, timestamps)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "proxy":
         from kdaserve.disagg.proxy_cli import run as run_proxy
 

@@ -40,7 +40,7 @@ class VisionInput:
         """None unless the checkpoint has a vision tower (and the tokenizer, if any, its
         placeholder)."""
         from kdaserve.model.registry import load_config
-        from kdaserve.model.vision.tower import vision_config_of
+        from kdaserve.model.vision.config import vision_config_of
 
         cfg = load_config(model_dir)
         vcfg = vision_config_of(cfg)

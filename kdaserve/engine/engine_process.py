@@ -71,6 +71,9 @@ def engine_process_main(config_msg: bytes, cmd_addr: str, out_addr: str, log_lev
         except Exception as exc:
             logger.error("engine loop failed:\n%s", traceback.format_exc())
             out.send(encoder.encode(Fatal(_describe(exc))))
+            # the workers of a parallel layout too: they ignore SIGTERM as we do (inherited), so
+            # multiprocessing's exit would wait on them until the server killed us
+            core.executor.shutdown()
             raise SystemExit(1) from None
         try:      # a clean shutdown: the device cache goes to the offload tiers (disk persists)
             core.close()

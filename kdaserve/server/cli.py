@@ -12,9 +12,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
-
-import uvicorn
+from typing import TYPE_CHECKING, Any
 
 from kdaserve.arg_types import parse_size
 from kdaserve.assets import DEMO_MODEL_DIR, default_model_path
@@ -22,16 +20,13 @@ from kdaserve.config import EngineConfig
 from kdaserve.engine.args import EngineArgs
 from kdaserve.engine.async_engine import AsyncEngine, EngineStartupError
 from kdaserve.generation_defaults import generation_defaults
-from kdaserve.image_io import ImageLimits
 from kdaserve.model.registry import load_config
 from kdaserve.request import SamplingParams
-from kdaserve.server.app import build_app
 from kdaserve.server.args import API_KEY_ENV, DEMO_MODEL_NAME, add_serve_arguments
-from kdaserve.server.guards import ServerLimits
-from kdaserve.server.lifecycle import DrainingServer
-from kdaserve.server.read_timeouts import timed_protocol
 from kdaserve.tokenizer import Tokenizer
-from kdaserve.vision_input import VisionInput
+
+if TYPE_CHECKING:
+    from kdaserve.server.lifecycle import DrainingServer
 
 # the flag parsing lives in server/args.py (no web stack); these names stay importable here
 __all__ = [
@@ -97,7 +92,19 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Toke
         # While the model loads, SIGINT/SIGTERM cancel us (and so stop the engine).
         with _exit_signals(lambda *_: loop.call_soon_threadsafe(main.cancel)):
             try:
-                info = await engine.start()
+                starting = asyncio.ensure_future(engine.start())
+                await asyncio.sleep(0)       # start() has spawned the engine process
+                # the web stack's imports (~0.6 s of CPU) while the engine loads its model
+                import uvicorn
+
+                from kdaserve.image_io import ImageLimits
+                from kdaserve.server.app import build_app
+                from kdaserve.server.guards import ServerLimits
+                from kdaserve.server.lifecycle import DrainingServer
+                from kdaserve.server.read_timeouts import timed_protocol
+                from kdaserve.vision_input import VisionInput
+
+                info = await starting
             except EngineStartupError as exc:
                 logger.error("the engine failed to start: %s", exc)
                 return 1
@@ -150,8 +157,6 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Toke
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kdaserve.engine.executor.torchrun import is_torchrun_worker, run_torchrun_rank
-
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(level)       # also when the caller configured logging first
@@ -161,11 +166,19 @@ def run_serve(args: argparse.Namespace) -> int:
         tokenizer = Tokenizer.from_pretrained(model_dir)
         defaults = load_generation_defaults(model_dir)
         config = replace(EngineArgs.from_cli(args), model=str(model_dir)).to_engine_config()
-        worker = is_torchrun_worker(config.parallel)
+        # torchrun.py imports torch (its ranks' loop): only a torchrun rank needs it here, the
+        # server process of any other layout never imports torch (its engine process does)
+        worker = False
+        if config.parallel.executor == "torchrun":
+            from kdaserve.engine.executor.torchrun import is_torchrun_worker
+
+            worker = is_torchrun_worker(config.parallel)
     except (OSError, ValueError) as exc:
         logger.error("%s", exc)
         return 2
     if worker:                       # a torchrun rank > 0: the worker loop, no server
+        from kdaserve.engine.executor.torchrun import run_torchrun_rank
+
         return run_torchrun_rank(config)
     if defaults:
         logger.info("sampling defaults from generation_config.json: %s", defaults)

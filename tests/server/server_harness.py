@@ -114,10 +114,21 @@ class Server:
         raise LookupError(f"no engine child of {self.proc.pid}")
 
 
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
 def start_server(model_dir: Path, log_path: Path, *args: str, env: dict | None = None,
                  timeout: float = 180.0) -> Server:
     port = free_port()
-    cmd = [sys.executable, "-m", "kdaserve.server.cli", "--model", str(model_dir),
+    # `kdaserve serve`, as installed: its engine process (spawn) then re-imports only the light
+    # kdaserve.cli as its main module, not the server's stack (fastapi, ~1 s of CPU a process)
+    cmd = [sys.executable, "-m", "kdaserve.cli", "serve", "--model", str(model_dir),
            "--port", str(port), *args]
     # One torch thread: the tiny model gains nothing from more, and OpenMP threads that spin
     # against other jobs on a small machine make every step tens of times slower.

@@ -1,5 +1,6 @@
 """Issue 35: with --tensor-parallel-size 2, a rank killed while the server is idle makes
-/health 503 within --health-timeout (the engine checks its workers between requests too)."""
+/health 503 within --health-timeout (the engine checks its workers between requests too), and
+the engine ends the other rank and exits, so the server exits with code 1."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import signal
 from pathlib import Path
 
 import httpx
-from server_harness import health_after, start_server
+from server_harness import health_after, running, start_server
 
 from kdaserve.assets import KIMI_LINEAR_DEMO_DIR
 
@@ -39,6 +40,9 @@ def test_a_rank_killed_while_idle_makes_health_503(tmp_path):
         os.kill(workers[-1], signal.SIGKILL)        # idle: no request in flight
         status = health_after(srv.url, 60)          # generous: --health-timeout is 5 s
         assert status != 200, "a dead rank went unnoticed while idle"
+        # the engine stops the other rank and exits; the server exits 1 for its supervisor
+        assert srv.proc.wait(timeout=30) == 1
     finally:
         srv.stop()
     assert "worker died while the engine was idle" in srv.log()
+    assert not [w for w in workers if running(w)]

@@ -50,7 +50,9 @@ def _session(sid: int) -> list[int]:
     return _pids(3, sid)          # field 3: session id (the server runs in its own session)
 
 
-def _offline() -> list[tuple[str, list[int]]]:
+@pytest.fixture(scope="module")
+def offline() -> list[tuple[str, list[int]]]:
+    """One process's greedy outputs, the reference of every layout."""
     llm = LLM(str(KIMI_LINEAR_DEMO_DIR), num_threads=1, cache_memory=64 << 20, max_model_len=512)
     outs = llm.generate(PROMPTS, SamplingParams(**SAMPLING), use_tqdm=False)
     return [(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in outs]
@@ -61,8 +63,7 @@ def _offline() -> list[tuple[str, list[int]]]:
     ("--data-parallel-size", "2", "--expert-parallel-size", "2"),
     ("--pipeline-parallel-size", "2"),
 ], ids=["tp2", "dp2-ep2", "pp2"])
-def test_parallel_server_matches_offline(tmp_path, layout):
-    offline = _offline()
+def test_parallel_server_matches_offline(tmp_path, layout, offline):
     srv = start_server(KIMI_LINEAR_DEMO_DIR, tmp_path / "server.log", "--torch-threads", "1",
                        *layout, "--cache-memory", "64MiB", "--max-model-len", "512",
                        "--log-level", "info")

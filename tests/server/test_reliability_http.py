@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_harness import assert_openai_error, metrics, start_server, wait_idle
+from server_harness import assert_openai_error, metrics, running, start_server, wait_idle
 
 SHORT = {"prompt": "Day", "max_tokens": 2, "ignore_eos": True}
 BIG = 10 << 20          # a 10 MB prompt
@@ -190,12 +190,15 @@ def test_stalled_engine_is_unhealthy_and_requests_time_out(tiny_model_dir, tmp_p
 
 
 def test_sigterm_drains_streams(tiny_model_dir, tmp_path):
-    """SIGTERM: a short stream finishes normally, new requests get 503 with Retry-After, a
-    long stream is ended with a shutting_down error event after --shutdown-timeout, and the
-    server exits 0."""
+    """SIGTERM to the server's process group (as a service manager sends it; the engine
+    ignores it and is stopped by the server): a short stream finishes normally with its usage,
+    new requests get 503 with Retry-After, a long stream is ended with a shutting_down error
+    event after --shutdown-timeout, the server exits 0, its engine is gone and its log has no
+    error."""
     # the long stream must outlast the timeout however fast decoding gets: 60k tokens
     srv = start_server(tiny_model_dir, tmp_path / "drain.log", "--torch-threads", "1",
                        "--shutdown-timeout", "3", "--max-model-len", "65536")
+    engine = srv.engine_pid()
     client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
     model = client.models.list().data[0].id
 
@@ -203,7 +206,8 @@ def test_sigterm_drains_streams(tiny_model_dir, tmp_path):
         events = []
         async with c.stream("POST", "/completions", json={
                 "model": model, "prompt": "The night", "max_tokens": max_tokens,
-                "ignore_eos": True, "stream": True}) as r:
+                "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
@@ -217,17 +221,24 @@ def test_sigterm_drains_streams(tiny_model_dir, tmp_path):
             await started.wait()
             short = asyncio.ensure_future(stream(c, 40))
             await asyncio.sleep(0.3)
-            srv.proc.send_signal(signal.SIGTERM)
+            os.killpg(srv.proc.pid, signal.SIGTERM)
             await asyncio.sleep(0.5)
             refused = await c.post("/completions", json={**SHORT, "model": model})
             return await long, await short, refused
 
     started = asyncio.Event()
-    long_events, short_events, refused = asyncio.run(scenario())
+    try:
+        long_events, short_events, refused = asyncio.run(scenario())
+        assert srv.proc.wait(timeout=30) == 0
+    finally:
+        srv.stop()
     assert_openai_error(refused, 503, "shutting_down")
     assert refused.headers["retry-after"] == "1"
     assert short_events[-1] == "[DONE]"
-    assert json.loads(short_events[-2])["choices"][0]["finish_reason"] == "length"
+    assert json.loads(short_events[-2])["usage"]["completion_tokens"] == 40
+    assert json.loads(short_events[-3])["choices"][0]["finish_reason"] == "length"
     assert long_events[-1] == "[DONE]"
     assert json.loads(long_events[-2])["error"]["code"] == "shutting_down"
-    assert srv.proc.wait(timeout=30) == 0
+    assert not running(engine)
+    assert "ERROR" not in srv.log()
+    assert "Traceback" not in srv.log()

@@ -1,4 +1,5 @@
-"""API key, the waiting-queue bound, and a dying engine, each on a server of its own."""
+"""API key, the waiting-queue bound, and a dying engine, each on a server of its own (draining
+open streams at SIGTERM: test_reliability_http.test_sigterm_drains_streams)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,18 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from server_harness import assert_openai_error, metrics, parse_metrics, start_server, wait_idle
+from server_harness import (
+    assert_openai_error,
+    metrics,
+    parse_metrics,
+    running,
+    start_server,
+    wait_idle,
+)
 
 KEY = "sesame-0123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -106,41 +113,12 @@ def test_engine_death_fails_requests_and_exits_nonzero(tiny_model_dir, tmp_path)
         srv.stop()
 
 
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
 def test_engine_exits_when_server_is_killed(tiny_model_dir, tmp_path):
     srv = start_server(tiny_model_dir, tmp_path / "orphan.log", "--cache-memory", "32MiB")
     engine = srv.engine_pid()
     srv.proc.kill()
     srv.proc.wait()
     deadline = time.monotonic() + 30
-    while _running(engine):
+    while running(engine):
         assert time.monotonic() < deadline, "the engine outlived its server"
         time.sleep(0.1)
-
-
-def test_sigterm_drains_open_streams(tiny_model_dir, tmp_path):
-    srv = start_server(tiny_model_dir, tmp_path / "drain.log", "--cache-memory", "32MiB")
-    engine = srv.engine_pid()
-    try:
-        body = {"prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", srv.base_url + "/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: {"))
-            os.killpg(srv.proc.pid, signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2][6:])["usage"]["completion_tokens"] == 40
-        assert srv.proc.wait(30) == 0
-        assert not _running(engine)
-    finally:
-        srv.stop()
-    assert "ERROR" not in srv.log()
-    assert "Traceback" not in srv.log()

@@ -9,6 +9,7 @@ import io
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -134,3 +135,13 @@ def test_images_are_judged_from_their_header(client, vision_server, size, why):
             probe.result(timeout=120)
     assert why in err.value.message and "corrupt" not in err.value.message
     assert httpx.get(vision_server.url + "/health", timeout=10).status_code == 200
+
+
+def test_torch_loads_in_the_engine_process_only(vision_server):
+    """The HTTP process read the checkpoint's vision config and preprocessed the images above
+    without torch (importing it costs each server start seconds of CPU)."""
+    def maps(pid: int) -> str:
+        return Path(f"/proc/{pid}/maps").read_text()
+
+    assert "libtorch" in maps(vision_server.engine_pid())
+    assert "libtorch" not in maps(vision_server.proc.pid)

@@ -33,20 +33,24 @@ def free_port() -> int:
 
 
 def _stop(procs: list, conns: list[Connection], grace_s: float = 5.0) -> None:
-    """Ask rank 0 to stop everyone, then terminate, then kill whatever is left."""
-    try:
-        if procs and procs[0].is_alive():
-            conns[0].send(("shutdown",))
-    except (OSError, BrokenPipeError, ValueError):
-        pass
-    deadline = time.monotonic() + grace_s
+    """Ask rank 0 to stop everyone, then terminate, then kill whatever is left. A group with a
+    dead rank is killed at once: rank 0 would wait for it in the shutdown broadcast, and the
+    workers ignore SIGTERM when the engine process does (the disposition is inherited)."""
+    if not any(p.exitcode is not None for p in procs):
+        try:
+            if procs and procs[0].is_alive():
+                conns[0].send(("shutdown",))
+        except (OSError, BrokenPipeError, ValueError):
+            pass
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(2.0)
     for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(2.0)
         if p.is_alive():
             p.kill()
             p.join(2.0)

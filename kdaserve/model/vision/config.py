@@ -11,9 +11,14 @@ interpolation and the `patchmergerv2` projector (no pre-norm, a post RMSNorm).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdaserve.config import ConfigError
+
+if TYPE_CHECKING:
+    from kdaserve.model_config import ModelConfig
+
+_SIZES = (("vt_hidden_size", "hidden_size"), ("vt_num_hidden_layers", "num_hidden_layers"))
 
 
 @dataclass(frozen=True)
@@ -118,3 +123,13 @@ class VisionConfig:
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(f"vision_config: {e}") from None
+
+
+def vision_config_of(cfg: ModelConfig) -> VisionConfig | None:
+    """None when the checkpoint names no vision tower (a text-only config, or a K3 config whose
+    vision_config lacks the tower's sizes, as in the published text-only excerpts). Torch-free:
+    the server's HTTP process asks it too."""
+    vc = cfg.vision_config
+    if not vc or not all(any(vc.get(n) is not None for n in names) for names in _SIZES):
+        return None
+    return VisionConfig.from_dict(vc, cfg.hidden_size)

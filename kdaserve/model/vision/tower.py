@@ -6,21 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kdaserve.model.vision.config import VisionConfig
+from kdaserve.model.vision.config import vision_config_of
 from kdaserve.model.vision.moonvit import MoonViT
 from kdaserve.model.vision.projector import MMProjector
 from kdaserve.model_config import ModelConfig
-
-_SIZES = (("vt_hidden_size", "hidden_size"), ("vt_num_hidden_layers", "num_hidden_layers"))
-
-
-def vision_config_of(cfg: ModelConfig) -> VisionConfig | None:
-    """None when the checkpoint names no vision tower (a text-only config, or a K3 config whose
-    vision_config lacks the tower's sizes, as in the published text-only excerpts)."""
-    vc = cfg.vision_config
-    if not vc or not all(any(vc.get(n) is not None for n in names) for names in _SIZES):
-        return None
-    return VisionConfig.from_dict(vc, cfg.hidden_size)
 
 
 def build_vision(cfg: ModelConfig) -> tuple[MoonViT, MMProjector] | None:
