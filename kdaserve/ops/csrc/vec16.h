@@ -61,9 +61,8 @@ static inline vregf vsplat(float x) {
 /* acc + w x with one rounding: a fused multiply-add on every target that has one (FMA3 with
  * AVX2, AVX-512, NEON), so the row products' sums (row_products.h) are the same bits on each
  * (tests/ops/test_aarch64_qemu.py compares them); the build is ISO C, which contracts nothing
- * by itself. The split multiply and add where there is none (x86-64-v2). Fused, products of
- * 8-512 rows over weights out of cache ran ~1.2x faster, in cache the same
- * (docs/benchmarks.md, ninth session). */
+ * by itself. The split multiply and add elsewhere: twice the instructions, and the 6-row
+ * tiles are bound by them (prefill products ~1.2-1.6x faster fused, docs/benchmarks.md). */
 static inline vregf vfma(vregf acc, vregf w, vregf x) {
 #if defined(__AVX512F__) && VREG_LANES == 16
     return (vregf)_mm512_fmadd_ps((__m512)w, (__m512)x, (__m512)acc);
