@@ -181,8 +181,8 @@ static void NAME(vecmat)(const float *restrict x, const WT *restrict W, float *r
 /* Y[b, n] = X[b, :] . W[:, n] for b < B: W [K, N] row-major (a projection stored transposed,
  * K-major), X rows ldx apart, Y rows ldy apart. Outer products: a tile of up to 6 input rows
  * by 32 outputs keeps its sums in registers (16 lanes) while i runs, each weight row segment
- * read once per tile. Every (b, n) sums x[b, i] w[i, n] in i order, y = fma(x, w, y) (vec16.h
- * vfma: one rounding, on every target), whatever the tile: the same for any B. One running sum
+ * read once per tile. Every (b, n) sums x[b, i] w[i, n] in i order, y = y + x w (the build
+ * is ISO C, so nothing is contracted), whatever the tile: the same for any B. One running sum
  * over K rounds a little more than the dot-product form's eight lanes (K3 demo hidden states
  * within 1.5e-4 of the torch forward's, logits within its 5e-4); summing in blocks of 32-128
  * to tighten it halved the speed in a microbenchmark. At 32 rows a step runs ~1.1-1.2x faster
@@ -204,9 +204,9 @@ static inline __attribute__((always_inline)) void NAME(outer_tile)(
         for (int c = 0; c < CV; ++c) wv[c] = LDWV(w + VREG_LANES * c);
 #pragma GCC unroll 6
         for (int r = 0; r < R; ++r) {
-            const vregf x = vsplat(X[(b + r) * ldx + i]);
+            const float x = X[(b + r) * ldx + i];
 #pragma GCC unroll 8
-            for (int c = 0; c < CV; ++c) acc[r][c] = vfma(acc[r][c], wv[c], x);
+            for (int c = 0; c < CV; ++c) acc[r][c] += wv[c] * x;
         }
     }
 #pragma GCC unroll 6
@@ -235,7 +235,7 @@ static inline __attribute__((always_inline)) void NAME(outer_tile_k)(
  * of these longer runs (docs/benchmarks.md); the tiles below read 64-byte runs a row apart,
  * and with weights out of cache ran 3 and 4 rows at 0.5-0.6x this form's rate (a [900 x 256]
  * fp32 product: 160-180 against 70-100 us). Each output still sums x[i] w[i, n] in i order,
- * y = fma(x, w, y): the same bits as the tiles. */
+ * y = y + x w: the same bits as the tiles. */
 #define STREAM_OUT 2048
 #define STREAM_ROWS 4
 static void NAME(outer_rows_stream)(const WT *restrict W, const float *restrict X, int64_t ldx,
@@ -248,26 +248,25 @@ static void NAME(outer_rows_stream)(const WT *restrict W, const float *restrict 
             memset(acc[r], 0, sizeof(float) * (size_t)len);
         for (int64_t i = k0; i < k1; ++i) {
             const WT *w = W + i * N + a;
-            const ROW_T x0 = vsplat(X[i]), x1 = vsplat(R > 1 ? X[ldx + i] : 0.0f);
+            const float x0 = X[i], x1 = R > 1 ? X[ldx + i] : 0.0f;
             if (R > 2) {             /* a fourth row of zeros when R is 3: its sums unread */
-                const ROW_T x2 = vsplat(X[2 * ldx + i]), x3 = vsplat(R > 3 ? X[3 * ldx + i]
-                                                                           : 0.0f);
+                const float x2 = X[2 * ldx + i], x3 = R > 3 ? X[3 * ldx + i] : 0.0f;
                 for (int64_t j = 0; j < len; j += ROW_LANES) {
                     const ROW_T wv = LDROW(w + j);
-                    STROW(acc[0] + j, vfma(LDACC(acc[0] + j), wv, x0));
-                    STROW(acc[1] + j, vfma(LDACC(acc[1] + j), wv, x1));
-                    STROW(acc[2] + j, vfma(LDACC(acc[2] + j), wv, x2));
-                    STROW(acc[3] + j, vfma(LDACC(acc[3] + j), wv, x3));
+                    STROW(acc[0] + j, LDACC(acc[0] + j) + wv * x0);
+                    STROW(acc[1] + j, LDACC(acc[1] + j) + wv * x1);
+                    STROW(acc[2] + j, LDACC(acc[2] + j) + wv * x2);
+                    STROW(acc[3] + j, LDACC(acc[3] + j) + wv * x3);
                 }
             } else if (R > 1)
                 for (int64_t j = 0; j < len; j += ROW_LANES) {
                     const ROW_T wv = LDROW(w + j);
-                    STROW(acc[0] + j, vfma(LDACC(acc[0] + j), wv, x0));
-                    STROW(acc[1] + j, vfma(LDACC(acc[1] + j), wv, x1));
+                    STROW(acc[0] + j, LDACC(acc[0] + j) + wv * x0);
+                    STROW(acc[1] + j, LDACC(acc[1] + j) + wv * x1);
                 }
             else
                 for (int64_t j = 0; j < len; j += ROW_LANES)
-                    STROW(acc[0] + j, vfma(LDACC(acc[0] + j), LDROW(w + j), x0));
+                    STROW(acc[0] + j, LDACC(acc[0] + j) + LDROW(w + j) * x0);
         }
         for (int64_t r = 0; r < R; ++r)
             memcpy(Y + r * ldy + a, acc[r], sizeof(float) * (size_t)len);

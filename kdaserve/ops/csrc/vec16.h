@@ -5,11 +5,6 @@
 #define KDASERVE_VEC16_H
 
 #include <string.h>
-#if defined(__AVX__) || defined(__AVX512F__)
-#include <immintrin.h>
-#elif defined(__aarch64__)
-#include <arm_neon.h>
-#endif
 
 typedef float v16f __attribute__((vector_size(64), aligned(4), may_alias));
 
@@ -42,37 +37,5 @@ typedef float vregf __attribute__((vector_size(4 * VREG_LANES), aligned(4), may_
 static inline vregf ldvf(const float *p) { return *(const vregf *)(const void *)p; }
 
 static inline void stvf(float *p, vregf v) { *(vregf *)(void *)p = v; }
-
-/* x in every lane (a lane loop became a chain of inserts, not one broadcast) */
-static inline vregf vsplat(float x) {
-#if defined(__AVX512F__) && VREG_LANES == 16
-    return (vregf)_mm512_set1_ps(x);
-#elif defined(__AVX__) && VREG_LANES == 8
-    return (vregf)_mm256_set1_ps(x);
-#elif defined(__aarch64__) && VREG_LANES == 4
-    return (vregf)vdupq_n_f32(x);
-#else
-    vregf v;
-    for (int l = 0; l < VREG_LANES; ++l) v[l] = x;
-    return v;
-#endif
-}
-
-/* acc + w x with one rounding: a fused multiply-add on every target that has one (FMA3 with
- * AVX2, AVX-512, NEON), so the row products' sums (row_products.h) are the same bits on each
- * (tests/ops/test_aarch64_qemu.py compares them); the build is ISO C, which contracts nothing
- * by itself. The split multiply and add elsewhere: twice the instructions, and the 6-row
- * tiles are bound by them (prefill products ~1.2-1.6x faster fused, docs/benchmarks.md). */
-static inline vregf vfma(vregf acc, vregf w, vregf x) {
-#if defined(__AVX512F__) && VREG_LANES == 16
-    return (vregf)_mm512_fmadd_ps((__m512)w, (__m512)x, (__m512)acc);
-#elif defined(__FMA__) && VREG_LANES == 8
-    return (vregf)_mm256_fmadd_ps((__m256)w, (__m256)x, (__m256)acc);
-#elif defined(__aarch64__) && VREG_LANES == 4
-    return (vregf)vfmaq_f32((float32x4_t)acc, (float32x4_t)w, (float32x4_t)x);
-#else
-    return acc + w * x;
-#endif
-}
 
 #endif
