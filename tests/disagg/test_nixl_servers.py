@@ -7,12 +7,10 @@ by the decode process; afterwards neither instance holds a page or an arrived ca
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import pytest
 from server_harness import free_port, metrics, wait_idle
-from test_proxy_server import KV, WORDS, _proxy, _serve, _wait_healthy, client, complete
+from test_proxy_server import KV, WORDS, _proxy, _serve, client, complete, healthy
 
 pytest.importorskip("nixl", reason="nixl is not installed (pip install 'kdaserve[disagg]')")
 
@@ -27,16 +25,8 @@ def nixl_cluster(tiny_model_dir, tmp_path_factory):
     d = _serve(tiny_model_dir, logs, "decode", "--block-size", "8", "--kv-transfer-config",
                json.dumps(config), *KV)
     front = _proxy(logs, "proxy", [p], [d], "--probe-timeout", "10")
-    procs = [p, d, front]
-    try:
-        _wait_healthy(procs)
+    with healthy([p, d, front]):
         yield p, d, front
-    finally:
-        for s in procs:
-            if s.proc.poll() is None:
-                os.killpg(s.proc.pid, signal.SIGTERM)
-        for s in procs:
-            s.stop()
 
 
 def test_greedy_output_equals_colocated_over_nixl(nixl_cluster):

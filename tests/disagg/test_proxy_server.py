@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -69,6 +70,21 @@ def _wait_healthy(servers: list[Server], timeout: float = 240.0) -> None:
             time.sleep(0.2)
 
 
+@contextmanager
+def healthy(procs: list[Server]):
+    """Every process answering /health for the block; then all stopped at once (each drains
+    on its own)."""
+    try:
+        _wait_healthy(procs)
+        yield
+    finally:
+        for s in procs:
+            if s.proc.poll() is None:
+                os.killpg(s.proc.pid, signal.SIGTERM)
+        for s in procs:
+            s.stop()
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("disagg_logs")
@@ -81,16 +97,8 @@ def cluster(tiny_model_dir, tmp_path_factory):
     # a generous probe timeout: on a busy machine a slow answer must not rank d1 last
     front = _proxy(logs, "proxy", [p], [d1, d2], "--probe-timeout", "10")
     lone = _proxy(logs, "proxy_lone", [p], [d1], "--prefill-timeout", "3")
-    procs = [p, d1, d2, front, lone]
-    try:
-        _wait_healthy(procs)
+    with healthy([p, d1, d2, front, lone]):
         yield p, d1, d2, front, lone
-    finally:
-        for s in procs:                 # all at once: each drains on its own
-            if s.proc.poll() is None:
-                os.killpg(s.proc.pid, signal.SIGTERM)
-        for s in procs:
-            s.stop()
 
 
 def client(server: Server) -> openai.OpenAI:

@@ -9,13 +9,11 @@ receiving path as under `serve`), which spares this module three more processes.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import pytest
 from server_harness import build_tiny_model, free_port, metrics, wait_idle
-from test_proxy_server import KV, WORDS, _proxy, _serve, _wait_healthy, client, complete
+from test_proxy_server import KV, WORDS, _proxy, _serve, client, complete, healthy
 
 # two servers (one with two worker ranks) and the proxy: ~40 s on a loaded 2-core machine
 pytestmark = pytest.mark.slow
@@ -31,16 +29,8 @@ def cluster(tmp_path_factory):
     d = _serve(model, logs, "decode", "--block-size", "8", "--role", "decode",
                "--kv-transfer-port", str(free_port()), *KV)
     front = _proxy(logs, "proxy", [p], [d], "--probe-timeout", "10")
-    procs = [p, d, front]
-    try:
-        _wait_healthy(procs)
+    with healthy([p, d, front]):
         yield p, d, front
-    finally:
-        for s in procs:
-            if s.proc.poll() is None:
-                os.killpg(s.proc.pid, signal.SIGTERM)
-        for s in procs:
-            s.stop()
 
 
 def test_tp2_prefill_through_the_proxy_equals_colocated(cluster):
