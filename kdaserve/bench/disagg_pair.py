@@ -8,14 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kdaserve.disagg.local import Trace, run_disaggregated, transfer_counters
+from kdaserve.disagg.local import Trace, counters_since, run_disaggregated, transfer_counters
 from kdaserve.disagg.split_run import PrefillProcess
 from kdaserve.engine.llm import LLM
 from kdaserve.request import SamplingParams
-
-
-def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: v - before[k] for k, v in after.items()}
 
 
 class Pair:
@@ -47,8 +43,8 @@ class Pair:
             assert self.pre is not None
             before = transfer_counters(self.pre.engine)
             traces = run_disaggregated(self.pre.engine, dec, prompts, params)
-            moved = _delta(before, transfer_counters(self.pre.engine))
-        moved.update({f"decode_{k}": v for k, v in _delta(d0, transfer_counters(dec)).items()})
+            moved = counters_since(before, transfer_counters(self.pre.engine))
+        moved.update({f"decode_{k}": v for k, v in counters_since(d0, transfer_counters(dec)).items()})
         return traces, moved
 
     def close(self) -> None:

@@ -102,6 +102,11 @@ def transfer_counters(eng: EngineCore) -> dict[str, float]:
             "steps": float(eng.stats.steps), "hit_tokens": float(eng.cache.stats.hit_tokens)}
 
 
+def counters_since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What two transfer_counters readings of one engine differ by."""
+    return {k: v - before[k] for k, v in after.items()}
+
+
 def take_deltas(deltas, traces: dict[str, Trace], skip_first: bool = False) -> None:
     now = time.perf_counter()
     for d in deltas:

@@ -14,7 +14,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from kdaserve.disagg.local import Trace, hand_over, take_deltas, transfer_counters
+from kdaserve.disagg.local import Trace, counters_since, hand_over, take_deltas, transfer_counters
 from kdaserve.disagg.params import KVTransferParams
 from kdaserve.engine.core import EngineCore
 from kdaserve.request import SamplingParams
@@ -51,7 +51,7 @@ def _prefill_main(conn, model: str, kwargs: dict[str, Any], peer: str,
                     conn.send(("first", d.request_id, firsts[d.request_id][:1],
                                time.perf_counter(), d.finish_reason, d.error))
         after = transfer_counters(eng)
-        conn.send(("done", {k: v - before[k] for k, v in after.items()}))
+        conn.send(("done", counters_since(before, after)))
     eng.transfer.connector.close()
 
 

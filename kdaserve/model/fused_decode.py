@@ -105,10 +105,8 @@ class FusedDecoder:
         x = torch.embedding(model.model.embed_tokens.weight, ids)   # (nn.Module's call: 3x)
         if x.dtype != torch.float32:
             x = x.float()
-        if not (slots.is_contiguous() and positions.is_contiguous()
-                and block_table.is_contiguous()):
-            slots, positions = slots.contiguous(), positions.contiguous()
-            block_table = block_table.contiguous()
+        slots, positions = slots.contiguous(), positions.contiguous()
+        block_table = block_table.contiguous()
         logits = torch.empty(x.shape[0], self.head[1].value, dtype=torch.float32)
         B = x.shape[0]
         # K3: x is the in-block running sum P; mix [B, Hd] each sublayer's mixed input, bank
