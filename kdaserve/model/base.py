@@ -103,7 +103,7 @@ class HybridForCausalLM(nn.Module):
             head = getattr(self, "lm_head", None)
             emb = self.model.embed_tokens
             if head is not None and (emb is None or head.weight is not emb.weight):
-                store_k_major(head)
+                store_k_major(head, pad=True)
         return self
 
     def to_dtype(self, dtype: torch.dtype) -> HybridForCausalLM:

@@ -17,6 +17,7 @@ from kdaserve.model.layers import MLP
 from kdaserve.model.moe import SparseMoE
 from kdaserve.model.packed_args import Descriptors, has_packed
 from kdaserve.ops.cpu_kernels import activation_args
+from kdaserve.ops.cpu_linear import k_major
 
 _I, _F = ctypes.c_int64, ctypes.c_float
 
@@ -172,10 +173,17 @@ class BlockArgs:
                     sources=sum(start for _, _, start in layers))
 
     def head(self) -> tuple:
+        """(Hd, V, norm weight, eps, W, ldw): a K-major head in the model's dtype is read in
+        place, rows ldw apart (cpu_linear.py may pad them); any other is a compact copy."""
         m = self.model
-        norm = m.model.norm
+        norm, w = m.model.norm, m.lm_head.weight.detach()
+        if not self.packed and w.dtype == self.wdtype and k_major(w):
+            self.keep.append(w)
+            weight, ldw = _p(w), w.stride(1)
+        else:
+            weight, ldw = self._wt(m.lm_head), m.lm_head.out_features
         return (_I(self.hidden), _I(m.lm_head.out_features), self._t(norm.weight),
-                _F(norm.eps), self._wt(m.lm_head))
+                _F(norm.eps), weight, _I(ldw))
 
     def _experts(self, ffn: SparseMoE) -> tuple:
         """(w13, w2, transposed): the stacks read in place, in whichever layout they are."""

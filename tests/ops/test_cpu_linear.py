@@ -61,6 +61,33 @@ def test_rows_do_not_depend_on_their_batch(rows, out, inner):
         assert torch.equal(linear(x[:n], wk), whole[:n])
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 32])
+def test_tail_outputs_sum_as_the_tiles_do(rows):
+    """The last N % 16 outputs (900 = 56 x 16 + 4) run through a padded strip of the tiles:
+    the same bits as when they lie inside a wider matrix's tiles (zero columns appended)."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=g)
+    w = torch.randn(900, 256, generator=g)
+    wide = torch.cat([w, torch.zeros(12, 256)])
+    assert torch.equal(linear(x, k_major_weight(w)), linear(x, k_major_weight(wide))[:, :900])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_store_gives_the_same_bits(dtype):
+    """pad=True spaces rows of 4 KiB multiples one cache line further apart (the LM head's
+    store): still a K-major view, and every product the same bits as the compact store."""
+    g = torch.Generator().manual_seed(4)
+    out = 4096 // torch.empty(0, dtype=dtype).element_size()
+    w = torch.randn(out, 64, generator=g).to(dtype)
+    padded, compact = k_major_weight(w, pad=True), k_major_weight(w)
+    assert k_major(padded) and padded.stride(1) == out + 64 // w.element_size()
+    assert torch.equal(padded, w) and compact.stride(1) == out
+    assert k_major_weight(w[:40], pad=True).stride(1) == 40        # 4 KiB multiples only
+    for rows in (1, 3, 8, 32, 130):
+        x = torch.randn(rows, 64, generator=g).to(dtype)
+        assert torch.equal(linear(x, padded), linear(x, compact)), rows
+
+
 def test_leading_dims_and_strided_rows():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 5, 40, generator=g)[..., :32]          # rows 40 floats apart

@@ -24,6 +24,11 @@ static void NAME(matmat)(const WT *W, const float *X, int64_t ldx, float *Y, int
                          int64_t N, int64_t K, int64_t B) {
     NAME(matmat_t)(W, X, ldx, Y, ldy, N, K, B);     /* a descriptor says its own layout */
 }
+static void NAME(matmat_tw)(const WT *W, int64_t ldw, const float *X, int64_t ldx, float *Y,
+                            int64_t ldy, int64_t N, int64_t K, int64_t B) {
+    (void)ldw;
+    NAME(matmat_t)(W, X, ldx, Y, ldy, N, K, B);
+}
 /* MLA's absorbed kv_b stays a plain fp32 array: the fp32 copy's products */
 static void NAME(vecmat)(const float *x, const WT *W, float *y, int64_t K, int64_t N) {
     vecmat_f32(x, W, y, K, N);
@@ -371,12 +376,13 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
-/* The final norm and the LM head for B rows: logits [B, V] = W [V, Hd] . norm(x).
+/* The final norm and the LM head for B rows: logits [B, V] = W [V, Hd] . norm(x), W stored
+ * K-major with its rows ldw >= V apart (cpu_linear.py pads a vocabulary of 4 KiB multiples).
  * scratch: at least B Hd + 4 Hd floats. */
 void NAME(head_block)(int64_t B, int64_t Hd, int64_t V, const float *x, const float *norm_w,
-                      float eps, const WT *W, float *logits, float *scratch) {
+                      float eps, const WT *W, int64_t ldw, float *logits, float *scratch) {
     NAME(norm_rows)(x, norm_w, eps, Hd, B, scratch);
-    NAME(matmat_t)(W, scratch, Hd, logits, V, V, Hd, B);
+    NAME(matmat_tw)(W, ldw, scratch, Hd, logits, V, V, Hd, B);
 }
 
 #undef CAT_
