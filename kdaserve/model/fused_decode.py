@@ -75,6 +75,12 @@ class FusedDecoder:
         self.res = args.attn_res(model)
         self._scratch_size = (per_row, fixed + 1024)
         self._scratch: dict[int, torch.Tensor] = {}      # by part (row split), grown as needed
+        # the plain step (one calling thread, no capture, rollback or residual mixes): its
+        # rows embedded into a buffer kept from step to step, and its calls' arguments built
+        # once per set of buffers (RowInputs keeps its own), so a step is the compiled calls
+        # alone: ~56 us of Python a step at one row otherwise (warm; more in the engine)
+        self._x = torch.empty(0, self.hidden, dtype=torch.float32)
+        self._plain: dict[tuple, tuple[list, tuple]] = {}
 
     def _fingerprint(self) -> tuple:
         """Pointers of the embedding, the head and each layer's input norm: a reload or a
@@ -102,13 +108,17 @@ class FusedDecoder:
         model = self.model
         if self.k.parallel:      # the team size is per calling thread: torch's, every step
             self.k.threads(torch.get_num_threads())
+        slots, positions = slots.contiguous(), positions.contiguous()
+        block_table = block_table.contiguous()
+        B = ids.shape[0]
+        logits = torch.empty(B, self.head[1].value, dtype=torch.float32)
+        if parts <= 1 and not capture and kept is None and self.res is None:
+            self._run_plain(ids, positions, slots, block_table, cache, logits)
+            self._snapshot(snapshots, slots, cache)
+            return logits
         x = torch.embedding(model.model.embed_tokens.weight, ids)   # (nn.Module's call: 3x)
         if x.dtype != torch.float32:
             x = x.float()
-        slots, positions = slots.contiguous(), positions.contiguous()
-        block_table = block_table.contiguous()
-        logits = torch.empty(x.shape[0], self.head[1].value, dtype=torch.float32)
-        B = x.shape[0]
         # K3: x is the in-block running sum P; mix [B, Hd] each sublayer's mixed input, bank
         # [B, sources, Hd] the finished block sums (model/attn_res.py)
         res = (torch.empty_like(x), torch.empty(B, max(1, self.res["sources"]), self.hidden))\
@@ -126,6 +136,12 @@ class FusedDecoder:
                        for i in range(parts)]
             for f in futures:
                 f.result()
+        self._snapshot(snapshots, slots, cache)
+        return logits
+
+    @staticmethod
+    def _snapshot(snapshots: list[tuple[int, int]], slots: torch.Tensor, cache: HybridCache
+                  ) -> None:
         if snapshots and cache.snap_states:
             src = slots[[r for r, _ in snapshots]]
             dest = torch.tensor([d for _, d in snapshots], dtype=torch.long)
@@ -133,7 +149,42 @@ class FusedDecoder:
                                         cache.snap_conv):
                 sst.index_copy_(0, dest, st[src])
                 scv.index_copy_(0, dest, cv[src].to(scv.dtype))
-        return logits
+
+    def _scratch_for(self, part: int, rows: int) -> torch.Tensor:
+        per_row, fixed = self._scratch_size
+        need = per_row * rows + fixed
+        scratch = self._scratch.get(part)
+        if scratch is None or scratch.numel() < need:
+            scratch = self._scratch[part] = torch.empty(need, dtype=torch.float32)
+        return scratch
+
+    def _run_plain(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   block_table: torch.Tensor, cache: HybridCache, logits: torch.Tensor) -> None:
+        """Every layer and the head for all rows on this thread, through calls whose
+        arguments are built once per set of buffers (the logits alone are new each step:
+        a caller may keep them)."""
+        B = ids.shape[0]
+        if self._x.shape[0] < B:
+            self._x = torch.empty(max(B, 2 * self._x.shape[0]), self.hidden)
+        x, emb = self._x[:B], self.model.model.embed_tokens.weight
+        if emb.dtype == torch.float32:
+            torch.index_select(emb, 0, ids, out=x)
+        else:
+            x.copy_(torch.embedding(emb, ids))
+        scratch = self._scratch_for(0, B)
+        key = (id(cache), B, block_table.shape[1], x.data_ptr(), positions.data_ptr(),
+               slots.data_ptr(), block_table.data_ptr(), scratch.data_ptr())
+        plan = self._plain.get(key)
+        if plan is None:
+            if len(self._plain) >= 64:        # buffers regrown: the old keys name dead memory
+                self._plain.clear()
+            calls: list = []
+            self._rows(0, 0, B, x, positions, slots, block_table, cache, None, record=calls)
+            plan = self._plain[key] = (calls, calls.pop()[1][:-2])
+        calls, head = plan
+        for fn, args in calls:
+            fn(*args)
+        self.k.head(*head, _p(logits), _p(scratch))
 
     @torch.inference_mode()      # the mode is per thread: the pool's need it too
     def _rows_in_mode(self, *args) -> None:
@@ -141,17 +192,16 @@ class FusedDecoder:
 
     def _rows(self, part: int, lo: int, hi: int, x: torch.Tensor, positions: torch.Tensor,
               slots: torch.Tensor, block_table: torch.Tensor, cache: HybridCache,
-              logits: torch.Tensor, res: tuple[torch.Tensor, torch.Tensor] | None = None,
+              logits: torch.Tensor | None, res: tuple[torch.Tensor, torch.Tensor] | None = None,
               capture: tuple[int, ...] = (), captured: list[torch.Tensor] | None = None,
-              kept: Kept | None = None) -> None:
-        """Rows [lo, hi) through every layer and the head, with scratch `part`."""
+              kept: Kept | None = None, record: list | None = None) -> None:
+        """Rows [lo, hi) through every layer and the head, with scratch `part`. record: the
+        calls (function, arguments) are appended to it instead of made (the plain step's, no
+        residual mixes or capture; the head's last, its logits pointer None)."""
         n = hi - lo
-        per_row, fixed = self._scratch_size
-        need = per_row * n + fixed
-        scratch = self._scratch.get(part)
-        if scratch is None or scratch.numel() < need:
-            scratch = self._scratch[part] = torch.empty(need, dtype=torch.float32)
+        scratch = self._scratch_for(part, n)
         B, sp = _I(n), _p(scratch)
+        call = record.append if record is not None else (lambda c: c[0](*c[1]))
         xp = _p(x[lo:hi])
         slots_p, pos_p, bt_p = _p(slots[lo:hi]), _p(positions[lo:hi]), _p(block_table[lo:hi])
         width = _I(block_table.shape[1])
@@ -175,23 +225,24 @@ class FusedDecoder:
                 i = st["index"]
                 ks, kc = ((_p(kept.states[i][lo:hi]), _p(kept.conv[i][lo:hi]))
                           if kept is not None else (_NULL, _NULL))
-                k.kda(B, *st["head"], xp, inp, *st["norm"], _p(cache.kda_conv[i]),
-                      _p(cache.kda_states[i]), slots_p, *st["conv"], sp, ks, kc)
+                call((k.kda, (B, *st["head"], xp, inp, *st["norm"], _p(cache.kda_conv[i]),
+                              _p(cache.kda_states[i]), slots_p, *st["conv"], sp, ks, kc)))
             else:
                 pages = cache.mla_pages[st["index"]]
-                k.mla(B, *st["head"], xp, inp, *st["weights"], _p(pages), bs, bt_p, width,
-                      pos_p, *st["tail"], sp)
+                call((k.mla, (B, *st["head"], xp, inp, *st["weights"], _p(pages), bs, bt_p,
+                              width, pos_p, *st["tail"], sp)))
             if res is not None:
                 k.mix(B, hd, _I(banked), bank_p, stride, xp, w_mlp, eps, inp)
             if fkind == "mlp":
-                k.mlp(B, *fargs[:2], xp, inp, *fargs[3:], sp)
+                call((k.mlp, (B, *fargs[:2], xp, inp, *fargs[3:], sp)))
             else:
-                k.moe(B, *fargs[:4], xp, inp, *fargs[5:], sp)
+                call((k.moe, (B, *fargs[:4], xp, inp, *fargs[5:], sp)))
             if li in capture and captured is not None:
                 captured.append(x.clone())
         if res is not None:
             k.mix(B, hd, _I(banked), bank_p, stride, xp, self.res["out"], eps, inp)
-        k.head(B, *self.head[:2], inp, *self.head[2:], _p(logits[lo:hi]), sp)
+        call((k.head, (B, *self.head[:2], inp, *self.head[2:],
+                       _p(logits[lo:hi]) if logits is not None else _NULL, sp)))
 
 
 def fused_decoder(model: HybridForCausalLM, cache: HybridCache) -> FusedDecoder | None:
