@@ -154,7 +154,7 @@ class ModelRunner:
                          self.decode_inputs if persistent else None,
                          self.graphs if persistent else None)
         if plan is not None:
-            self.num_forward_tokens += len(plan.ids)
+            self.num_forward_tokens += sum(plan.lens)
         return plan
 
     def start_masks(self, plan: StepPlan):
@@ -201,10 +201,10 @@ class ModelRunner:
         """Decode rows, maybe with drafts (no media or prompt logprobs): one row per token,
         a token and its drafts each a row of the request's slot."""
         captured: list[torch.Tensor] = []
-        positions, state_slots, table = self._row_inputs.fill(plan.seqs)
-        kept = fused_decode.Kept.allocate(self.cache, len(plan.ids)) if plan.verifying else None
+        ids, positions, state_slots, table = self._row_inputs.fill(plan.seqs)
+        kept = fused_decode.Kept.allocate(self.cache, len(ids)) if plan.verifying else None
         last = [plan.starts[b] + plan.lens[b] - 1 for b in range(len(plan.seqs))]
-        logits = plan.fused(plan.ids, positions, state_slots, table, self.cache,
+        logits = plan.fused(ids, positions, state_slots, table, self.cache,
                             [(last[s.row], s.snapshot_id) for s in plan.snapshots], capture,
                             captured, parts, kept)
         if kept is not None:

@@ -32,7 +32,7 @@ class StepPlan:
     n_sample: int                           # logits rows that are sampled (the rest: prompt)
     prompt_rows: list[PromptRows]
     snapshots: list[SnapshotAt]             # taken by the forward (not on verify rows)
-    ids: torch.Tensor                       # [T] the step's tokens
+    ids: torch.Tensor | None               # [T] the step's tokens (None: fused, RowInputs)
     wanted: list[int]                       # rows whose logits are wanted, sampled first
     fb: ForwardBatch | None                 # the torch forward's layout (None: fused)
     fused: fused_decode.FusedDecoder | None  # the fused CPU decoder, when it takes the step
@@ -94,7 +94,8 @@ def plan_step(sequences: Sequence[ScheduledSequence], ops: StepOps,
         state_slots=inp.slots if inp else [s.state_slot for s in seqs],
         logits_indices=wanted, snapshots=snapshots or None, device=device,
         positions=inp.positions if inp else None, sync_free=inp is not None)
-    ids = inp.ids if inp else torch.tensor([t for s in seqs for t in s.token_ids],
-                                           dtype=torch.long, device=device)
+    # a fused step takes its ids with its other row inputs (fused_rows.RowInputs)
+    ids = inp.ids if inp else None if fused is not None else torch.tensor(
+        [t for s in seqs for t in s.token_ids], dtype=torch.long, device=device)
     return StepPlan(seqs, num_decode, lens, starts, n_sample, prompt_rows, snapshots, ids,
                     wanted, fb, fused)

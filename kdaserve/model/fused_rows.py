@@ -56,7 +56,8 @@ def split_parts(threads: int, rows: int, capture: tuple[int, ...] = (),
 
 
 class RowInputs:
-    """positions, slots [R] and the block table [R, width] of a step's rows, one row per token:
+    """token ids, positions, slots [R] and the block table [R, width] of a step's rows, one row
+    per token:
     a decode row's token and its drafts (kdaserve.outputs.ScheduledSequence) each get their own
     position, sharing the request's slot and pages.
 
@@ -66,7 +67,7 @@ class RowInputs:
     hold until the next fill only: a caller that keeps one clones it."""
 
     def __init__(self) -> None:
-        self._rows = torch.zeros(0, dtype=torch.long)       # positions | slots, 2 x capacity
+        self._rows = torch.zeros(0, dtype=torch.long)   # ids | positions | slots, 3 x capacity
         self._table = torch.zeros(0, dtype=torch.long)      # [R, width], flat
         self._views: tuple | None = None     # ((R, width), numpy views, the tensors) of the last
 
@@ -75,14 +76,15 @@ class RowInputs:
         return buf if buf.numel() >= need else torch.zeros(max(need, 2 * buf.numel()),
                                                            dtype=torch.long)
 
-    def fill(self, seqs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def fill(self, seqs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         width = max(1, max(len(s.block_ids) for s in seqs))
         # each input built whole in an int64 array, then one copy into its buffer: a numpy
         # slice assignment per row would cost more than the rows' own work
-        pos, slots, table = array("q"), array("q"), array("q")
+        ids, pos, slots, table = array("q"), array("q"), array("q"), array("q")
         pad = array("q", bytes(8 * width))
         for s in seqs:
             m = len(s.token_ids)
+            ids.extend(s.token_ids)
             pos.extend(range(s.context_len, s.context_len + m))
             slots.extend((s.state_slot,) * m)
             row = array("q", s.block_ids)
@@ -90,14 +92,15 @@ class RowInputs:
             table.extend(row * m if m > 1 else row)
         R = len(pos)
         if self._views is None or self._views[0] != (R, width):
-            self._rows = self._grown(self._rows, 2 * R)
+            self._rows = self._grown(self._rows, 3 * R)
             self._table = self._grown(self._table, R * width)
             self._views = ((R, width), self._rows.numpy(), self._table.numpy(),
-                           (self._rows[:R], self._rows[R:2 * R],
+                           (self._rows[2 * R:3 * R], self._rows[:R], self._rows[R:2 * R],
                             self._table[:R * width].view(R, width)))
         _, rows, flat, views = self._views
         rows[:R] = np.frombuffer(pos, dtype=np.int64)
         rows[R:2 * R] = np.frombuffer(slots, dtype=np.int64)
+        rows[2 * R:3 * R] = np.frombuffer(ids, dtype=np.int64)
         flat[:R * width] = np.frombuffer(table, dtype=np.int64)
         return views
 

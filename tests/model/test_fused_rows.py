@@ -9,17 +9,19 @@ from kdaserve.outputs import ScheduledSequence
 
 def _reference(seqs):
     width = max(1, max(len(s.block_ids) for s in seqs))
-    pos, slots, table = [], [], []
+    ids, pos, slots, table = [], [], [], []
     for s in seqs:
+        ids += s.token_ids
         for j in range(len(s.token_ids)):
             pos.append(s.context_len + j)
             slots.append(s.state_slot)
             table.append(s.block_ids + [0] * (width - len(s.block_ids)))
-    return (torch.tensor(pos), torch.tensor(slots), torch.tensor(table).view(len(pos), width))
+    return (torch.tensor(ids), torch.tensor(pos), torch.tensor(slots),
+            torch.tensor(table).view(len(pos), width))
 
 
 def _seq(i, tokens, ctx, blocks, slot):
-    return ScheduledSequence(f"r{i}", list(range(tokens)), ctx, blocks, slot, True,
+    return ScheduledSequence(f"r{i}", list(range(7 * i, 7 * i + tokens)), ctx, blocks, slot, True,
                              num_draft_tokens=tokens - 1)
 
 
@@ -43,7 +45,7 @@ def test_fill_matches_the_plain_construction_across_steps():
 def test_a_kept_tensor_changes_with_the_next_fill():
     """The documented contract: the views hold until the next fill (callers clone)."""
     inputs = RowInputs()
-    first = inputs.fill([_seq(0, 1, 10, [1], 0)])[0]
+    first = inputs.fill([_seq(0, 1, 10, [1], 0)])[1]
     kept = first.clone()
     inputs.fill([_seq(0, 1, 11, [1], 0)])
     assert torch.equal(kept, torch.tensor([10])) and torch.equal(first, torch.tensor([11]))
