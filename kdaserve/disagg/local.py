@@ -58,7 +58,6 @@ def run_disaggregated(pre: EngineCore, dec: EngineCore, prompts: list[list[int]]
     of the transfer; `hit_query` False: everything travels), prefill with max_tokens = 1 on
     `pre`, then each goes on to `dec` with the first token. `tamper` rewrites an arrived
     transfer before its request takes it (the mutation test)."""
-    address = dec.transfer.address
     traces: dict[str, Trace] = {}
     for p in prompts:
         tid = f"t{next(_ids)}"

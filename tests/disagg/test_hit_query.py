@@ -22,9 +22,16 @@ import torch
 from kdaserve import LLM, SamplingParams
 from kdaserve.disagg import wire
 from kdaserve.disagg.connector import Arrived
-from kdaserve.disagg.local import (Trace, counters_since, export_params, hand_over,
-                                   run_colocated, run_disaggregated, take_deltas,
-                                   transfer_counters)
+from kdaserve.disagg.local import (
+    Trace,
+    counters_since,
+    export_params,
+    hand_over,
+    run_colocated,
+    run_disaggregated,
+    take_deltas,
+    transfer_counters,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 DECODE_BLOCK = 8
