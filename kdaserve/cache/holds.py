@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kdaserve.cache.block_pool import Block, BlockPool
+from kdaserve.cache.prefix_cache import PrefixHit, block_hashes
 
 
 @dataclass
@@ -48,6 +49,21 @@ class PrefixHolds:
 
     def get(self, key: str) -> Hold | None:
         return self._holds.get(key)
+
+    def hit(self, key: str, tokens: list[int], block_size: int, extra_keys: tuple = (),
+            cache_salt: str | None = None) -> PrefixHit | None:
+        """The hold under `key` as a prefix hit of this prompt (its blocks stay pinned until
+        `release`); None without one, or when its blocks are not this prompt's (the hold is
+        dropped then: an import never shares blocks it did not verify)."""
+        hold = self._holds.get(key)
+        if hold is None:
+            return None
+        k = hold.num_blocks * block_size
+        if k >= len(tokens) or block_hashes(tokens[:k], block_size, extra_keys,
+                                            cache_salt) != hold.hashes:
+            self.release(key)
+            return None
+        return PrefixHit(k, list(hold.hashes), None, k, len(tokens))
 
     def release(self, key: str) -> None:
         hold = self._holds.pop(key, None)

@@ -235,18 +235,8 @@ class CacheManager:
 
     def held_hit(self, key: str, tokens: list[int], extra_keys: tuple = (),
                  cache_salt: str | None = None) -> PrefixHit | None:
-        """The hold under `key` as a prefix hit of this prompt (its blocks stay pinned until
-        `release_hold`); None without one, or when its blocks are not this prompt's (the hold
-        is dropped then)."""
-        hold = self.prefix_holds.get(key)
-        if hold is None:
-            return None
-        k = hold.num_blocks * self.block_size
-        if k >= len(tokens) or block_hashes(tokens[:k], self.block_size, extra_keys,
-                                            cache_salt) != hold.hashes:
-            self.prefix_holds.release(key)
-            return None
-        return PrefixHit(k, list(hold.hashes), None, k, len(tokens))
+        """The hold under `key` as a prefix hit of this prompt (see PrefixHolds.hit)."""
+        return self.prefix_holds.hit(key, tokens, self.block_size, extra_keys, cache_salt)
 
     def release_hold(self, key: str) -> None:
         self.prefix_holds.release(key)
