@@ -32,17 +32,19 @@ class Pair:
             self.dec.engine.transfer.connector.close()
             raise
 
-    def run(self, prompts: list[list[int]], params: SamplingParams
+    def run(self, prompts: list[list[int]], params: SamplingParams, hit_query: bool = True
             ) -> tuple[list[Trace], dict[str, float]]:
-        """All prompts at once."""
+        """All prompts at once (`hit_query` False: the whole prompt travels whatever the
+        decode side holds)."""
         dec = self.dec.engine
         d0 = transfer_counters(dec)
         if self.proc is not None:
-            traces, moved = self.proc.run(dec, prompts, params)
+            traces, moved = self.proc.run(dec, prompts, params, hit_query)
         else:
             assert self.pre is not None
             before = transfer_counters(self.pre.engine)
-            traces = run_disaggregated(self.pre.engine, dec, prompts, params)
+            traces = run_disaggregated(self.pre.engine, dec, prompts, params,
+                                       hit_query=hit_query)
             moved = counters_since(before, transfer_counters(self.pre.engine))
         moved.update({f"decode_{k}": v for k, v in counters_since(d0, transfer_counters(dec)).items()})
         return traces, moved

@@ -5,17 +5,17 @@ turn's prompts (lengths drawn from [chat_len / 2, chat_len]) run all at once, th
 follow-ups, all at once. Two scenarios:
 - `follow_up`: each follow-up is its conversation so far, the first prompt and its generated
   answer, then a new user turn. The decode instance holds that prefix (the blocks it wrote and
-  the KDA snapshot it took while decoding the answer), so it shares those blocks and writes
-  only the rest of the transfer (kdaserve/disagg/handoff.py, transfer.py). The prefill
-  instance holds the first prompt and computes from its last snapshot in it;
+  the KDA snapshot it took while decoding the answer) and says so to the hit query, so the
+  prefill instance sends only the rest and the decode instance shares those blocks
+  (kdaserve/disagg/handoff.py, transfer.py). The prefill instance holds the first prompt and
+  computes from its last snapshot in it;
 - `fresh`: follow-ups of the same lengths that share nothing with the first turn: no hits
   on either side (the control).
 The same follow-ups also run on the bench's pair without prefix caching (the mixed load's),
-for the transfer time without the hits. The wire carries the whole prompt either way (the
-prefill side does not know what the decode side holds), so the savings are the decode
-side's: blocks and latent bytes not written into its cache, and the receive time that takes.
-The KDA states always travel and are always installed (the transfer's state, taken at the
-end of the prompt, replaces the hit's snapshot): their skipped bytes are 0."""
+for the bytes and the transfer time without the hits. The savings: the held tokens' latents
+neither cross the wire nor are written into the decode side's cache. The KDA states always
+travel and are always installed (the transfer's state, taken at the end of the prompt,
+replaces the hit's snapshot): their skipped bytes are 0."""
 
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ def scenario(name: str, cached: Pair, plain: Pair, colo: EngineCore, first: list
     same1 = [t.tokens for t in t1] == want1
     same2 = [t.tokens for t in t2] == want2 and [t.tokens for t in t2n] == want2
     mla = m2["sent_mla_bytes"]
+    saved = m2n["sent_mla_bytes"] - mla
     return {
         "requests": len(first),
         "turn1_tokens": {"min": min(map(len, first)), "max": max(map(len, first))},
@@ -87,16 +88,28 @@ def scenario(name: str, cached: Pair, plain: Pair, colo: EngineCore, first: list
         "turn2": {"bytes_per_request": per_request(m2),
                   "prefill_prefix_hit_tokens": int(m2["hit_tokens"]),
                   "decode_prefix_hit_tokens": hit},
-        # what the decode side did not write into its cache (shared blocks of its own hits)
+        # what the decode side held (the hit query): neither sent nor written into its cache
         "decode_skipped": {
             "tokens": hit, "blocks": hit // decode_block, "mla_bytes": hit * latent_bytes,
             "kda_bytes": 0,
             "per_request": {"tokens": round(hit / n, 1), "blocks": round(hit / decode_block / n, 2),
                             "mla_bytes": int(hit * latent_bytes // n)},
-            "frac_of_mla_bytes_received": round(hit * latent_bytes / mla, 4) if mla else 0.0,
+            "frac_of_prompt_mla_bytes": (round(hit * latent_bytes / (mla + hit * latent_bytes), 4)
+                                         if mla else 0.0),
+        },
+        # the bytes that crossed the wire in the second turn, all requests: with the hits (the
+        # hit query on this pair) and without them (the same follow-ups on the pair without
+        # prefix caching: the whole prompts)
+        "wire_bytes": {
+            "with_hits": {"mla": int(mla), "kda": int(m2["sent_kda_bytes"])},
+            "without_hits": {"mla": int(m2n["sent_mla_bytes"]),
+                             "kda": int(m2n["sent_kda_bytes"])},
+            "saved": int(saved),
+            "saved_frac": round(saved / (m2n["sent_mla_bytes"] + m2n["sent_kda_bytes"]), 4)
+            if m2n["sent"] else 0.0,
         },
         "transfer_per_request": {
-            "with_hits": _seconds(m2),
+            "with_hits": {**_seconds(m2), "bytes_per_request": per_request(m2)},
             "without_hits": {**_seconds(m2n), "bytes_per_request": per_request(m2n),
                              "decode_prefix_hit_tokens": int(m2n["decode_hit_tokens"])},
         },

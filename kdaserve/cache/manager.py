@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from kdaserve.cache.block_pool import Block, BlockPool
 from kdaserve.cache.device_offload import DeviceOffload
+from kdaserve.cache.holds import Hold, PrefixHolds
 from kdaserve.cache.offload import Offload
 from kdaserve.cache.ops import BLOCK, SNAPSHOT, CacheOp, OpFailure
 from kdaserve.cache.planner import CachePlan
@@ -59,6 +60,7 @@ class CacheManager:
         self.offload = offload if enable_prefix_caching else None
         self.tiers = DeviceOffload(self.block_pool, self.snapshots, self.offload, self._demote,
                                    self._demote_device)
+        self.prefix_holds = PrefixHolds(self.block_pool)     # disaggregation's hit query (holds.py)
 
     @classmethod
     def from_plan(cls, plan: CachePlan, cache: CacheConfig,
@@ -117,7 +119,8 @@ class CacheManager:
         return 1.0 - self.block_pool.num_free / total if total else 0.0
 
     def all_free(self) -> bool:
-        return (not self._held and self.block_pool.num_free == self.block_pool.num_blocks
+        return (not self._held and not self.prefix_holds
+                and self.block_pool.num_free == self.block_pool.num_blocks
                 and self.state_pool.num_free == self.state_pool.num_slots)
 
     # ---- changes --------------------------------------------------------------------------
@@ -212,6 +215,31 @@ class CacheManager:
                 best, snap, tier_snap = i + 1, None, True
         return PrefixHit(best * self.block_size, hashes[:best], snap, cached * self.block_size,
                          len(tokens), frozenset(i for i in tiered if i < best), tier_snap)
+
+    def hold(self, key: str, tokens: list[int], extra_keys: tuple, cache_salt: str | None,
+             deadline: float) -> int:
+        """Pin the device blocks of this prompt's prefix hit under `key` until `deadline`;
+        returns how many leading tokens they hold (whole blocks; 0: none). The hit is the
+        hybrid one (`find_hit`: MLA-cached up to a KDA snapshot), cut before its first block
+        that only an offload tier holds (a hold pins device blocks only)."""
+        self.prefix_holds.release(key)
+        hit = self.find_hit(tokens, extra_keys, cache_salt)
+        if hit is None or not hit.num_tokens:
+            return 0
+        n = min(hit.tier_blocks, default=len(hit.block_hashes))
+        blocks = [self.block_pool.lookup(h) for h in hit.block_hashes[:n]]
+        if not n or any(b is None for b in blocks):
+            return 0
+        self.prefix_holds.add(key, Hold(blocks, list(hit.block_hashes[:n]), deadline))
+        return n * self.block_size
+
+    def held_hit(self, key: str, tokens: list[int], extra_keys: tuple = (),
+                 cache_salt: str | None = None) -> PrefixHit | None:
+        """The hold under `key` as a prefix hit of this prompt (see PrefixHolds.hit)."""
+        return self.prefix_holds.hit(key, tokens, self.block_size, extra_keys, cache_salt)
+
+    def release_hold(self, key: str) -> None:
+        self.prefix_holds.release(key)
 
     def plan_snapshots(self, request_id: str, tokens: list[int], num_prompt: int, start: int,
                        end: int, extra_keys: tuple = (), cache_salt: str | None = None,

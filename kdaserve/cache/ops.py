@@ -135,7 +135,9 @@ class SendRequest:
     `transfer_id`, to `peer`. The bookkeeping freed both already; the op runs before any
     forward can reuse them. `token_hash` (xxh3-64 of the tokens) and `first_token_id` let the
     receiver check it continues the same request. With a DSpark draft, its pages of the
-    same tokens go along, and `draft_token_ids`, the drafts proposed after the first token."""
+    same tokens go along, and `draft_token_ids`, the drafts proposed after the first token.
+    `held_tokens`: the receiver holds the first tokens already (its answer to the hit query,
+    kdaserve/disagg/handoff.py): the transfer's per-token buffers start after them."""
 
     request_id: str
     transfer_id: str
@@ -148,6 +150,7 @@ class SendRequest:
     token_start: int = 0          # push mode: tokens before it went in `parts` PushBlocks
     parts: int = 0
     draft_token_ids: tuple[int, ...] = ()
+    held_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,9 @@ class PushBlocks:
     computing its prompt, from `block_ids` (whole blocks, written by earlier steps) as part
     `part` of transfer `transfer_id` to `peer`, without waiting: the network moves them while
     the next chunk computes. The request's SendRequest sends the rest and the KDA states, and
-    waits for every part's acknowledgement."""
+    waits for every part's acknowledgement. `block_ids` start with the block that holds
+    `token_start` (which need not be a block boundary: the transfer starts after the tokens
+    the receiver holds, in its own block size); `held_tokens` as in SendRequest."""
 
     request_id: str
     transfer_id: str
@@ -165,6 +170,7 @@ class PushBlocks:
     token_start: int
     token_end: int
     part: int
+    held_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -172,7 +178,8 @@ class ReceiveRequest:
     """Fill `block_ids` (the first `num_tokens` tokens, in this instance's own block size) and
     live slot `slot` of `request_id` with transfer `transfer_id` from the connector's inbox.
     The first `skip_tokens` (whole blocks) are a prefix hit this instance already holds: those
-    blocks are shared and left as they are. A transfer that is missing, late, or fails a check
+    blocks are shared and left as they are; the transfer may leave out at most those (a
+    transfer that starts later is refused: the tokens between were never written here). A transfer that is missing, late, or fails a check
     (model, layout, checksum, tokens) fails the op: the request ends with that error."""
 
     request_id: str

@@ -2,7 +2,8 @@
 prefill instance to a decode instance (docs/disaggregation.md).
 
 - params.py, field.py: what a request says about its transfer (`kv_transfer_params`);
-- handoff.py: the cache operations a transfer needs, for the scheduler (torch-free);
+- handoff.py: the cache operations a transfer needs, for the scheduler (torch-free), and
+  the hit query (what the decode instance holds does not travel; its pins: cache/holds.py);
 - wire.py: the typed header and its checks (model identity, layout, checksums);
 - connector.py: the connector interface and the inbox of arrived transfers;
 - zmq_connector.py: the ZeroMQ implementation (raw bytes + a msgspec header, never pickle);

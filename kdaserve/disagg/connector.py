@@ -176,13 +176,17 @@ class Inbox:
 
 def assemble(parts: list[Arrived], last: Arrived) -> Arrived:
     """One transfer from its pushed parts and its last part: each MLA layer's latents joined
-    in token order, the KDA states from the last part."""
+    in token order (from the first token the receiver does not hold), the KDA states from the
+    last part."""
     heads = [p.header for p in parts] + [last.header]
     tid = last.header.transfer_id
     if [h.part for h in heads] != list(range(len(heads))):
         raise TransferRefused(f"transfer {tid}: parts {[h.part for h in heads]} arrived, not "
                               f"0..{len(heads) - 1}")
-    at = 0
+    held = last.header.held_tokens
+    if any(h.held_tokens != held for h in heads):
+        raise TransferRefused(f"transfer {tid}: parts disagree on the tokens held here")
+    at = held
     for h in heads:
         if h.token_start != at:
             raise TransferRefused(f"transfer {tid}: part {h.part} starts at token "
@@ -194,9 +198,9 @@ def assemble(parts: list[Arrived], last: Arrived) -> Arrived:
     for i in range(nm):
         joined = memoryview(b"".join(bytes(p.frames[i]) for p in [*parts, last]))
         s = last.header.buffers[i]
-        specs.append(BufferSpec(s.name, s.dtype, [last.header.num_tokens, *s.shape[1:]],
+        specs.append(BufferSpec(s.name, s.dtype, [last.header.num_tokens - held, *s.shape[1:]],
                                 len(joined), wire.checksum(joined)))
         frames.append(joined)
     header = msgspec.structs.replace(last.header, buffers=specs + last.header.buffers[nm:],
-                                     part=0, token_start=0)
+                                     part=0, token_start=held)
     return Arrived(header, frames + last.frames[nm:])

@@ -1,5 +1,10 @@
 """Which cache operations a request's transfer needs, for the scheduler (torch-free).
 
+- Before a prefill instance computes a prompt, the decode instance that will continue it
+  answers the hit query (`hold`): how many leading tokens of the prompt it holds (its own
+  prefix-cache hit, pinned under the transfer id until the import takes it; cache/holds.py).
+  The prefill instance is told that count (`held_tokens`) and sends only the tokens after
+  it: the pushes and the last part start there (`start`), in any block size of its own.
 - While a prefill instance computes a prompt in chunks, each step pushes the blocks the steps
   before it completed (`push_op`: push mode, the network busy while the next chunk computes).
 - A prefill instance's request that ended by length (it computed the prompt and its first
@@ -39,9 +44,17 @@ def exports(req: Request) -> bool:
     return kt is not None and kt.is_export
 
 
-def send_op(req: Request, cache: _Holds, pushed: tuple[int, int] = (0, 0)
+def start(req: Request) -> tuple[int, int]:
+    """Where an export's sending starts: (tokens, parts) as if the tokens the decode instance
+    holds had been pushed already."""
+    kt = req.sampling_params.kv_transfer
+    return (kt.held_tokens if kt is not None else 0), 0
+
+
+def send_op(req: Request, cache: _Holds, pushed: tuple[int, int] | None = None
             ) -> SendRequest | None:
-    """`pushed`: (tokens, parts) already pushed while the prompt was computed."""
+    """`pushed`: (tokens, parts) already pushed while the prompt was computed (or held on
+    the decode side)."""
     kt = req.sampling_params.kv_transfer
     if kt is None or not kt.is_export or req.status != RequestStatus.FINISHED_LENGTH:
         return None
@@ -51,23 +64,25 @@ def send_op(req: Request, cache: _Holds, pushed: tuple[int, int] = (0, 0)
     rid = req.request_id
     return SendRequest(rid, kt.transfer_id, kt.peer, tuple(cache.block_ids(rid)),
                        cache.slot(rid), n, token_hash(req.prompt_token_ids),
-                       req.output_token_ids[0], *pushed,
-                       draft_token_ids=tuple(req.spec_token_ids))
+                       req.output_token_ids[0], *(pushed or start(req)),
+                       draft_token_ids=tuple(req.spec_token_ids),
+                       held_tokens=kt.held_tokens)
 
 
-def push_op(req: Request, block_ids: list[int], block_size: int, pushed: tuple[int, int]
-            ) -> PushBlocks | None:
-    """Push mode: the prompt's blocks written by earlier steps and not pushed yet (whole blocks
-    only; the last, partial one goes with the states)."""
+def push_op(req: Request, block_ids: list[int], block_size: int,
+            pushed: tuple[int, int] | None) -> PushBlocks | None:
+    """Push mode: the prompt's blocks written by earlier steps and not pushed yet (up to a
+    block boundary; the last, partial block goes with the states)."""
     kt = req.sampling_params.kv_transfer
     if kt is None or not kt.is_export:
         return None
     done = min(req.num_computed_tokens, req.num_prompt_tokens) // block_size * block_size
-    start, part = pushed
-    if done <= start or req.num_computed_tokens >= req.num_prompt_tokens:
+    begin, part = pushed or start(req)
+    if done <= begin or req.num_computed_tokens >= req.num_prompt_tokens:
         return None
     return PushBlocks(req.request_id, kt.transfer_id, kt.peer,
-                      tuple(block_ids[start // block_size:done // block_size]), start, done, part)
+                      tuple(block_ids[begin // block_size:done // block_size]), begin, done,
+                      part, kt.held_tokens)
 
 
 def receive_op(req: Request, block_ids: list[int], slot: int, held_tokens: int = 0
@@ -82,12 +97,19 @@ def receive_op(req: Request, block_ids: list[int], slot: int, held_tokens: int =
 
 
 def check_request(params: SamplingParams, config: KVTransferConfig | None,
-                  vocab_size: int) -> list[int]:
+                  vocab_size: int, num_prompt_tokens: int) -> list[int]:
     """A request's kv_transfer_params against this instance's role; the output tokens it
     starts with (an import: the prefill instance's first token). ValueError (HTTP 400)."""
     kt = params.kv_transfer
     assert kt is not None
     role = config.role if config is not None else None
+    if kt.hold:
+        raise SamplingParamsError("kv_transfer_params with 'hold' is the hit query: a decode "
+                                  "instance's server answers it, no request runs",
+                                  "kv_transfer_params")
+    if kt.held_tokens >= num_prompt_tokens:
+        raise SamplingParamsError("kv_transfer_params.held_tokens must be less than the "
+                                  f"prompt's {num_prompt_tokens} tokens", "kv_transfer_params")
     if kt.is_export and role != "prefill":
         raise SamplingParamsError("kv_transfer_params with 'peer' (export) needs a prefill "
                                   f"instance (serve --role prefill); this one is "

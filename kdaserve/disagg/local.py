@@ -52,17 +52,17 @@ def run_colocated(eng: EngineCore, prompts: list[list[int]], params: SamplingPar
 
 def run_disaggregated(pre: EngineCore, dec: EngineCore, prompts: list[list[int]],
                       params: SamplingParams,
-                      tamper: Callable[[Arrived], Arrived] | None = None) -> list[Trace]:
-    """All prompts at once: prefill with max_tokens = 1 on `pre`, then each goes on to `dec`
-    with the first token. `tamper` rewrites an arrived transfer before its request takes it
-    (the mutation test)."""
-    address = dec.transfer.address
+                      tamper: Callable[[Arrived], Arrived] | None = None,
+                      hit_query: bool = True) -> list[Trace]:
+    """All prompts at once: the hit query on `dec` (what it holds of each prompt is left out
+    of the transfer; `hit_query` False: everything travels), prefill with max_tokens = 1 on
+    `pre`, then each goes on to `dec` with the first token. `tamper` rewrites an arrived
+    transfer before its request takes it (the mutation test)."""
     traces: dict[str, Trace] = {}
     for p in prompts:
         tid = f"t{next(_ids)}"
         traces[tid] = Trace(start=time.perf_counter())
-        pre.add_request(tid, p, replace(params, max_tokens=1, kv_transfer=KVTransferParams(
-            tid, peer=address)))
+        pre.add_request(tid, p, export_params(dec, tid, p, params, hit_query))
     by_id = dict(zip(traces, prompts))
     while pre.has_unfinished() or dec.has_unfinished():
         if pre.has_unfinished():
@@ -80,6 +80,16 @@ def run_disaggregated(pre: EngineCore, dec: EngineCore, prompts: list[list[int]]
         if dec.has_unfinished():
             take_deltas(dec.step(), traces, skip_first=True)
     return list(traces.values())
+
+
+def export_params(dec: EngineCore, tid: str, prompt: list[int], params: SamplingParams,
+                  hit_query: bool = True) -> SamplingParams:
+    """A request's parameters on the prefill engine, as the proxy writes them: max_tokens = 1
+    and where to push its cache, all but what `dec` holds of the prompt (its answer to the hit
+    query, pinned there under `tid` until the import takes it)."""
+    held = dec.hold_prefix(tid, prompt) if hit_query else 0
+    return replace(params, max_tokens=1, kv_transfer=KVTransferParams(
+        tid, peer=dec.transfer.address, held_tokens=held))
 
 
 def hand_over(dec: EngineCore, tid: str, prompt: list[int], params: SamplingParams,

@@ -1,9 +1,12 @@
 """`kdaserve proxy`: the OpenAI-compatible front of a disaggregated deployment.
 
-Each completion goes to the least loaded prefill instance with max_tokens = 1 and
-`kv_transfer_params = {transfer_id, peer}` (the chosen decode instance's kv-transfer address):
-it computes the prompt and the first token, pushes the request's cache to the decode instance
-and answers once that instance acknowledged. Then the same request goes to the decode instance
+Each completion first asks the chosen decode instance how many leading tokens of its prompt
+it already holds (the hit query: the same request with `kv_transfer_params = {transfer_id,
+hold: true}`, answered `{held_tokens}`; the instance pins them for the import). Then it goes
+to the least loaded prefill instance with max_tokens = 1 and `kv_transfer_params =
+{transfer_id, peer, held_tokens}` (the decode instance's kv-transfer address): it computes the
+prompt and the first token, pushes the request's cache but the held tokens to the decode
+instance and answers once that instance acknowledged. Then the same request goes to the decode instance
 with `{transfer_id, first_token_id}`; it imports the cache and answers the client, streaming or
 not, exactly as `kdaserve serve` would (its response is passed through byte for byte, errors
 included). Requests the split does not serve (n > 1, several prompts, logprobs,
@@ -38,11 +41,13 @@ _FORWARD_HEADERS = ("authorization",)
 
 class Proxy:
     def __init__(self, prefill: list[str], decode: list[str], prefill_timeout_s: float = 60.0,
-                 connect_timeout_s: float = 5.0, probe_timeout_s: float = 1.0) -> None:
+                 connect_timeout_s: float = 5.0, probe_timeout_s: float = 1.0,
+                 hit_query_timeout_s: float = 2.0) -> None:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout_s))
         self.prefills = BackendPool(prefill, self.client, probe_timeout_s)
         self.decodes = BackendPool(decode, self.client, probe_timeout_s)
         self.prefill_timeout_s = prefill_timeout_s
+        self.hit_query_timeout_s = hit_query_timeout_s
         self.counts = {"requests": 0, "disaggregated": 0, "whole": 0, "retries": 0,
                        "failures": 0}
 
@@ -79,36 +84,64 @@ class Proxy:
                 why = f"{decode.url}: {exc}"
                 self.decodes.failed(decode)
                 continue
-            tid = f"kv-{uuid.uuid4().hex}"
-            prefill = (await self.prefills.ranked())[0]
-            try:
-                first = await self._prefill(prefill, path, body, headers, tid, address)
-            except _Retry as exc:                # the cache never reached the decode side
-                why = str(exc)
-                self.decodes.failed(decode)
-                continue
-            if isinstance(first, Response):
-                return first                     # the prefill instance's own error
-            if first == "whole":
-                return await self._whole(prefill, path, body, headers, stream)
-            dbody = {**body, "kv_transfer_params": {"transfer_id": tid,
-                                                    "first_token_id": first}}
-            try:
-                return await self._forward(decode, path, dbody, headers, stream)
-            except _Retry as exc:
-                why = str(exc)
-                self.decodes.failed(decode)
+            # a failed import after a hit query (the held prefix was released before the
+            # cache came: the decode instance refused it) starts over once on the same
+            # instance with the whole prompt, before another instance is tried
+            for hit_query in (True, False):
+                try:
+                    return await self._split(decode, address, path, body, headers, stream,
+                                             hit_query)
+                except _Retry as exc:
+                    why = str(exc)
+                    if not (hit_query and exc.held):
+                        break
+                    self.counts["retries"] += 1
+            self.decodes.failed(decode)
         self.counts["failures"] += 1
         raise APIError(503, f"no decode instance could take the request ({why})",
                        code="no_decode_instance")
 
+    async def _split(self, decode: Backend, address: str, path: str, body: dict[str, Any],
+                     headers: dict[str, str], stream: bool, hit_query: bool) -> Response:
+        """The hit query, the prefill, the decode; _Retry when the cache did not reach
+        `decode` or its import failed (`held`: after a hit query that held something)."""
+        tid = f"kv-{uuid.uuid4().hex}"
+        held = await self._hold(decode, path, body, headers, tid) if hit_query else 0
+        prefill = (await self.prefills.ranked())[0]
+        first = await self._prefill(prefill, path, body, headers, tid, address, held)
+        if isinstance(first, Response):
+            return first                         # the prefill instance's own error
+        if first == "whole":
+            return await self._whole(prefill, path, body, headers, stream)
+        dbody = {**body, "kv_transfer_params": {"transfer_id": tid, "first_token_id": first}}
+        try:
+            return await self._forward(decode, path, dbody, headers, stream)
+        except _Retry as exc:
+            raise _Retry(str(exc), held=held) from None
+
+    async def _hold(self, decode: Backend, path: str, body: dict[str, Any],
+                    headers: dict[str, str], tid: str) -> int:
+        """The hit query: how many leading tokens of the request's prompt the decode instance
+        holds (pinned there under `tid` for the import). Any failure answers 0: the whole
+        prompt travels, as without the query."""
+        hbody = {**body, "stream": False,
+                 "kv_transfer_params": {"transfer_id": tid, "hold": True}}
+        try:
+            r = await self.client.post(f"{decode.url}{path}", json=hbody, headers=headers,
+                                       timeout=self.hit_query_timeout_s)
+            held = r.json().get("held_tokens") if r.status_code == 200 else 0
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return 0
+        return held if isinstance(held, int) and held > 0 else 0
+
     async def _prefill(self, prefill: Backend, path: str, body: dict[str, Any],
-                       headers: dict[str, str], tid: str, peer: str
+                       headers: dict[str, str], tid: str, peer: str, held: int = 0
                        ) -> int | str | Response:
         """The first token id; "whole" when it ends the request; the prefill instance's error
         response; _Retry when the cache did not reach the decode instance."""
         pbody = {**body, "max_tokens": 1, "stream": False, "return_token_ids": True,
-                 "kv_transfer_params": {"transfer_id": tid, "peer": peer}}
+                 "kv_transfer_params": {"transfer_id": tid, "peer": peer,
+                                        "held_tokens": held}}
         for k in ("stream_options", "max_completion_tokens"):
             pbody.pop(k, None)
         if isinstance(pbody.get("min_tokens"), int):
@@ -187,7 +220,9 @@ class Proxy:
 
 
 class _Retry(Exception):
-    pass
+    def __init__(self, message: str, held: int = 0) -> None:
+        super().__init__(message)
+        self.held = held
 
 
 async def _relay(r: httpx.Response, url: str) -> AsyncIterator[bytes]:

@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-timeout", type=float, default=1.0,
                    help="seconds an instance's /metrics has to answer the load probe before "
                    "it is ranked last (default: 1)")
+    p.add_argument("--hit-query-timeout", type=float, default=2.0,
+                   help="seconds a decode instance has to say how much of a prompt it holds "
+                   "(the hit query) before the whole prompt is sent (default: 2)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
 
@@ -32,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     proxy = Proxy(args.prefill, args.decode, prefill_timeout_s=args.prefill_timeout,
-                  probe_timeout_s=args.probe_timeout)
+                  probe_timeout_s=args.probe_timeout,
+                  hit_query_timeout_s=args.hit_query_timeout)
     logging.getLogger("kdaserve").info("proxy on http://%s:%d/v1: prefill %s, decode %s",
                                        args.host, args.port, args.prefill, args.decode)
     uvicorn.run(build_proxy_app(proxy), host=args.host, port=args.port, log_config=None,

@@ -38,12 +38,12 @@ def _prefill_main(conn, model: str, kwargs: dict[str, Any], peer: str,
     eng = LLM(model, role="prefill", **kwargs).engine
     conn.send(("ready",))
     while (msg := conn.recv())[0] == "run":
-        _, tids, prompts, params = msg
+        _, tids, prompts, params, helds = msg
         before = transfer_counters(eng)
         firsts: dict[str, list[int]] = {}
-        for tid, p in zip(tids, prompts):
-            eng.add_request(tid, p, replace(params, max_tokens=1,
-                                            kv_transfer=KVTransferParams(tid, peer=peer)))
+        for tid, p, held in zip(tids, prompts, helds):
+            eng.add_request(tid, p, replace(params, max_tokens=1, kv_transfer=KVTransferParams(
+                tid, peer=peer, held_tokens=held)))
         while eng.has_unfinished():
             for d in eng.step():
                 firsts.setdefault(d.request_id, []).extend(d.new_token_ids)
@@ -69,15 +69,17 @@ class PrefillProcess:
             self.close()
             raise RuntimeError("the prefill process did not start")
 
-    def run(self, dec: EngineCore, prompts: list[list[int]], params: SamplingParams
-            ) -> tuple[list[Trace], dict[str, float]]:
+    def run(self, dec: EngineCore, prompts: list[list[int]], params: SamplingParams,
+            hit_query: bool = True) -> tuple[list[Trace], dict[str, float]]:
         """All prompts at once: the traces (as run_disaggregated's) and the prefill side's
         transfer times and counters over the batch."""
         tids = [f"s{os.getpid()}-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         start = time.perf_counter()
         traces = {t: Trace(start=start) for t in tids}
         by_id = dict(zip(tids, prompts))
-        self.conn.send(("run", tids, prompts, params))
+        # the hit query: what the decode engine holds of each prompt stays out of the transfer
+        helds = [dec.hold_prefix(t, p) if hit_query else 0 for t, p in zip(tids, prompts)]
+        self.conn.send(("run", tids, prompts, params, helds))
         done: dict[str, float] | None = None
         while done is None or dec.has_unfinished():
             # wait for the prefill side only while there is nothing to decode

@@ -3,8 +3,9 @@ against the device cache, through a connector. Under tensor parallelism every ra
 the same operations on its own cache: a prefill rank sends its own message (tp_layout.py), a
 decode rank is handed its share by rank 0 (rank_receive.py).
 
-Sending gathers each MLA layer's latents of the request's first `num_tokens` tokens from its
-blocks into one [num_tokens, D] tensor (so the receiver may use another block size) and takes
+Sending gathers each MLA layer's latents of the request's tokens from its blocks into one
+[num_tokens, D] tensor (so the receiver may use another block size; all but the first
+`held_tokens`, which the receiver said it holds) and takes
 the request's live KDA slot through `HybridCache.slot_views`, the same views the offload tiers
 store a state through. Receiving checks the transfer continues this request (token hash, first
 token) and scatters the latents into the receiver's own blocks, the states into its slot.
@@ -100,10 +101,12 @@ class CacheTransfer:
         if self.layout.tp_rank:       # the latents are rank 0's to send (replicated)
             return
         start = time.perf_counter()
-        tensors = self._latents(op.block_ids, op.token_end - op.token_start)
+        tensors = self._latents(op.block_ids, op.token_start % self.cache.block_size,
+                                op.token_end - op.token_start)
         names = wire.expected_names(self.layout)[: len(tensors)]
         header, frames = self._message(op.transfer_id, op.token_end, 0, -1, names, tensors,
-                                       op.part, op.token_start, final=False)
+                                       op.part, op.token_start, final=False,
+                                       held=op.held_tokens)
         self.connector.push(op.peer, header, frames)
         self.times.push_seconds += time.perf_counter() - start
 
@@ -117,15 +120,16 @@ class CacheTransfer:
         part, token_start, tensors = 0, 0, []
         if self.layout.tp_rank == 0:
             part, token_start = op.parts, op.token_start
-            tensors = self._latents(op.block_ids[first:], op.num_tokens - op.token_start)
+            tensors = self._latents(op.block_ids[first:], op.token_start % bs,
+                                    op.num_tokens - op.token_start)
         tensors += [v.contiguous().cpu() for v in self.cache.slot_views(op.slot)]
         if self.draft is not None and self.layout.tp_rank == 0:
-            tensors += self.draft.export_context(op.block_ids, op.num_tokens)
+            tensors += self.draft.export_context(op.block_ids, op.num_tokens, op.held_tokens)
         names = wire.expected_names(self.layout)
         assert len(names) == len(tensors)
         header, frames = self._message(op.transfer_id, op.num_tokens, op.token_hash,
                                        op.first_token_id, names, tensors, part, token_start,
-                                       final=True)
+                                       final=True, held=op.held_tokens)
         header = msgspec.structs.replace(header, draft_identity=self.draft_identity,
                                          draft_token_ids=list(op.draft_token_ids))
         self.connector.send(op.peer, header, frames)
@@ -133,21 +137,25 @@ class CacheTransfer:
 
     def _message(self, tid: str, num_tokens: int, token_hash: int, first: int,
                  names: list[str], tensors: list[torch.Tensor], part: int, token_start: int,
-                 final: bool) -> tuple[TransferHeader, list[memoryview]]:
+                 final: bool, held: int) -> tuple[TransferHeader, list[memoryview]]:
         frames = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors]
         specs = [BufferSpec(n, str(t.dtype).removeprefix("torch."), list(t.shape), len(f),
                             wire.checksum(f)) for n, t, f in zip(names, tensors, frames)]
         return TransferHeader(wire.VERSION, tid, self.identity, self.layout, num_tokens,
-                              token_hash, first, specs, part, token_start, final), frames
+                              token_hash, first, specs, part, token_start, final,
+                              held_tokens=held), frames
 
-    def _latents(self, block_ids: tuple[int, ...], num_tokens: int) -> list[torch.Tensor]:
-        """Host copies of the first `num_tokens` latents in `block_ids`, one per MLA layer."""
+    def _latents(self, block_ids: tuple[int, ...], offset: int, num_tokens: int
+                 ) -> list[torch.Tensor]:
+        """Host copies of `num_tokens` latents in `block_ids` from row `offset` of the first
+        (the transfer may start inside a block: after the tokens the receiver holds, in its
+        block size), one per MLA layer."""
         bs = self.cache.block_size
-        ids = torch.tensor(block_ids[: -(-num_tokens // bs)], dtype=torch.long)
+        ids = torch.tensor(block_ids[: -(-(offset + num_tokens) // bs)], dtype=torch.long)
         out = []
         for p in self.cache.mla_pages:     # [blocks, bs, D] -> [num_tokens, D]
-            rows = p.index_select(0, ids.to(p.device)).reshape(-1, p.shape[-1])[:num_tokens]
-            out.append(rows.contiguous().cpu())
+            rows = p.index_select(0, ids.to(p.device)).reshape(-1, p.shape[-1])
+            out.append(rows[offset:offset + num_tokens].contiguous().cpu())
         return out
 
     # ---- decode side ------------------------------------------------------------------------
@@ -176,13 +184,18 @@ class CacheTransfer:
         nblocks = -(-n // bs)
         first = op.skip_tokens // bs      # blocks of a prefix hit here: shared, left alone
         start = first * bs
+        sent = h.held_tokens              # the transfer's per-token buffers start there
+        if sent > start:
+            raise TransferRefused(f"transfer {op.transfer_id} leaves out the first {sent} "
+                                  f"tokens, but this instance holds only {start} of them (the "
+                                  "prefix held for it was released): send it whole")
         ids = torch.tensor(op.block_ids[first:nblocks], dtype=torch.long)
         for i, p in enumerate(c.mla_pages):
-            src = _tensor(got.frames[i], h.buffers[i], p.dtype, (n, p.shape[-1]))
+            src = _tensor(got.frames[i], h.buffers[i], p.dtype, (n - sent, p.shape[-1]))
             if first == nblocks:
                 continue
             pad = torch.zeros((nblocks - first) * bs, p.shape[-1], dtype=p.dtype)
-            pad[:n - start] = src[start:]
+            pad[:n - start] = src[start - sent:]
             p.index_copy_(0, ids.to(p.device), pad.view(nblocks - first, bs, -1).to(p.device))
         views = c.slot_views(op.slot)
         for k, v in enumerate(views):
@@ -191,11 +204,11 @@ class CacheTransfer:
         at = nm + len(views)
         if len(h.buffers) > at and self._same_draft(h):   # else: drafts from later context
             pages = self.draft.pages
-            ctx = [_tensor(got.frames[at + i], h.buffers[at + i], p.dtype, (n, p.shape[-1]))
-                   for i, p in enumerate(pages)]
+            ctx = [_tensor(got.frames[at + i], h.buffers[at + i], p.dtype,
+                           (n - sent, p.shape[-1])) for i, p in enumerate(pages)]
             ctx.append(_tensor(got.frames[at + len(pages)], h.buffers[at + len(pages)],
-                               torch.uint8, (n,)))
-            self.draft.import_context(op.block_ids, start, n, ctx)
+                               torch.uint8, (n - sent,)))
+            self.draft.import_context(op.block_ids, start, n, ctx, sent)
         self.times.receive_seconds += time.perf_counter() - began
 
 

@@ -4,7 +4,8 @@ Never pickle: the header is msgpack of the Structs below, and each buffer is the
 one tensor (C order), described in the header by name, dtype, shape and an xxh3-64 checksum.
 The buffers of one request (or of one part of it, in push mode), in this order:
   mla.{i}        [num_tokens, latent_dim]  the i-th MLA layer's latents, token by token (not
-                                           by block: the receiver may use another block size)
+                                           by block: the receiver may use another block size),
+                                           from token `held_tokens` on (the hit query)
   kda_state.{j}  [H, K, V] fp32            the j-th KDA layer's recurrent state
   kda_conv.{j}   [K-1, conv_dim]           its conv window (q, k, v inputs)
   draft.{i}      [num_tokens, D']          with a DSpark draft: its i-th layer's context
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 import msgspec
 import xxhash
 
-VERSION = 1
+VERSION = 2                   # 2: held_tokens (the hit query)
 
 
 class CacheLayout(msgspec.Struct, frozen=True):
@@ -82,6 +83,10 @@ class TransferHeader(msgspec.Struct, frozen=True, tag="transfer"):
     # colocated engine's second step would
     draft_identity: str = ""
     draft_token_ids: list[int] = msgspec.field(default_factory=list)
+    # the hit query: the receiver holds the first `held_tokens` tokens already (it said so
+    # before the prompt was computed), so the transfer's per-token buffers (latents, draft
+    # pages) cover tokens [held_tokens, num_tokens) once its parts are joined
+    held_tokens: int = 0
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):

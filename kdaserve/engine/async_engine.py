@@ -25,8 +25,8 @@ import zmq.asyncio
 from kdaserve.config import EngineConfig
 from kdaserve.engine.engine_process import engine_process_main
 from kdaserve.engine.wire import (AbortCmd, AddCmd, AddFailed, Command, DeltaBatch, EngineInfo,
-                                  EngineStatsSnapshot, Fatal, Heartbeat, Reply, ShutdownCmd,
-                                  StartupFailed, StatsCmd, StatsReply)
+                                  EngineStatsSnapshot, Fatal, Heartbeat, HoldCmd, HoldReply,
+                                  Reply, ShutdownCmd, StartupFailed, StatsCmd, StatsReply)
 from kdaserve.media import MediaItem, MediaWire
 from kdaserve.outputs import RequestDelta
 from kdaserve.request import SamplingParams
@@ -93,7 +93,8 @@ class AsyncEngine:
         self.info: EngineInfo | None = None
         self._streams: dict[str, _Stream] = {}
         self._waiting: dict[str, tuple[int, int]] = {}   # request -> (sequences, tokens)
-        self._stats_waiters: dict[int, asyncio.Future[EngineStatsSnapshot]] = {}
+        # replies by token: stats snapshots and hit-query answers
+        self._stats_waiters: dict[int, asyncio.Future[Any]] = {}
         self._tokens = itertools.count()
         self._decoder = msgspec.msgpack.Decoder(Reply)
         self._encoder = msgspec.msgpack.Encoder()
@@ -313,10 +314,10 @@ class AsyncEngine:
             if stream is not None:
                 exc = ValueError(msg.message) if msg.invalid_input else EngineError(msg.message)
                 stream.queue.put_nowait(exc)
-        elif isinstance(msg, StatsReply):
+        elif isinstance(msg, (StatsReply, HoldReply)):
             fut = self._stats_waiters.get(msg.token)
             if fut is not None and not fut.done():
-                fut.set_result(msg.stats)
+                fut.set_result(msg.stats if isinstance(msg, StatsReply) else msg)
         elif isinstance(msg, Fatal):
             self._fatal = msg.message
         elif isinstance(msg, Heartbeat):
@@ -391,3 +392,20 @@ class AsyncEngine:
         finally:
             self._stats_waiters.pop(token, None)
         return msgspec.structs.asdict(snapshot)
+
+    async def hold_prefix(self, transfer_id: str, prompt_token_ids: list[int]) -> int:
+        """Disaggregation's hit query (EngineCore.hold_prefix): the leading tokens of the
+        prompt this decode instance holds, pinned under `transfer_id`. ValueError when this
+        is no decode instance."""
+        self._check_alive()
+        token = next(self._tokens)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._stats_waiters[token] = fut
+        try:
+            self._send(HoldCmd(token, transfer_id, list(prompt_token_ids)))
+            reply: HoldReply = await asyncio.wait_for(fut, _STATS_TIMEOUT_S)
+        finally:
+            self._stats_waiters.pop(token, None)
+        if reply.error:
+            raise ValueError(reply.error)
+        return reply.held_tokens

@@ -173,7 +173,8 @@ class EngineCore:
         if params.kv_transfer is not None:
             from kdaserve.disagg.handoff import check_request
 
-            first_output = check_request(params, self.config.kv_transfer, vocab)
+            first_output = check_request(params, self.config.kv_transfer, vocab,
+                                         len(prompt_token_ids))
             if first_output and self.transfer is not None:   # an import: drafts came along?
                 drafts = self.transfer.arrived_drafts(params.kv_transfer.transfer_id)
         children = []
@@ -206,6 +207,23 @@ class EngineCore:
             self._tracked[cid] = _Tracked(request_id, i, detok,
                                           shared_prompt=leader is not None and leader != cid)
         self._children[request_id] = children
+
+    def hold_prefix(self, transfer_id: str, prompt_token_ids: list[int]) -> int:
+        """Disaggregation's hit query on a decode instance: how many leading tokens of this
+        prompt its prefix cache holds. They are pinned under `transfer_id` until the import of
+        that id takes them, or --kv-transfer-ttl passes (kdaserve/cache/holds.py)."""
+        kt = self.config.kv_transfer
+        if kt is None or kt.role != "decode":
+            raise ValueError("the hit query (kv_transfer_params.hold) needs a decode instance "
+                             "(serve --role decode)")
+        self.expire_holds()
+        return self.cache.hold(transfer_id, list(prompt_token_ids), (), None,
+                               time.monotonic() + kt.ttl_s)
+
+    def expire_holds(self) -> None:
+        """Holds whose import never came give their blocks back."""
+        if len(self.cache.prefix_holds):
+            self.cache.prefix_holds.expire(time.monotonic())
 
     @property
     def vision_config(self):
@@ -275,6 +293,7 @@ class EngineCore:
         and the others go on. A failure the scheduler itself raises is an engine bug (fatal)."""
         if self._pipeline is not None:
             return self._pipeline.step()
+        self.expire_holds()
         out = self.scheduler.schedule()
         if self.on_schedule is not None:
             self.on_schedule(out)

@@ -20,8 +20,8 @@ import zmq
 from kdaserve.config import EngineConfig
 from kdaserve.engine.grammar_admission import GrammarAdmission
 from kdaserve.engine.wire import (AbortCmd, AddCmd, AddFailed, Command, DeltaBatch, EngineInfo,
-                                  EngineStatsSnapshot, Fatal, Heartbeat, Reply, ShutdownCmd,
-                                  StartupFailed, StatsCmd, StatsReply)
+                                  EngineStatsSnapshot, Fatal, Heartbeat, HoldCmd, HoldReply,
+                                  Reply, ShutdownCmd, StartupFailed, StatsCmd, StatsReply)
 from kdaserve.request import SamplingParams
 
 logger = logging.getLogger("kdaserve")
@@ -115,6 +115,7 @@ class EngineLoop:
             if time.monotonic() - self._last_sent >= HEARTBEAT_S:
                 self.core.executor.check_alive()     # a dead rank: no more heartbeats
                 self._send(Heartbeat())
+                self.core.expire_holds()             # an idle decode instance's too
             poll_ms = _COMPILE_POLL_MS if self.grammars.busy else _IDLE_POLL_MS
             if not self.core.has_unfinished() and not self.cmds.poll(poll_ms):
                 self._admit_compiled()
@@ -156,6 +157,13 @@ class EngineLoop:
                     self.core.abort(rid)
         elif isinstance(cmd, StatsCmd):
             self._send(StatsReply(cmd.token, self._stats()))
+        elif isinstance(cmd, HoldCmd):
+            try:
+                held = self.core.hold_prefix(cmd.transfer_id, cmd.prompt_token_ids)
+            except ValueError as exc:
+                self._send(HoldReply(cmd.token, 0, str(exc)))
+            else:
+                self._send(HoldReply(cmd.token, held))
 
     def _add(self, cmd: AddCmd) -> None:
         try:

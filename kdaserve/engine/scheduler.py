@@ -109,7 +109,10 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        pushed = self._pushed.pop(request_id, (0, 0))
+        pushed = self._pushed.pop(request_id, None)
+        kt = req.sampling_params.kv_transfer
+        if kt is not None and kt.is_import and request_id not in self._imported:
+            self.cache.release_hold(kt.transfer_id)    # never admitted: its hold goes too
         send = (handoff.send_op(req, self.cache, pushed) if self.cache.holds(request_id)
                 else None)
         if send is not None:
@@ -283,8 +286,15 @@ class Scheduler:
                 break
             hit = None
             imports = handoff.imports(req) and req.request_id not in self._imported
-            if (req.num_computed_tokens == 0 and not wants_prompt_logprobs(req)) or imports:
-                # an import's hit: blocks this instance holds need not be written again
+            if imports:
+                # an import's hit: blocks this instance holds need not be written again; the
+                # ones the hit query pinned for it first (the transfer leaves them out)
+                hit = self.cache.held_hit(req.sampling_params.kv_transfer.transfer_id,
+                                          req.prompt_token_ids, req.extra_keys, req.cache_salt)
+                if hit is None:
+                    hit = self.cache.find_hit(req.all_token_ids, req.extra_keys,
+                                              req.cache_salt)
+            elif req.num_computed_tokens == 0 and not wants_prompt_logprobs(req):
                 hit = self.cache.find_hit(req.all_token_ids, req.extra_keys, req.cache_salt)
             if imports:               # the prompt's cache comes from a prefill instance
                 computed = req.num_prompt_tokens
@@ -315,6 +325,8 @@ class Scheduler:
                 held = hit.num_tokens if hit is not None else 0
                 req.num_computed_tokens, req.num_cached_tokens = computed, held
                 self._imported.add(req.request_id)
+                # the request shares the held blocks now: the hold's references can go
+                self.cache.release_hold(req.sampling_params.kv_transfer.transfer_id)
                 self._receives[req.request_id] = handoff.receive_op(
                     req, self.cache.block_ids(req.request_id), self.cache.slot(req.request_id),
                     held)
@@ -430,8 +442,7 @@ class Scheduler:
         if rid in self._receives:
             ops.append(self._receives.pop(rid))
         block_ids = self.cache.block_ids(rid)
-        push = (handoff.push_op(req, block_ids, self.cache.block_size,
-                                self._pushed.get(rid, (0, 0)))
+        push = (handoff.push_op(req, block_ids, self.cache.block_size, self._pushed.get(rid))
                 if req.sampling_params.kv_transfer is not None else None)
         if push is not None:
             ops.append(push)

@@ -32,11 +32,19 @@ class StatsCmd(msgspec.Struct, tag="stats"):
     token: int
 
 
+class HoldCmd(msgspec.Struct, tag="hold"):
+    """Disaggregation's hit query (EngineCore.hold_prefix), answered by a HoldReply."""
+
+    token: int
+    transfer_id: str
+    prompt_token_ids: list[int]
+
+
 class ShutdownCmd(msgspec.Struct, tag="shutdown"):
     pass
 
 
-Command = Union[AddCmd, AbortCmd, StatsCmd, ShutdownCmd]
+Command = Union[AddCmd, AbortCmd, StatsCmd, HoldCmd, ShutdownCmd]
 
 
 # ---- wire messages: engine -> server ---------------------------------------------------------
@@ -106,6 +114,12 @@ class StatsReply(msgspec.Struct, tag="stats_reply"):
     stats: EngineStatsSnapshot
 
 
+class HoldReply(msgspec.Struct, tag="hold_reply"):
+    token: int
+    held_tokens: int
+    error: str = ""                # the query was refused (not a decode instance)
+
+
 class Fatal(msgspec.Struct, tag="fatal"):
     message: str
 
@@ -114,4 +128,5 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     """The loop is alive and stepping (sent between steps and while idle)."""
 
 
-Reply = Union[EngineInfo, StartupFailed, DeltaBatch, AddFailed, StatsReply, Fatal, Heartbeat]
+Reply = Union[EngineInfo, StartupFailed, DeltaBatch, AddFailed, StatsReply, HoldReply, Fatal,
+              Heartbeat]

@@ -20,7 +20,7 @@ from contextlib import suppress
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kdaserve.engine.async_engine import AsyncEngine, EngineError
 from kdaserve.image_io import ImageLimits
@@ -156,6 +156,25 @@ class ServingBase:
                 f"but {prompt_len + max_tokens} were requested ({prompt_len} in the {what}, "
                 f"{max_tokens} for the completion); shorten the {what} or lower max_tokens",
                 param="max_tokens", code="context_length_exceeded")
+
+    async def _answer_hold(self, prompts: list[Prompt], params: SamplingParams
+                           ) -> Response | None:
+        """Disaggregation's hit query (kv_transfer_params.hold, from `kdaserve proxy`): the
+        leading tokens of the request's prompt this decode instance holds, pinned for the
+        import that follows; None for any other request. A prompt with images, or several
+        prompts, hold nothing (the import finds its own hit; the whole prompt travels)."""
+        kt = params.kv_transfer
+        if kt is None or not kt.hold:
+            return None
+        held = 0
+        if len(prompts) == 1 and not prompts[0].media:
+            try:
+                held = await self.engine.hold_prefix(kt.transfer_id, prompts[0].token_ids)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="kv_transfer_params") from None
+            except EngineError as exc:
+                raise engine_error(exc) from None
+        return JSONResponse({"transfer_id": kt.transfer_id, "held_tokens": held})
 
     async def _start(self, request: Request, request_id: str, prompts: list[Prompt],
                      params: SamplingParams, stream: bool) -> list[Run]:

@@ -104,6 +104,8 @@ class ChatServing(ServingBase):
         self._check_prompt_logprobs(req)
         params = self._params(req, requested, k, plan)
         self._check_fits(len(prompt.token_ids), requested, "messages")
+        if (held := await self._answer_hold([prompt], params)) is not None:
+            return held
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         runs = await self._start(request, request_id, [prompt], params, bool(req.stream))
         if req.stream:

@@ -85,6 +85,8 @@ class CompletionServing(ServingBase):
             params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
         for p in prompts:
             self._check_fits(len(p.token_ids), max_tokens, "prompt")
+        if (held := await self._answer_hold(prompts, params)) is not None:
+            return held
         request_id = f"cmpl-{uuid.uuid4().hex}"
         runs = await self._start(request, request_id, prompts, params, bool(req.stream))
         if req.stream:

@@ -69,3 +69,27 @@ def test_without_the_draft_pages_the_output_stands_and_acceptance_differs(demo):
     want = counted(ref, lambda: run_colocated(ref.engine, ps, GREEDY))
     got = counted(dec, lambda: run_disaggregated(pres["none"].engine, dec.engine, ps, GREEDY))
     assert got[0] == want[0] and got[1:] != want[1:]
+
+
+def test_second_turn_hit_sends_only_the_rest_of_the_draft_pages(demo):
+    """A chat's second turn that hits the decode instance's prefix cache (the hit query): the
+    draft's pages of the held tokens stay there with the target's latents, the rest travel,
+    and the drafts and acceptance still equal the colocated engine's."""
+    ref, pres, dec, ps = demo
+    pre = pres["draft"]
+    [answer] = tokens(run_disaggregated(pre.engine, dec.engine, [ps[2]], GREEDY))
+    second = ps[2] + answer + ps[1]
+    want = counted(ref, lambda: run_colocated(ref.engine, [second], GREEDY))
+    assert want[2] > 0
+    sent = pre.engine.transfer.connector.stats
+    moved = {}
+    for hit_query in (True, False):
+        hits, draft = dec.engine.cache.stats.hit_tokens, sent.sent_draft_bytes
+        assert counted(dec, lambda h=hit_query: run_disaggregated(
+            pre.engine, dec.engine, [second], GREEDY, hit_query=h)) == want
+        moved[hit_query] = (dec.engine.cache.stats.hit_tokens - hits,
+                            sent.sent_draft_bytes - draft)
+    (held, with_hits), (_, whole) = moved[True], moved[False]
+    n = len(second)
+    assert held > 0 and with_hits * n == whole * (n - held)
+    assert pre.engine.cache.all_free() and dec.engine.cache.all_free()

@@ -118,14 +118,19 @@ def test_dropping_kda_states_fails_the_equality(engines):
 def test_decode_side_prefix_hits(engines):
     """A second turn (the first turn's prompt and answer, then more) hits the decode
     instance's own prefix cache (its blocks of 8 and the snapshot it took while decoding the
-    first turn): those blocks are shared, not written again, and the output is unchanged."""
+    first turn): those blocks are shared, neither sent (the hit query) nor written again, and
+    the output is unchanged."""
     pre, dec, ps, expected, _ = engines
     first = ps[4]
+    sent = pre.engine.transfer.connector.stats
+    mla = sent.sent_mla_bytes
     assert tokens(run_disaggregated(pre.engine, dec.engine, [first], GREEDY)) == [expected[4]]
+    per_token = (sent.sent_mla_bytes - mla) // len(first)
     second = first + expected[4] + ps[1][:3]
     want = tokens(run_colocated(pre.engine, [second], GREEDY))
     stats = dec.engine.cache.stats
-    before = stats.hit_tokens
+    before, mla = stats.hit_tokens, sent.sent_mla_bytes
     assert tokens(run_disaggregated(pre.engine, dec.engine, [second], GREEDY)) == want
     assert stats.hit_tokens - before == 40          # 5 blocks of 8, up to the snapshot at 40
+    assert sent.sent_mla_bytes - mla == per_token * (len(second) - 40)
     assert dec.engine.cache.state_pool.num_free == dec.engine.cache.state_pool.num_slots

@@ -3,7 +3,9 @@ instances (other block sizes than the prefill's) and `kdaserve proxy`, driven wi
 official `openai` client.
 
 - Greedy output through the proxy equals colocated output (the decode instance serving the
-  request whole), token for token, over prompts of several lengths, streaming and not, chat too.
+  request whole), token for token, over prompts of several lengths, streaming and not, chat too;
+  and on a chat's second turn that hits the decode instance's prefix cache (the hit query: the
+  latents it holds do not travel).
 - Faults, each bounded in time: a decode instance that stops acknowledging mid-transfer (its
   engine frozen) makes the proxy start over on another one, or gives a clear 503 when there is
   none; a prefill instance that never answers gives a 504; a decode instance that is gone is
@@ -14,6 +16,7 @@ official `openai` client.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -97,8 +100,10 @@ def cluster(tiny_model_dir, tmp_path_factory):
     # a generous probe timeout: on a busy machine a slow answer must not rank d1 last
     front = _proxy(logs, "proxy", [p], [d1, d2], "--probe-timeout", "10")
     lone = _proxy(logs, "proxy_lone", [p], [d1], "--prefill-timeout", "3")
-    with healthy([p, d1, d2, front, lone]):
-        yield p, d1, d2, front, lone
+    # a chat's turns reach the same decode instance through it (its prefix cache hits)
+    turns = _proxy(logs, "proxy_turns", [p], [d1], "--hit-query-timeout", "30")
+    with healthy([p, d1, d2, front, lone, turns]):
+        yield p, d1, d2, front, lone, turns
 
 
 def client(server: Server) -> openai.OpenAI:
@@ -116,7 +121,7 @@ def complete(c: openai.OpenAI, prompt: str, stream: bool = False, max_tokens: in
 
 
 def test_greedy_output_equals_colocated(cluster):
-    p, d1, d2, front, _ = cluster
+    p, d1, d2, front, *_ = cluster
     colocated, proxied = client(d1), client(front)
     prompts = [" ".join(WORDS[: n]) for n in (1, 3, 6, 10, 15)] + [" ".join(WORDS * 4)]
     for i, prompt in enumerate(prompts):
@@ -138,6 +143,36 @@ def test_greedy_output_equals_colocated(cluster):
     assert taken == sent["kdaserve:kv_transfer_sent_total"]
 
 
+def test_second_turn_sends_only_what_the_decode_instance_lacks(cluster):
+    """A chat's second turn (the first prompt, its answer, more) through the proxy: the
+    decode instance (blocks of 8; the prefill instance's are 4) holds the first 40 tokens (up
+    to the snapshot it took while decoding the answer), says so to the hit query, and the
+    prefill instance sends only the rest. The output equals colocated (another decode
+    instance serving the request whole), and the latents moved drop by the held tokens'."""
+    p, d1, d2, *_, turns = cluster
+    ref, proxied = client(d2), client(turns)
+    g = random.Random(7)
+    first = [g.randrange(3, 250) for _ in range(37)]
+    mla = "kdaserve:kv_transfer_sent_mla_bytes_total"
+    hits = "kdaserve:prefix_cache_hit_tokens_total"
+    before = metrics(p.url)[mla]
+    want1 = complete(ref, first)
+    assert complete(proxied, first) == want1
+    per_token = (metrics(p.url)[mla] - before) / len(first)
+    second = first + want1[1][0] + [g.randrange(3, 250) for _ in range(7)]
+    want2 = complete(ref, second)
+    p0, d0 = metrics(p.url), metrics(d1.url)
+    assert complete(proxied, second) == want2
+    p1, d1m = metrics(p.url), metrics(d1.url)
+    held = d1m[hits] - d0[hits]
+    moved = p1[mla] - p0[mla]
+    assert held == 40
+    assert 0 < moved < per_token * len(second)
+    assert moved == per_token * (len(second) - held)
+    assert p1["kdaserve:kv_transfer_sent_kda_bytes_total"] > p0[
+        "kdaserve:kv_transfer_sent_kda_bytes_total"]
+
+
 def _freeze(server: Server):
     """The server's engine process stops (its kv receiver with it); HTTP still answers."""
     pid = server.engine_pid()
@@ -146,7 +181,7 @@ def _freeze(server: Server):
 
 
 def test_decode_gone_mid_transfer_is_a_clear_503(cluster):
-    _, d1, _, _, lone = cluster
+    _, d1, _, _, lone, _ = cluster
     thaw = _freeze(d1)
     try:
         start = time.monotonic()
@@ -163,7 +198,7 @@ def test_decode_gone_mid_transfer_is_a_clear_503(cluster):
 def test_decode_gone_mid_transfer_retries_on_another(cluster):
     """The proxy picks the frozen decode instance (its /metrics shows no load), the prefill
     instance's push is not acknowledged, and the request starts over on the other one."""
-    _, d1, d2, front, _ = cluster
+    _, d1, d2, front, *_ = cluster
     want = complete(client(d2), "the crown of the old king")
     retries = metrics(front.url)["kdaserve_proxy_retries_total"]
     thaw = _freeze(d1)
@@ -177,7 +212,7 @@ def test_decode_gone_mid_transfer_retries_on_another(cluster):
 
 
 def test_prefill_that_never_answers_times_out(cluster):
-    p, *_ , lone = cluster
+    p, *_, lone, _ = cluster
     thaw = _freeze(p)
     try:
         with pytest.raises(openai.APIStatusError) as err:
@@ -203,7 +238,7 @@ def test_no_pages_or_caches_left_behind(cluster):
 
 
 def test_a_dead_decode_instance_is_passed_over(cluster):
-    _, d1, d2, front, _ = cluster
+    _, d1, d2, front, *_ = cluster
     want = complete(client(d2), "the sun and the moon")
     d1.stop()
     assert complete(client(front), "the sun and the moon") == want

@@ -50,7 +50,7 @@ def engines(tmp_path_factory):
     # a short receive timeout: the test of a transfer that never comes waits for it
     dec2 = LLM(model, tensor_parallel_size=2, block_size=8, role="decode", kv_transfer_port=0,
                num_threads=1, cache_memory=8 << 20, kv_transfer_timeout=1.0)
-    yield {"pre1": pre1, "pre2": pre2, "dec1": dec1, "dec2": dec2}, ps, expected
+    yield {"pre1": pre1, "pre2": pre2, "dec1": dec1, "dec2": dec2, "ref": ref}, ps, expected
     for e in (pre2, dec2):
         e.shutdown()
     dec1.engine.transfer.connector.close()
@@ -68,6 +68,31 @@ def test_tensor_parallel_transfer_equals_colocated(engines, pre, dec):
     assert recv["taken"] - before["taken"] == 2 * len(ps)
     assert recv["pending"] == 0 and recv["refused"] == 0
     assert pre.transfer.metrics()["parts_pushed"] > 0
+    for eng in (pre, dec):
+        assert eng.cache.all_free()
+
+
+@pytest.mark.parametrize("pre", ["pre1", "pre2"])
+def test_tp2_decode_second_turn_hit(engines, pre):
+    """A chat's second turn that hits the TP=2 decode instance's prefix cache: the hold is its
+    scheduler's, the transfer leaves out the held tokens (from each prefill rank alike), rank
+    0 splits what came and every rank installs its share after the shared blocks."""
+    e, ps, _ = engines
+    pre, dec = e[pre].engine, e["dec2"].engine
+    first = ps[-1]                               # 37 tokens: the answer crosses 40
+    [answer] = tokens(run_disaggregated(pre, dec, [first], GREEDY))
+    second = first + answer + [5, 6, 7, 8, 9, 10, 11]
+    [want] = tokens(run_colocated(e["ref"].engine, [second], GREEDY))
+    moved = {}
+    for hit_query in (True, False):
+        hits, sent = dec.cache.stats.hit_tokens, pre.transfer.metrics()["sent_mla_bytes"]
+        assert tokens(run_disaggregated(pre, dec, [second], GREEDY,
+                                        hit_query=hit_query)) == [want]
+        moved[hit_query] = (dec.cache.stats.hit_tokens - hits,
+                            pre.transfer.metrics()["sent_mla_bytes"] - sent)
+    (held, with_hits), (_, whole) = moved[True], moved[False]
+    n = len(second)
+    assert held == 40 and with_hits * n == whole * (n - held)
     for eng in (pre, dec):
         assert eng.cache.all_free()
 

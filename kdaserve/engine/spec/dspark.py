@@ -173,25 +173,29 @@ class DSparkProposer:
         return torch.tensor([block_ids[p // bs] * bs + p % bs for p in range(start, end)],
                             dtype=torch.long, device=self.device)
 
-    def export_context(self, block_ids, num_tokens: int) -> list[torch.Tensor]:
-        """Host copies of the draft's context of a request's first `num_tokens` positions:
-        each draft layer's latents [num_tokens, D], then which of them hold context
-        ([num_tokens] uint8). Pending context is projected first, as the next draft would."""
+    def export_context(self, block_ids, num_tokens: int, start: int = 0
+                       ) -> list[torch.Tensor]:
+        """Host copies of the draft's context of a request's positions [start, num_tokens):
+        each draft layer's latents [num_tokens - start, D], then which of them hold context
+        ([num_tokens - start] uint8). Pending context is projected first, as the next draft
+        would."""
         self._ingest()
-        rows = self._rows(block_ids, 0, num_tokens)
+        rows = self._rows(block_ids, start, num_tokens)
         out = [p.view(-1, p.shape[-1])[rows].cpu() for p in self.pages]
         return out + [self._valid[rows].to(torch.uint8).cpu()]
 
     def import_context(self, block_ids, start: int, num_tokens: int,
-                       context: list[torch.Tensor]) -> None:
+                       context: list[torch.Tensor], context_start: int = 0) -> None:
         """Positions [start, num_tokens) of a request's draft context, as `export_context`
-        gave them on another instance. Context still pending here is projected first: its
-        slots may be this request's now (a reused block), and must not overwrite it later."""
+        gave them on another instance (from position `context_start` <= start on). Context
+        still pending here is projected first: its slots may be this request's now (a reused
+        block), and must not overwrite it later."""
         self._ingest()
         rows = self._rows(block_ids, start, num_tokens)
+        skip = start - context_start
         for p, lat in zip(self.pages, context):
-            p.view(-1, p.shape[-1]).index_copy_(0, rows, lat[start:].to(p.device, p.dtype))
-        self._valid[rows] = context[-1][start:].to(self.device, torch.bool)
+            p.view(-1, p.shape[-1]).index_copy_(0, rows, lat[skip:].to(p.device, p.dtype))
+        self._valid[rows] = context[-1][skip:].to(self.device, torch.bool)
 
     def _ingest(self) -> None:
         """Writes the pending context into the draft's pages, oldest first, so a slot ends up
