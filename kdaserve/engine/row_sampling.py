@@ -146,7 +146,12 @@ class RowSampler:
                 for s in seqs):
             # every row an argmax, one logits row each in order: what sample() computes for
             # them, without building its rows (~10 us a row in the engine's loop)
-            tokens = logits[:len(seqs)].argmax(-1).tolist()
+            rows = logits[:len(seqs)]
+            # numpy's argmax where it can: torch's took 9 us at one row of 4,096 and 88 at 32
+            # (its threads), numpy's 2 and 15; both return the first of equal maxima, a NaN
+            # counting as the largest
+            tokens = (rows.numpy().argmax(-1) if rows.dtype == torch.float32
+                      else rows.argmax(-1)).tolist()
             return PendingSample([], [], None, {s.request_id: [SampledToken(t)]
                                                 for s, t in zip(seqs, tokens)})
         plain_idx, plain_rows, ver_idx, ver_rows = self._split(seqs, requests, masks or {})
