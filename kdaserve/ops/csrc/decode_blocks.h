@@ -147,9 +147,16 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
         }
         if (kept_conv) memcpy(kept_conv + b * W * C, win, sizeof(CT) * W * C);
     }
-    NAME(matmat_t)(f_b, pre + C, P, gdec, HD, HD, D, B);           /* f_a rows */
-    if (g_b) NAME(matmat_t)(g_b, pre + C + D, P, gate, HD, HD, D, B);
-    else
+    /* the decay's and the gate's low-rank up-projections are independent: one on each thread
+     * (at one row each is too small to split, and they ran one after the other) */
+#pragma omp parallel sections if (g_b != NULL)
+    {
+#pragma omp section
+        NAME(matmat_t)(f_b, pre + C, P, gdec, HD, HD, D, B);       /* f_a rows */
+#pragma omp section
+        if (g_b) NAME(matmat_t)(g_b, pre + C + D, P, gate, HD, HD, D, B);
+    }
+    if (!g_b)
         for (int64_t b = 0; b < B; ++b) memcpy(gate + b * HD, pre + b * P + C + D, sizeof(float) * HD);
     const struct NAME(kda_heads) st = {H, D, G, P, C, HD, pre, conv, gdec, gate, o, state_store,
                                        slots, dt_bias, a, lower_bound, use_bound, o_norm_w,
