@@ -27,6 +27,7 @@ dtype change turns the path off rather than reading stale memory).
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -81,6 +82,7 @@ class FusedDecoder:
         # alone: ~56 us of Python a step at one row otherwise (warm; more in the engine)
         self._x = torch.empty(0, self.hidden, dtype=torch.float32)
         self._plain: dict[tuple, tuple[list, tuple]] = {}
+        self._plain_cache: weakref.ref | None = None    # the cache those calls write
 
     def _fingerprint(self) -> tuple:
         """Pointers of the embedding, the head and each layer's input norm: a reload or a
@@ -172,8 +174,12 @@ class FusedDecoder:
         else:
             x.copy_(torch.embedding(emb, ids))
         scratch = self._scratch_for(0, B)
-        key = (id(cache), B, block_table.shape[1], x.data_ptr(), positions.data_ptr(),
-               slots.data_ptr(), block_table.data_ptr(), scratch.data_ptr())
+        if self._plain_cache is None or self._plain_cache() is not cache:
+            # another cache (an id could be a dead one's again): its tensors, new calls
+            self._plain.clear()
+            self._plain_cache = weakref.ref(cache)
+        key = (B, block_table.shape[1], x.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+               block_table.data_ptr(), scratch.data_ptr())
         plan = self._plain.get(key)
         if plan is None:
             if len(self._plain) >= 64:        # buffers regrown: the old keys name dead memory

@@ -284,3 +284,38 @@ def test_engine_bf16_greedy_same_as_fp32(monkeypatch):
             (tw, pw), = lw.items()
             (tg, pg), = lg.items()
             assert tg == tw and abs(pg - pw) < 0.15
+
+
+def test_one_decoder_over_two_caches_and_growing_batches():
+    """The plain step's calls are built once per set of buffers: a decoder that alternates
+    between two caches, and whose batch grows (new row buffers), gives each step exactly what
+    a fresh decoder gives on a copy of the same cache."""
+    cfg = tiny_config()
+    model = random_model(cfg, seed=2).fuse_for_inference()
+    g = torch.Generator().manual_seed(4)
+    caches = []
+    for seed in (0, 1):
+        cache = HybridCache.allocate(cfg, 40, 8, 9)
+        prompts = [torch.randint(0, cfg.vocab_size, (4 + 3 * i + seed,), generator=g).tolist()
+                   for i in range(8)]
+        _prefill(model, cache, [[1 + 4 * i + j for j in range(4)] for i in range(8)],
+                 list(range(1, 9)), prompts)
+        caches.append((cache, [len(p) for p in prompts]))
+    shared = fused_decoder(model, caches[0][0])
+    # the row inputs in buffers kept across calls, as the runner's RowInputs keeps them
+    ctx_buf, slots_buf = torch.zeros(8, dtype=torch.long), torch.arange(1, 9)
+    table_buf = torch.tensor([[1 + 4 * i + j for j in range(4)] for i in range(8)])
+    for rows in (1, 1, 3, 8, 3):
+        for cache, lens in caches:
+            fresh_cache = _clone(cache)
+            ids = torch.randint(0, cfg.vocab_size, (rows,), generator=g)
+            ctx_buf[:rows] = torch.tensor(lens[:rows])
+            ctx, slots, table = ctx_buf[:rows], slots_buf[:rows], table_buf[:rows]
+            got = shared(ids, ctx, slots, table, cache)
+            want = fused_decoder(model, fresh_cache)(ids, ctx, slots, table, fresh_cache)
+            assert torch.equal(got, want)
+            for name in ("kda_states", "kda_conv", "mla_pages"):
+                for a, b in zip(getattr(cache, name), getattr(fresh_cache, name)):
+                    assert torch.equal(a, b), name
+            for i in range(rows):
+                lens[i] += 1
