@@ -253,6 +253,8 @@ void NAME(mlp_decode_block)(int64_t B, int64_t Hd, int64_t I, float *x, const fl
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
+#include "moe_rows.h"
+
 /* A sparse MoE feed-forward for B rows: sigmoid router over E experts with a selection-only
  * bias, top-k (ties to the lower id), optional renormalisation, routed scaling; gated experts
  * (activation `act` as glu_span) w13 [E, 2I, Wd] (gate | up), w2 [E, Wd, I], or with
@@ -310,8 +312,21 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
      * row's shared and routed experts share the threads (in a serial tail they left all but
      * one idle). Their output is added after the routed sum, as before: the same sums. */
     const float *shared = NULL;
-#pragma omp parallel for schedule(dynamic) if (S > 1)
-    for (int64_t it = 0; it <= E; ++it) {
+    float *split_buf = NULL;
+    int64_t nt = 1;
+#ifdef _OPENMP
+    nt = omp_in_parallel() ? 1 : omp_get_max_threads();
+#endif
+#ifdef QMATS
+    const int split = B <= MOE_SPLIT_ROWS && nt > 1;
+#else
+    const int split = B <= MOE_SPLIT_ROWS && nt > 1 && transposed;
+#endif
+    if (split)                       /* few rows: every product over all threads (moe_rows.h) */
+        NAME(moe_rows_split)(B, Hd, E, I, K, idf, z, Wd, h, w13, w2, sh_gate, sh_up, sh_down,
+                             Is, act, beta, lbeta, de, &shared, nt, &split_buf);
+#pragma omp parallel for schedule(dynamic) if (S > 1 && !split)
+    for (int64_t it = 0; it <= (split ? -1 : E); ++it) {
         const int64_t e = it - 1;
         if (e < 0) {
             if (sh_gate)
@@ -369,6 +384,7 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
     if (shared)
         for (int64_t i = 0; i < B * Hd; ++i) y[i] += shared[i];
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
+    free(split_buf);
 }
 
 /* The final norm and the LM head for B rows: logits [B, V] = W [V, Hd] . norm(x).
