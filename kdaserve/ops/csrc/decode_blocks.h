@@ -36,6 +36,7 @@ static void NAME(matvec)(const WT *W, const float *x, float *y, int64_t N, int64
 #include "row_products.h"
 #define W_AT(w, e, rows, cols) ((w) + (e) * (rows) * (cols))
 #endif
+#include "rows_split.h"
 
 /* Row norms of B rows of x [B, Hd] into h [B, Hd]. */
 static void NAME(norm_rows)(const float *x, const float *w, float eps, int64_t Hd, int64_t B,
@@ -120,7 +121,7 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
         for (int64_t c = 0; c < b; ++c)
             if (slots[b] == slots[c]) { distinct = 0; break; }
     NAME(norm_rows)(xin, norm_w, eps, Hd, B, h);
-    NAME(matmat_t)(w_in, h, Hd, pre, P, P, Hd, B);
+    NAME(proj_t)(w_in, h, Hd, pre, P, P, Hd, B);
 #pragma omp parallel for schedule(static) if (distinct && B > 1)
     for (int64_t b = 0; b < B; ++b) {
         /* causal depthwise conv over the slot's window, then the window moves on */
@@ -142,8 +143,8 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
         }
         if (kept_conv) memcpy(kept_conv + b * W * C, win, sizeof(CT) * W * C);
     }
-    NAME(matmat_t)(f_b, pre + C, P, gdec, HD, HD, D, B);           /* f_a rows */
-    if (g_b) NAME(matmat_t)(g_b, pre + C + D, P, gate, HD, HD, D, B);
+    NAME(proj_t)(f_b, pre + C, P, gdec, HD, HD, D, B);           /* f_a rows */
+    if (g_b) NAME(proj_t)(g_b, pre + C + D, P, gate, HD, HD, D, B);
     else
         for (int64_t b = 0; b < B; ++b) memcpy(gate + b * HD, pre + b * P + C + D, sizeof(float) * HD);
     const struct NAME(kda_heads) st = {H, D, G, P, C, HD, pre, conv, gdec, gate, o, state_store,
@@ -167,7 +168,7 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
                        state_bytes);
         }
     }
-    NAME(matmat_t)(o_proj, o, HD, y, Hd, Hd, HD, B);
+    NAME(proj_t)(o_proj, o, HD, y, Hd, Hd, HD, B);
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
@@ -193,13 +194,13 @@ void NAME(mla_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t
     float *y = o + B * H * Vd, *qa = y + B * Hd, *gate = qa + B * Qr;
     NAME(norm_rows)(xin, norm_w, eps, Hd, B, h);
     if (w_qa) {
-        NAME(matmat_t)(w_qa, h, Hd, qa, Qr, Qr, Hd, B);
+        NAME(proj_t)(w_qa, h, Hd, qa, Qr, Qr, Hd, B);
         for (int64_t b = 0; b < B; ++b) rms_norm(qa + b * Qr, qa_norm_w, qa_eps, Qr, qa + b * Qr);
-        NAME(matmat_t)(w_q, qa, Qr, q, H * QD, H * QD, Qr, B);
+        NAME(proj_t)(w_q, qa, Qr, q, H * QD, H * QD, Qr, B);
     } else {
-        NAME(matmat_t)(w_q, h, Hd, q, H * QD, H * QD, Hd, B);
+        NAME(proj_t)(w_q, h, Hd, q, H * QD, H * QD, Hd, B);
     }
-    NAME(matmat_t)(w_kva, h, Hd, ckv, LD, LD, Hd, B);
+    NAME(proj_t)(w_kva, h, Hd, ckv, LD, LD, Hd, B);
     /* every row's latent first: then each row attends (a row sharing its pages with later
      * rows, a token before its drafts, reads only positions up to its own) */
     for (int64_t b = 0; b < B; ++b) {
@@ -213,10 +214,10 @@ void NAME(mla_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t
     NAME(mla_attend_rows)(B, H, N, R, Dc, Vd, q, kv_b, pages, bs, block_table, width,
                           positions, scale, o);
     if (g_proj) {
-        NAME(matmat_t)(g_proj, h, Hd, gate, H * Vd, H * Vd, Hd, B);
+        NAME(proj_t)(g_proj, h, Hd, gate, H * Vd, H * Vd, Hd, B);
         for (int64_t i = 0; i < B * H * Vd; ++i) o[i] *= sigmoid(gate[i]);
     }
-    NAME(matmat_t)(o_proj, o, H * Vd, y, Hd, Hd, H * Vd, B);
+    NAME(proj_t)(o_proj, o, H * Vd, y, Hd, Hd, H * Vd, B);
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
@@ -226,10 +227,10 @@ static float *NAME(glu)(const float *h, const WT *gate, const WT *up, const WT *
                         int64_t Hd, int64_t I, int64_t B, float *tmp, int64_t act, float beta,
                         float lbeta) {
     float *g = tmp, *u = g + B * I, *d = u + B * I;
-    NAME(matmat_t)(gate, h, Hd, g, I, I, Hd, B);
-    NAME(matmat_t)(up, h, Hd, u, I, I, Hd, B);
+    NAME(proj_t)(gate, h, Hd, g, I, I, Hd, B);
+    NAME(proj_t)(up, h, Hd, u, I, I, Hd, B);
     glu_span(act, beta, lbeta, g, u, g, B * I);
-    NAME(matmat_t)(down, g, I, d, Hd, Hd, I, B);
+    NAME(proj_t)(down, g, I, d, Hd, Hd, I, B);
     return d;                                        /* [B, Hd] in tmp */
 }
 
@@ -305,7 +306,7 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
             wts[b * K + k] = (renormalize ? wts[b * K + k] / (total + 1e-20f) : wts[b * K + k])
                              * scaling;
     }
-    if (lat_down) NAME(matmat_t)(lat_down, h, Hd, z, Wd, Wd, Hd, B);
+    if (lat_down) NAME(proj_t)(lat_down, h, Hd, z, Wd, Wd, Hd, B);
     else memcpy(z, h, sizeof(float) * (size_t)(B * Hd));
     /* experts in parallel, each with buffers of its own for the rows that chose it; the
      * shared experts are the first item (the largest: every row), into tmp, so that a lone
@@ -377,7 +378,7 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
         if (lat_norm_w)
             for (int64_t b = 0; b < B; ++b)
                 rms_norm(sum + b * Wd, lat_norm_w, lat_eps, Wd, sum + b * Wd);
-        NAME(matmat_t)(lat_up, sum, Wd, y, Hd, Hd, Wd, B);
+        NAME(proj_t)(lat_up, sum, Wd, y, Hd, Hd, Wd, B);
     } else {
         memcpy(y, sum, sizeof(float) * (size_t)(B * Hd));
     }
@@ -392,7 +393,7 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
 void NAME(head_block)(int64_t B, int64_t Hd, int64_t V, const float *x, const float *norm_w,
                       float eps, const WT *W, float *logits, float *scratch) {
     NAME(norm_rows)(x, norm_w, eps, Hd, B, scratch);
-    NAME(matmat_t)(W, scratch, Hd, logits, V, V, Hd, B);
+    NAME(proj_t)(W, scratch, Hd, logits, V, V, Hd, B);
 }
 
 #undef CAT_
