@@ -55,6 +55,18 @@ static inline void NAME(mshare)(int64_t n, int64_t unit, int64_t t, int64_t nt, 
 
 #ifndef QMATS
 #define MOE_STREAM_SUMS 8192
+/* The four rows of a pass are four short streams (a row's run of the chunk), which the
+ * hardware prefetcher restarts at each pass; the lines MSTREAM_ROWS_AHEAD rows on are asked
+ * for as each line of the pass is read. */
+#ifndef MSTREAM_ROWS_AHEAD
+#define MSTREAM_ROWS_AHEAD 8
+#endif
+#define MSTREAM_LINE ((int64_t)(64 / sizeof(WT)))
+#define MSTREAM_AHEAD(w, N, j)                                                               \
+    do {                                                                                     \
+        for (int r_ = 0; MSTREAM_ROWS_AHEAD && r_ < 4; ++r_)                                  \
+            __builtin_prefetch((w) + (MSTREAM_ROWS_AHEAD + r_) * (N) + (j), 0, 3);           \
+    } while (0)
 /* outer_rows_stream's sums over rows [k0, k1) of W for outputs [n0, n1) (16-multiples) of R
  * <= MOE_SPLIT_ROWS rows: each output adds x[i] w[i, n] in i order, y = y + x w, the same
  * bits; four weight rows go through the running sums per pass instead of one, so that the
@@ -78,17 +90,22 @@ static void NAME(mstream)(const WT *restrict W, const float *restrict X, int64_t
             const WT *w = W + i * N + a;
             if (R == 1) {
                 const float x0 = X[i], x1 = X[i + 1], x2 = X[i + 2], x3 = X[i + 3];
-                for (int64_t j = 0; j < len; j += ROW_LANES) {
-                    ROW_T s = LDACC(acc[0] + j);
-                    s = s + LDROW(w + j) * x0;
-                    s = s + LDROW(w + N + j) * x1;
-                    s = s + LDROW(w + 2 * N + j) * x2;
-                    s = s + LDROW(w + 3 * N + j) * x3;
-                    STROW(acc[0] + j, s);
+                for (int64_t j0 = 0; j0 < len; j0 += MSTREAM_LINE) {
+                    MSTREAM_AHEAD(w, N, j0);
+                    const int64_t j1 = j0 + MSTREAM_LINE < len ? j0 + MSTREAM_LINE : len;
+                    for (int64_t j = j0; j < j1; j += ROW_LANES) {
+                        ROW_T s = LDACC(acc[0] + j);
+                        s = s + LDROW(w + j) * x0;
+                        s = s + LDROW(w + N + j) * x1;
+                        s = s + LDROW(w + 2 * N + j) * x2;
+                        s = s + LDROW(w + 3 * N + j) * x3;
+                        STROW(acc[0] + j, s);
+                    }
                 }
                 continue;
             }
             for (int64_t j = 0; j < len; j += ROW_LANES) {
+                if (j % MSTREAM_LINE == 0) MSTREAM_AHEAD(w, N, j);
                 const ROW_T w0 = LDROW(w + j), w1 = LDROW(w + N + j), w2 = LDROW(w + 2 * N + j),
                             w3 = LDROW(w + 3 * N + j);
                 for (int64_t r = 0; r < R; ++r) {
@@ -179,9 +196,12 @@ static void NAME(massign)(struct NAME(mprod) **list, int64_t n, int64_t nt) {
 /* The first bytes of thread t's part asked for ahead of it: a part starts cold (the tiles'
  * software prefetch runs IDOT_AHEAD bytes ahead of their rows, the hardware's needs a few
  * misses to find the stream), and an expert's parts are short, tens of per token. */
+#ifndef MOE_WARM_BYTES
 #define MOE_WARM_BYTES 4096
+#endif
 static void NAME(mprod_warm)(const struct NAME(mprod) *p, int64_t t, int64_t nt) {
     const char *at;
+    int64_t len = MOE_WARM_BYTES;
 #ifdef QMATS
     const qmat *m = (const qmat *)(const void *)p->W;
     int64_t lo, hi;
@@ -200,8 +220,10 @@ static void NAME(mprod_warm)(const struct NAME(mprod) *p, int64_t t, int64_t nt)
         return;                      /* parts of rows: short runs, a row apart */
     else
         at = (const char *)(p->W + (t ? p->KH : 0) * p->N);  /* the thread's whole half */
+    const int64_t part = (int64_t)sizeof(WT) * p->N * (p->owner >= 0 ? p->K : t ? p->K - p->KH : p->KH);
+    len = len < part ? len : part;
 #endif
-    for (int64_t off = 0; off < MOE_WARM_BYTES; off += 64) __builtin_prefetch(at + off, 0, 3);
+    for (int64_t off = 0; off < len; off += 64) __builtin_prefetch(at + off, 0, 2);
 }
 
 /* outputs [lo, hi) of the product made whole, after every part: Y += T, and the N % 16 tail
