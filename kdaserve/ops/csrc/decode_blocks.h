@@ -31,12 +31,17 @@ static void NAME(vecmat)(const float *x, const WT *W, float *y, int64_t K, int64
 static void NAME(matvec)(const WT *W, const float *x, float *y, int64_t N, int64_t K) {
     matvec_f32(W, x, y, N, K);
 }
+/* the blocks' dense projections (rows_split.h's proj_t in the K-major copies) */
+static void NAME(proj_t)(const WT *W, const float *X, int64_t ldx, float *Y, int64_t ldy,
+                         int64_t N, int64_t K, int64_t B) {
+    NAME(matmat_t)(W, X, ldx, Y, ldy, N, K, B);
+}
 #define W_AT(w, e, rows, cols) ((const WT *)(const void *)((const qmat *)(const void *)(w) + (e)))
 #else
 #include "row_products.h"
 #define W_AT(w, e, rows, cols) ((w) + (e) * (rows) * (cols))
-#endif
 #include "rows_split.h"
+#endif
 
 /* Row norms of B rows of x [B, Hd] into h [B, Hd]. */
 static void NAME(norm_rows)(const float *x, const float *w, float eps, int64_t Hd, int64_t B,
@@ -254,7 +259,9 @@ void NAME(mlp_decode_block)(int64_t B, int64_t Hd, int64_t I, float *x, const fl
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
+#ifndef QMATS
 #include "moe_rows.h"
+#endif
 
 /* A sparse MoE feed-forward for B rows: sigmoid router over E experts with a selection-only
  * bias, top-k (ties to the lower id), optional renormalisation, routed scaling; gated experts
@@ -319,13 +326,14 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
     nt = omp_in_parallel() ? 1 : omp_get_max_threads();
 #endif
 #ifdef QMATS
-    const int split = B <= MOE_SPLIT_ROWS && nt > 1;
+    const int split = 0;             /* packed rows: q_matmat's, one expert a thread */
+    (void)nt;
 #else
     const int split = B <= MOE_SPLIT_ROWS && nt > 1 && transposed;
-#endif
     if (split)                       /* few rows: every product over all threads (moe_rows.h) */
         NAME(moe_rows_split)(B, Hd, E, I, K, idf, z, Wd, h, w13, w2, sh_gate, sh_up, sh_down,
                              Is, act, beta, lbeta, de, &shared, nt, &split_buf);
+#endif
 #pragma omp parallel for schedule(dynamic) if (S > 1 && !split)
     for (int64_t it = 0; it <= (split ? -1 : E); ++it) {
         const int64_t e = it - 1;

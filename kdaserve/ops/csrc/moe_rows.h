@@ -24,7 +24,7 @@ struct NAME(mitem) {
  * [B, Wd] the experts' input, h [B, Hd] the shared experts'): each slot's into de [S, Wd]
  * (rows the block weights and sums), the shared experts' into *shared ([B, Hd], or NULL
  * without them), all in scratch from one allocation the caller frees (*buf). Transposed
- * (K-major) expert stacks only, or descriptors (QMATS). */
+ * (K-major) expert stacks only. */
 static void NAME(moe_rows_split)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t K,
                                  const float *idf, const float *z, int64_t Wd, const float *h,
                                  const WT *w13, const WT *w2, const WT *sh_gate,
@@ -82,9 +82,6 @@ static void NAME(moe_rows_split)(int64_t B, int64_t Hd, int64_t E, int64_t I, in
         for (int64_t i = 0; i < ni; ++i) list[n++] = &items[i].down;
         NAME(massign)(list, n, nt);
     }
-    const int64_t Kmax = Wd > I ? (Wd > Hd ? Wd : Hd) : (I > Hd ? I : Hd);
-    const int64_t Km = Kmax > Is ? Kmax : Is;
-    (void)Km;
 #pragma omp parallel num_threads((int)nt) if (nt > 1)
     {
         int64_t t = 0, tn = 1;
@@ -92,18 +89,13 @@ static void NAME(moe_rows_split)(int64_t B, int64_t Hd, int64_t E, int64_t I, in
         t = omp_get_thread_num();
         tn = omp_get_num_threads();
 #endif
-        float *wb = NULL;
-#ifdef QMATS
-        wb = malloc(sizeof(float) * QB * (size_t)Km);
-        if (!wb) abort();
-#endif
         for (int64_t i = 0; i < ni; ++i)
             for (int64_t j = 0; j < items[i].nup; ++j) {
                 /* the next part on its way (the first down product after the last) */
                 if (j + 1 < items[i].nup) NAME(mprod_warm)(&items[i].up[j + 1], t, tn);
                 else if (i + 1 < ni) NAME(mprod_warm)(&items[i + 1].up[0], t, tn);
                 else NAME(mprod_warm)(&items[0].down, t, tn);
-                NAME(mprod_part)(&items[i].up[j], t, tn, wb);
+                NAME(mprod_part)(&items[i].up[j], t, tn);
             }
 #pragma omp barrier
         for (int64_t i = 0; i < ni; ++i) {
@@ -125,7 +117,7 @@ static void NAME(moe_rows_split)(int64_t B, int64_t Hd, int64_t E, int64_t I, in
 #pragma omp barrier
         for (int64_t i = 0; i < ni; ++i) {
             if (i + 1 < ni) NAME(mprod_warm)(&items[i + 1].down, t, tn);
-            NAME(mprod_part)(&items[i].down, t, tn, wb);
+            NAME(mprod_part)(&items[i].down, t, tn);
         }
 #pragma omp barrier
         for (int64_t i = 0; i < ni; ++i) {
@@ -139,7 +131,6 @@ static void NAME(moe_rows_split)(int64_t B, int64_t Hd, int64_t E, int64_t I, in
                 memcpy(de + it->slot[r] * Wd + lo, it->down.Y + r * Wd + lo,
                        sizeof(float) * (size_t)(hi - lo));
         }
-        free(wb);
     }
     free(items);
 }

@@ -3,11 +3,11 @@
  * struct mprod, each thread runs its part (mprod_part) and, after a barrier, makes its share of
  * the outputs whole (mprod_finish), so that several products can share one parallel region
  * (moe_rows.h) or one runs alone (proj_t).
- * - fp32/bf16 weights (K-major): the halves of K where ksplit.h splits the sums (each thread
- *   one contiguous half of the matrix; the second half's sums land in T, added after the
- *   barrier), else ranges of the outputs, or the whole product on one thread (massign); the
- *   sums are matmat_t's (row_products.h), so the same bits;
- * - packed INT weights (row-major, QMATS): ranges of the outputs, whole rows; q_rows' sums.
+ * fp32/bf16 weights, K-major (the packed INT copy keeps q_matmat and the MoE's item loop: a
+ * split measured no faster there, docs/benchmarks.md, tenth session): the halves of K where
+ * ksplit.h splits the sums (each thread one contiguous half of the matrix; the second half's
+ * sums land in T, added after the barrier), else ranges of the outputs, or the whole product
+ * on one thread (massign); the sums are matmat_t's (row_products.h), so the same bits.
  * A row's result is therefore the same whatever the batch and the thread count. */
 
 #ifndef MOE_SPLIT_ROWS
@@ -30,11 +30,7 @@ struct NAME(mprod) {
 static struct NAME(mprod) NAME(mprod_make)(const WT *W, const float *X, int64_t ldx, float *Y,
                                            int64_t ldy, int64_t N, int64_t K, int64_t B,
                                            float **pool) {
-#ifdef QMATS
-    const int64_t KH = K;
-#else
     const int64_t KH = k_split_at(N, K, (int64_t)sizeof(WT));
-#endif
     struct NAME(mprod) p = {W, X, ldx, Y, ldy, NULL, N, K, B, KH, -1};
     if (KH < K) {
         p.T = *pool;
@@ -53,7 +49,6 @@ static inline void NAME(mshare)(int64_t n, int64_t unit, int64_t t, int64_t nt, 
     *hi = *hi < n ? *hi : n;
 }
 
-#ifndef QMATS
 #define MOE_STREAM_SUMS 8192
 /* The four rows of a pass are four short streams (a row's run of the chunk), which the
  * hardware prefetcher restarts at each pass; the lines MSTREAM_ROWS_AHEAD rows on are asked
@@ -131,18 +126,9 @@ static void NAME(mstream)(const WT *restrict W, const float *restrict X, int64_t
             memcpy(Y + r * ldy + a, acc[r], sizeof(float) * (size_t)len);
     }
 }
-#endif
 
-/* thread t of nt's part of the product's sums (wb: QB * K floats, the packed decode's) */
-static void NAME(mprod_part)(const struct NAME(mprod) *p, int64_t t, int64_t nt, float *wb) {
-#ifdef QMATS
-    int64_t lo, hi;
-    NAME(mshare)(p->N, QB, t, nt, &lo, &hi);
-    if (lo < hi)
-        q_rows((const qmat *)(const void *)p->W, p->X, p->ldx, p->Y, p->ldy, lo, hi, p->K,
-               p->B, wb);
-#else
-    (void)wb;
+/* thread t of nt's part of the product's sums */
+static void NAME(mprod_part)(const struct NAME(mprod) *p, int64_t t, int64_t nt) {
     const int64_t N16 = p->N - p->N % 16, units = N16 / 16;
     if (!units) return;                          /* all in the tail: mprod_finish */
     if (p->owner >= 0) {
@@ -162,7 +148,6 @@ static void NAME(mprod_part)(const struct NAME(mprod) *p, int64_t t, int64_t nt,
         else
             NAME(mstream)(p->W, p->X, p->ldx, p->T, N16, p->N, p->KH, p->K, n0, n1, p->B);
     }
-#endif
 }
 
 /* Who runs the products of a phase: split where ksplit.h splits the sums (each thread one
@@ -176,11 +161,7 @@ static void NAME(massign)(struct NAME(mprod) **list, int64_t n, int64_t nt) {
     for (int64_t i = 0; i < n; ++i) {
         struct NAME(mprod) *p = list[i];
         const int64_t bytes = p->N * p->K * (int64_t)sizeof(WT);
-#ifdef QMATS
-        const int whole = 0;
-#else
         const int whole = p->KH == p->K && nt > 1;
-#endif
         if (!whole) {
             for (int64_t t = 0; t < nt; ++t) load[t] += bytes / nt;
             continue;
@@ -193,25 +174,15 @@ static void NAME(massign)(struct NAME(mprod) **list, int64_t n, int64_t nt) {
     }
 }
 
-/* The first bytes of thread t's part asked for ahead of it: a part starts cold (the tiles'
- * software prefetch runs IDOT_AHEAD bytes ahead of their rows, the hardware's needs a few
- * misses to find the stream), and an expert's parts are short, tens of per token. */
+/* The first bytes of thread t's part asked for ahead of it, while the part before runs: a
+ * part starts cold (the hardware prefetcher needs a few misses to find the stream), and an
+ * expert's parts are short, tens of them per token. */
 #ifndef MOE_WARM_BYTES
 #define MOE_WARM_BYTES 4096
 #endif
 static void NAME(mprod_warm)(const struct NAME(mprod) *p, int64_t t, int64_t nt) {
     const char *at;
     int64_t len = MOE_WARM_BYTES;
-#ifdef QMATS
-    const qmat *m = (const qmat *)(const void *)p->W;
-    int64_t lo, hi;
-    NAME(mshare)(p->N, QB, t, nt, &lo, &hi);
-    if (lo >= hi) return;
-    at = (const char *)(m->packed + lo * m->row_bytes);
-    if (m->bits != 32)
-        for (int64_t off = 0; off < 256; off += 64)
-            __builtin_prefetch((const char *)(m->scale + lo * m->groups) + off, 0, 3);
-#else
     const int64_t halves = p->KH < p->K ? 2 : 1;
     if (p->owner >= 0 && p->owner % nt != t) return;
     if (p->owner >= 0)
@@ -220,18 +191,15 @@ static void NAME(mprod_warm)(const struct NAME(mprod) *p, int64_t t, int64_t nt)
         return;                      /* parts of rows: short runs, a row apart */
     else
         at = (const char *)(p->W + (t ? p->KH : 0) * p->N);  /* the thread's whole half */
-    const int64_t part = (int64_t)sizeof(WT) * p->N * (p->owner >= 0 ? p->K : t ? p->K - p->KH : p->KH);
+    const int64_t rows = p->owner >= 0 ? p->K : t ? p->K - p->KH : p->KH;
+    const int64_t part = (int64_t)sizeof(WT) * p->N * rows;
     len = len < part ? len : part;
-#endif
     for (int64_t off = 0; off < len; off += 64) __builtin_prefetch(at + off, 0, 2);
 }
 
 /* outputs [lo, hi) of the product made whole, after every part: Y += T, and the N % 16 tail
  * (matmat_t's sums) */
 static void NAME(mprod_finish)(const struct NAME(mprod) *p, int64_t lo, int64_t hi) {
-#ifdef QMATS
-    (void)p, (void)lo, (void)hi;
-#else
     const int64_t N16 = p->N - p->N % 16, N = p->N, K = p->K, KH = p->KH;
     const WT *W = p->W;
     if (p->T)
@@ -248,7 +216,6 @@ static void NAME(mprod_finish)(const struct NAME(mprod) *p, int64_t lo, int64_t 
             for (int64_t i = KH; i < K; ++i) s2 += LDW(W[i * N + n]) * x[i];
             p->Y[b * p->ldy + n] = KH < K ? s + s2 : s;
         }
-#endif
 }
 
 
@@ -258,7 +225,7 @@ static void NAME(mprod_finish)(const struct NAME(mprod) *p, int64_t lo, int64_t 
  * session); otherwise matmat_t (the fp32 products are row_products.h's alone). */
 static void NAME(proj_t)(const WT *W, const float *X, int64_t ldx, float *Y, int64_t ldy,
                          int64_t N, int64_t K, int64_t B) {
-#if defined(QMATS) || !WIDEN
+#if !WIDEN
     NAME(matmat_t)(W, X, ldx, Y, ldy, N, K, B);
 #else
     if (B > MOE_SPLIT_ROWS) {
@@ -279,7 +246,7 @@ static void NAME(proj_t)(const WT *W, const float *X, int64_t ldx, float *Y, int
         t = omp_get_thread_num();
         tn = omp_get_num_threads();
 #endif
-        NAME(mprod_part)(&p, t, tn, NULL);
+        NAME(mprod_part)(&p, t, tn);
 #pragma omp barrier
         NAME(mshare)(N, 16, t, tn, &lo, &hi);
         NAME(mprod_finish)(&p, lo, hi);
