@@ -329,8 +329,9 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
     const int split = 0;             /* packed rows: q_matmat's, one expert a thread */
     (void)nt;
 #else
-    const int split = B <= MOE_SPLIT_ROWS && nt > 1 && transposed;
-    if (split)                       /* few rows: every product over all threads (moe_rows.h) */
+    /* few bf16 rows: every product over all threads (moe_rows.h; fp32 is row_products.h's) */
+    const int split = WIDEN && B <= MOE_SPLIT_ROWS && nt > 1 && transposed;
+    if (split)
         NAME(moe_rows_split)(B, Hd, E, I, K, idf, z, Wd, h, w13, w2, sh_gate, sh_up, sh_down,
                              Is, act, beta, lbeta, de, &shared, nt, &split_buf);
 #endif

@@ -3,8 +3,9 @@
  * struct mprod, each thread runs its part (mprod_part) and, after a barrier, makes its share of
  * the outputs whole (mprod_finish), so that several products can share one parallel region
  * (moe_rows.h) or one runs alone (proj_t).
- * fp32/bf16 weights, K-major (the packed INT copy keeps q_matmat and the MoE's item loop: a
- * split measured no faster there, docs/benchmarks.md, tenth session): the halves of K where
+ * Used by the bf16 copy (the fp32 copy keeps row_products.h's matmat_t; the packed INT copy
+ * its q_matmat and the MoE's item loop, where a split measured no faster: docs/benchmarks.md,
+ * tenth session). K-major weights: the halves of K where
  * ksplit.h splits the sums (each thread one contiguous half of the matrix; the second half's
  * sums land in T, added after the barrier), else ranges of the outputs, or the whole product
  * on one thread (massign); the sums are matmat_t's (row_products.h), so the same bits.
