@@ -85,14 +85,16 @@ class KMajorLinear(nn.Linear):
 
 def k_major_weight(w: torch.Tensor, pad: bool = False) -> nn.Parameter:
     """w [out, in] re-stored K-major; the parameter is the [out, in] view of that memory.
-    pad: rows of K whose length is a multiple of 4 KiB get one cache line more. Rows that far
+    pad: fp32 rows of K whose length is a multiple of 4 KiB get one cache line more. Rows that far
     apart put a tile's column of weights (row_products.h) in one set of each cache, which
     then holds 8 of its 256 lines: a [256 x 4096] product at 32 rows took 860 us, against 490
     with the rows 4,112 floats apart (the demo's LM head, AVX2 EPYC)."""
     out, k = w.shape
     ld = out
-    if pad and (out * w.element_size()) % 4096 == 0:
-        ld = out + 64 // w.element_size()
+    # fp32 only: a bf16 head's one-row products take rows_split.h's path, which reads its rows
+    # N apart (the fused blocks' head then goes through it unpadded)
+    if pad and w.element_size() == 4 and (out * 4) % 4096 == 0:
+        ld = out + 16
     store = torch.empty(k, ld, dtype=w.dtype, device=w.device)
     store[:, :out].copy_(w.detach().t())
     if ld > out:

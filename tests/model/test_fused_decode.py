@@ -131,16 +131,21 @@ def test_verify_rows_match_the_torch_verify_forward():
 # K (csrc/ksplit.h): one row takes the split-by-K path, many rows the tiles
 WIDE = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=512,
             vocab_size=1024)
+# the same in bf16 (2 MiB from 1M weights): a lone row's products, dense and experts, split
+# over the threads by K halves (csrc/rows_split.h), many rows' take the tiles
+WIDE_BF16 = dict(hidden_size=1024, intermediate_size=1024, moe_intermediate_size=1024,
+                 vocab_size=1024, num_experts=3)
 
 
 @pytest.mark.parametrize("dtype,shape", [(torch.float32, "tiny"), (torch.bfloat16, "tiny"),
-                                         (torch.float32, "wide")])
+                                         (torch.float32, "wide"), (torch.bfloat16, "wide")])
 def test_many_rows_split_over_threads_equal_one_row_at_a_time(dtype, shape):
     """15 rows (the kernels' 4-row tiles leave 3: a 2-row tile and one) in one step, split
     over 2 threads,
     give each row exactly what it gets alone (logits and cache): the dot products sum in the
     same order whatever the batch; in fp32 the logits match the torch forward of the rows."""
-    cfg = tiny_config(**(WIDE if shape == "wide" else {}))
+    wide = WIDE_BF16 if dtype == torch.bfloat16 else WIDE
+    cfg = tiny_config(**(wide if shape == "wide" else {}))
     model = random_model(cfg, seed=5).to(dtype).fuse_for_inference()
     if shape == "wide":      # a 4 KiB row of vocabulary: the head's store is padded, read so
         assert model.lm_head.weight.stride(1) == cfg.vocab_size + 16

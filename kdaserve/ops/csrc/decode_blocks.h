@@ -36,10 +36,16 @@ static void NAME(vecmat)(const float *x, const WT *W, float *y, int64_t K, int64
 static void NAME(matvec)(const WT *W, const float *x, float *y, int64_t N, int64_t K) {
     matvec_f32(W, x, y, N, K);
 }
+/* the blocks' dense projections (rows_split.h's proj_t in the K-major copies) */
+static void NAME(proj_t)(const WT *W, const float *X, int64_t ldx, float *Y, int64_t ldy,
+                         int64_t N, int64_t K, int64_t B) {
+    NAME(matmat_t)(W, X, ldx, Y, ldy, N, K, B);
+}
 #define W_AT(w, e, rows, cols) ((const WT *)(const void *)((const qmat *)(const void *)(w) + (e)))
 #else
 #include "row_products.h"
 #define W_AT(w, e, rows, cols) ((w) + (e) * (rows) * (cols))
+#include "rows_split.h"
 #endif
 
 /* Row norms of B rows of x [B, Hd] into h [B, Hd]. */
@@ -125,7 +131,7 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
         for (int64_t c = 0; c < b; ++c)
             if (slots[b] == slots[c]) { distinct = 0; break; }
     NAME(norm_rows)(xin, norm_w, eps, Hd, B, h);
-    NAME(matmat_t)(w_in, h, Hd, pre, P, P, Hd, B);
+    NAME(proj_t)(w_in, h, Hd, pre, P, P, Hd, B);
 #pragma omp parallel for schedule(static) if (distinct && B > 1)
     for (int64_t b = 0; b < B; ++b) {
         /* causal depthwise conv over the slot's window, then the window moves on */
@@ -152,9 +158,9 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
 #pragma omp parallel sections if (g_b != NULL)
     {
 #pragma omp section
-        NAME(matmat_t)(f_b, pre + C, P, gdec, HD, HD, D, B);       /* f_a rows */
+        NAME(proj_t)(f_b, pre + C, P, gdec, HD, HD, D, B);         /* f_a rows */
 #pragma omp section
-        if (g_b) NAME(matmat_t)(g_b, pre + C + D, P, gate, HD, HD, D, B);
+        if (g_b) NAME(proj_t)(g_b, pre + C + D, P, gate, HD, HD, D, B);
     }
     if (!g_b)
         for (int64_t b = 0; b < B; ++b) memcpy(gate + b * HD, pre + b * P + C + D, sizeof(float) * HD);
@@ -179,7 +185,7 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
                        state_bytes);
         }
     }
-    NAME(matmat_t)(o_proj, o, HD, y, Hd, Hd, HD, B);
+    NAME(proj_t)(o_proj, o, HD, y, Hd, Hd, HD, B);
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
@@ -205,13 +211,13 @@ void NAME(mla_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t
     float *y = o + B * H * Vd, *qa = y + B * Hd, *gate = qa + B * Qr;
     NAME(norm_rows)(xin, norm_w, eps, Hd, B, h);
     if (w_qa) {
-        NAME(matmat_t)(w_qa, h, Hd, qa, Qr, Qr, Hd, B);
+        NAME(proj_t)(w_qa, h, Hd, qa, Qr, Qr, Hd, B);
         for (int64_t b = 0; b < B; ++b) rms_norm(qa + b * Qr, qa_norm_w, qa_eps, Qr, qa + b * Qr);
-        NAME(matmat_t)(w_q, qa, Qr, q, H * QD, H * QD, Qr, B);
+        NAME(proj_t)(w_q, qa, Qr, q, H * QD, H * QD, Qr, B);
     } else {
-        NAME(matmat_t)(w_q, h, Hd, q, H * QD, H * QD, Hd, B);
+        NAME(proj_t)(w_q, h, Hd, q, H * QD, H * QD, Hd, B);
     }
-    NAME(matmat_t)(w_kva, h, Hd, ckv, LD, LD, Hd, B);
+    NAME(proj_t)(w_kva, h, Hd, ckv, LD, LD, Hd, B);
     /* every row's latent first: then each row attends (a row sharing its pages with later
      * rows, a token before its drafts, reads only positions up to its own) */
     for (int64_t b = 0; b < B; ++b) {
@@ -225,10 +231,10 @@ void NAME(mla_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t N, int64_t
     NAME(mla_attend_rows)(B, H, N, R, Dc, Vd, q, kv_b, pages, bs, block_table, width,
                           positions, scale, o);
     if (g_proj) {
-        NAME(matmat_t)(g_proj, h, Hd, gate, H * Vd, H * Vd, Hd, B);
+        NAME(proj_t)(g_proj, h, Hd, gate, H * Vd, H * Vd, Hd, B);
         for (int64_t i = 0; i < B * H * Vd; ++i) o[i] *= sigmoid(gate[i]);
     }
-    NAME(matmat_t)(o_proj, o, H * Vd, y, Hd, Hd, H * Vd, B);
+    NAME(proj_t)(o_proj, o, H * Vd, y, Hd, Hd, H * Vd, B);
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
 
@@ -238,10 +244,10 @@ static float *NAME(glu)(const float *h, const WT *gate, const WT *up, const WT *
                         int64_t Hd, int64_t I, int64_t B, float *tmp, int64_t act, float beta,
                         float lbeta) {
     float *g = tmp, *u = g + B * I, *d = u + B * I;
-    NAME(matmat_t)(gate, h, Hd, g, I, I, Hd, B);
-    NAME(matmat_t)(up, h, Hd, u, I, I, Hd, B);
+    NAME(proj_t)(gate, h, Hd, g, I, I, Hd, B);
+    NAME(proj_t)(up, h, Hd, u, I, I, Hd, B);
     glu_span(act, beta, lbeta, g, u, g, B * I);
-    NAME(matmat_t)(down, g, I, d, Hd, Hd, I, B);
+    NAME(proj_t)(down, g, I, d, Hd, Hd, I, B);
     return d;                                        /* [B, Hd] in tmp */
 }
 
@@ -264,6 +270,10 @@ void NAME(mlp_decode_block)(int64_t B, int64_t Hd, int64_t I, float *x, const fl
     NAME(glu_add)(h, gate, up, down, Hd, I, B, y, tmp, act, beta, lbeta);
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
 }
+
+#ifndef QMATS
+#include "moe_rows.h"
+#endif
 
 /* A sparse MoE feed-forward for B rows: sigmoid router over E experts with a selection-only
  * bias, top-k (ties to the lower id), optional renormalisation, routed scaling; gated experts
@@ -315,15 +325,30 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
             wts[b * K + k] = (renormalize ? wts[b * K + k] / (total + 1e-20f) : wts[b * K + k])
                              * scaling;
     }
-    if (lat_down) NAME(matmat_t)(lat_down, h, Hd, z, Wd, Wd, Hd, B);
+    if (lat_down) NAME(proj_t)(lat_down, h, Hd, z, Wd, Wd, Hd, B);
     else memcpy(z, h, sizeof(float) * (size_t)(B * Hd));
     /* experts in parallel, each with buffers of its own for the rows that chose it; the
      * shared experts are the first item (the largest: every row), into tmp, so that a lone
      * row's shared and routed experts share the threads (in a serial tail they left all but
      * one idle). Their output is added after the routed sum, as before: the same sums. */
     const float *shared = NULL;
-#pragma omp parallel for schedule(dynamic) if (S > 1)
-    for (int64_t it = 0; it <= E; ++it) {
+    float *split_buf = NULL;
+    int64_t nt = 1;
+#ifdef _OPENMP
+    nt = omp_in_parallel() ? 1 : omp_get_max_threads();
+#endif
+#ifdef QMATS
+    const int split = 0;             /* packed rows: q_matmat's, one expert a thread */
+    (void)nt;
+#else
+    /* few bf16 rows: every product over all threads (moe_rows.h; fp32 is row_products.h's) */
+    const int split = WIDEN && B <= MOE_SPLIT_ROWS && nt > 1 && transposed;
+    if (split)
+        NAME(moe_rows_split)(B, Hd, E, I, K, idf, z, Wd, h, w13, w2, sh_gate, sh_up, sh_down,
+                             Is, act, beta, lbeta, de, &shared, nt, &split_buf);
+#endif
+#pragma omp parallel for schedule(dynamic) if (S > 1 && !split)
+    for (int64_t it = 0; it <= (split ? -1 : E); ++it) {
         const int64_t e = it - 1;
         if (e < 0) {
             if (sh_gate)
@@ -374,13 +399,14 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
         if (lat_norm_w)
             for (int64_t b = 0; b < B; ++b)
                 rms_norm(sum + b * Wd, lat_norm_w, lat_eps, Wd, sum + b * Wd);
-        NAME(matmat_t)(lat_up, sum, Wd, y, Hd, Hd, Wd, B);
+        NAME(proj_t)(lat_up, sum, Wd, y, Hd, Hd, Wd, B);
     } else {
         memcpy(y, sum, sizeof(float) * (size_t)(B * Hd));
     }
     if (shared)
         for (int64_t i = 0; i < B * Hd; ++i) y[i] += shared[i];
     for (int64_t i = 0; i < B * Hd; ++i) x[i] += y[i];
+    free(split_buf);
 }
 
 /* The final norm and the LM head for B rows: logits [B, V] = W [V, Hd] . norm(x), W stored
@@ -389,7 +415,8 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
 void NAME(head_block)(int64_t B, int64_t Hd, int64_t V, const float *x, const float *norm_w,
                       float eps, const WT *W, int64_t ldw, float *logits, float *scratch) {
     NAME(norm_rows)(x, norm_w, eps, Hd, B, scratch);
-    NAME(matmat_tw)(W, ldw, scratch, Hd, logits, V, V, Hd, B);
+    if (ldw != V) NAME(matmat_tw)(W, ldw, scratch, Hd, logits, V, V, Hd, B);
+    else NAME(proj_t)(W, scratch, Hd, logits, V, V, Hd, B);
 }
 
 #undef CAT_
