@@ -84,6 +84,18 @@ class FusedDecoder:
         self._plain: dict[tuple, tuple[list, tuple]] = {}
         self._plain_cache: weakref.ref | None = None    # the cache those calls write
 
+    @property
+    def k(self):
+        """The compiled blocks' table (decode_block_kernels)."""
+        return self._k
+
+    @k.setter
+    def k(self, kernels) -> None:
+        # the plain step's calls hold the table's functions: a new table (a timed one, `bench
+        # blocks`) needs them built again
+        self._k = kernels
+        self._plain = {}
+
     def _fingerprint(self) -> tuple:
         """Pointers of the embedding, the head and each layer's input norm: a reload or a
         dtype change replaces them all (checking every parameter would cost ~1 ms a step)."""
