@@ -27,13 +27,13 @@ dtype change turns the path off rather than reading stale memory).
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 
 from kdaserve.model.base import DecoderLayer, HybridForCausalLM
 from kdaserve.model.hybrid_cache import HybridCache
 from kdaserve.model.fused_args import _I, _NULL, BlockArgs, _p
+from kdaserve.model.fused_plain import PlainCalls
 from kdaserve.model.fused_rows import (  # noqa: F401 (the runner's names for them)
     MAX_FUSED_ROWS,
     Kept,
@@ -76,13 +76,7 @@ class FusedDecoder:
         self.res = args.attn_res(model)
         self._scratch_size = (per_row, fixed + 1024)
         self._scratch: dict[int, torch.Tensor] = {}      # by part (row split), grown as needed
-        # the plain step (one calling thread, no capture, rollback or residual mixes): its
-        # rows embedded into a buffer kept from step to step, and its calls' arguments built
-        # once per set of buffers (RowInputs keeps its own), so a step is the compiled calls
-        # alone: ~56 us of Python a step at one row otherwise (warm; more in the engine)
-        self._x = torch.empty(0, self.hidden, dtype=torch.float32)
-        self._plain: dict[tuple, tuple[list, tuple]] = {}
-        self._plain_cache: weakref.ref | None = None    # the cache those calls write
+        self._plain = PlainCalls(self.hidden)    # the plain step's calls (fused_plain.py)
 
     @property
     def k(self):
@@ -94,7 +88,8 @@ class FusedDecoder:
         # the plain step's calls hold the table's functions: a new table (a timed one, `bench
         # blocks`) needs them built again
         self._k = kernels
-        self._plain = {}
+        if hasattr(self, "_plain"):
+            self._plain.clear()
 
     def _fingerprint(self) -> tuple:
         """Pointers of the embedding, the head and each layer's input norm: a reload or a
@@ -127,7 +122,7 @@ class FusedDecoder:
         B = ids.shape[0]
         logits = torch.empty(B, self.head[1].value, dtype=torch.float32)
         if parts <= 1 and not capture and kept is None and self.res is None:
-            self._run_plain(ids, positions, slots, block_table, cache, logits)
+            self._plain.run(self, ids, positions, slots, block_table, cache, logits)
             self._snapshot(snapshots, slots, cache)
             return logits
         x = torch.embedding(model.model.embed_tokens.weight, ids)   # (nn.Module's call: 3x)
@@ -138,7 +133,7 @@ class FusedDecoder:
         res = (torch.empty_like(x), torch.empty(B, max(1, self.res["sources"]), self.hidden))\
             if self.res is not None else None
         if parts <= 1 or capture or kept is not None:
-            self._rows(0, 0, B, x, positions, slots, block_table, cache, logits, res, capture,
+            self.rows(0, 0, B, x, positions, slots, block_table, cache, logits, res, capture,
                        captured, kept)
         else:
             # decode rows are independent through the whole stack (each its own state slot
@@ -164,7 +159,7 @@ class FusedDecoder:
                 sst.index_copy_(0, dest, st[src])
                 scv.index_copy_(0, dest, cv[src].to(scv.dtype))
 
-    def _scratch_for(self, part: int, rows: int) -> torch.Tensor:
+    def scratch_for(self, part: int, rows: int) -> torch.Tensor:
         per_row, fixed = self._scratch_size
         need = per_row * rows + fixed
         scratch = self._scratch.get(part)
@@ -172,43 +167,11 @@ class FusedDecoder:
             scratch = self._scratch[part] = torch.empty(need, dtype=torch.float32)
         return scratch
 
-    def _run_plain(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                   block_table: torch.Tensor, cache: HybridCache, logits: torch.Tensor) -> None:
-        """Every layer and the head for all rows on this thread, through calls whose
-        arguments are built once per set of buffers (the logits alone are new each step:
-        a caller may keep them)."""
-        B = ids.shape[0]
-        if self._x.shape[0] < B:
-            self._x = torch.empty(max(B, 2 * self._x.shape[0]), self.hidden)
-        x, emb = self._x[:B], self.model.model.embed_tokens.weight
-        if emb.dtype == torch.float32:
-            torch.index_select(emb, 0, ids, out=x)
-        else:
-            x.copy_(torch.embedding(emb, ids))
-        scratch = self._scratch_for(0, B)
-        if self._plain_cache is None or self._plain_cache() is not cache:
-            # another cache (an id could be a dead one's again): its tensors, new calls
-            self._plain.clear()
-            self._plain_cache = weakref.ref(cache)
-        key = (B, block_table.shape[1], x.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-               block_table.data_ptr(), scratch.data_ptr())
-        plan = self._plain.get(key)
-        if plan is None:
-            if len(self._plain) >= 64:        # buffers regrown: the old keys name dead memory
-                self._plain.clear()
-            calls: list = []
-            self._rows(0, 0, B, x, positions, slots, block_table, cache, None, record=calls)
-            plan = self._plain[key] = (calls, calls.pop()[1][:-2])
-        calls, head = plan
-        for fn, args in calls:
-            fn(*args)
-        self.k.head(*head, _p(logits), _p(scratch))
-
     @torch.inference_mode()      # the mode is per thread: the pool's need it too
     def _rows_in_mode(self, *args) -> None:
-        self._rows(*args)
+        self.rows(*args)
 
-    def _rows(self, part: int, lo: int, hi: int, x: torch.Tensor, positions: torch.Tensor,
+    def rows(self, part: int, lo: int, hi: int, x: torch.Tensor, positions: torch.Tensor,
               slots: torch.Tensor, block_table: torch.Tensor, cache: HybridCache,
               logits: torch.Tensor | None, res: tuple[torch.Tensor, torch.Tensor] | None = None,
               capture: tuple[int, ...] = (), captured: list[torch.Tensor] | None = None,
@@ -217,7 +180,7 @@ class FusedDecoder:
         calls (function, arguments) are appended to it instead of made (the plain step's, no
         residual mixes or capture; the head's last, its logits pointer None)."""
         n = hi - lo
-        scratch = self._scratch_for(part, n)
+        scratch = self.scratch_for(part, n)
         B, sp = _I(n), _p(scratch)
         call = record.append if record is not None else (lambda c: c[0](*c[1]))
         xp = _p(x[lo:hi])
