@@ -282,15 +282,15 @@ static void NAME(outer_rows_stream)(const WT *restrict W, const float *restrict 
     }
 }
 
-/* The last N % 16 outputs (from n0 = N - N % 16) of B rows: their weight columns are copied
- * into a zero-padded [K, 16] strip, which runs through the tiles (then the outputs kept). The
- * same sums in the same order as every other output: a scalar loop here ran each output's sum
- * as one dependent chain, serially after the threads (a KDA input projection of 900 outputs
- * at 32 rows: 170 against 120 us for 896 or 912 outputs). */
+/* Outputs [n0, n1) of B rows, fewer than 16 of them (the last N % 16, or part of them): their
+ * weight columns are copied into a zero-padded [K, 16] strip, which runs through the tiles
+ * (then the outputs kept). The same sums in the same order as every other output: a scalar
+ * loop here ran each output's sum as one dependent chain, serially after the threads (a KDA
+ * input projection of 900 outputs at 32 rows: 170 against 120 us for 896 or 912 outputs). */
 static void NAME(tail_outputs)(const WT *restrict W, int64_t ldw, const float *restrict X,
-                               int64_t ldx, float *restrict Y, int64_t ldy, int64_t N,
-                               int64_t K, int64_t KH, int64_t B, int64_t n0) {
-    const int64_t m = N - n0;
+                               int64_t ldx, float *restrict Y, int64_t ldy, int64_t K,
+                               int64_t KH, int64_t B, int64_t n0, int64_t n1) {
+    const int64_t m = n1 - n0;
     WT *strip = calloc((size_t)(K * 16), sizeof(WT));
     float out[6 * 16];
     for (int64_t i = 0; i < K; ++i) memcpy(strip + i * 16, W + i * ldw + n0, sizeof(WT) * m);
@@ -385,7 +385,7 @@ static void NAME(matmat_tw)(const WT *restrict W, int64_t ldw, const float *rest
             for (; b < B; ++b) NAME(outer_tile_k)(W, X, ldx, Y, ldy, ldw, K, KH, n, b, 1, 1);
         }
     }
-    if (N16 < N) NAME(tail_outputs)(W, ldw, X, ldx, Y, ldy, N, K, KH, B, N16);
+    if (N16 < N) NAME(tail_outputs)(W, ldw, X, ldx, Y, ldy, K, KH, B, N16, N);
 }
 
 static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_t ldx,

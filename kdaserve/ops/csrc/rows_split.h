@@ -199,24 +199,18 @@ static void NAME(mprod_warm)(const struct NAME(mprod) *p, int64_t t, int64_t nt)
 }
 
 /* outputs [lo, hi) of the product made whole, after every part: Y += T, and the N % 16 tail
- * (matmat_t's sums) */
+ * (matmat_t's sums, through its tail_outputs) */
 static void NAME(mprod_finish)(const struct NAME(mprod) *p, int64_t lo, int64_t hi) {
-    const int64_t N16 = p->N - p->N % 16, N = p->N, K = p->K, KH = p->KH;
-    const WT *W = p->W;
+    const int64_t N16 = p->N - p->N % 16;
     if (p->T)
         for (int64_t b = 0; b < p->B; ++b) {
             float *y = p->Y + b * p->ldy;
             const float *tb = p->T + b * N16;
             for (int64_t n = lo; n < (hi < N16 ? hi : N16); ++n) y[n] += tb[n];
         }
-    for (int64_t n = lo > N16 ? lo : N16; n < hi; ++n)
-        for (int64_t b = 0; b < p->B; ++b) {
-            const float *x = p->X + b * p->ldx;
-            float s = 0.0f, s2 = 0.0f;
-            for (int64_t i = 0; i < KH; ++i) s += LDW(W[i * N + n]) * x[i];
-            for (int64_t i = KH; i < K; ++i) s2 += LDW(W[i * N + n]) * x[i];
-            p->Y[b * p->ldy + n] = KH < K ? s + s2 : s;
-        }
+    const int64_t t0 = lo > N16 ? lo : N16;
+    if (t0 < hi)
+        NAME(tail_outputs)(p->W, p->N, p->X, p->ldx, p->Y, p->ldy, p->K, p->KH, p->B, t0, hi);
 }
 
 
