@@ -132,54 +132,60 @@ void NAME(kda_decode_block)(int64_t B, int64_t Hd, int64_t H, int64_t D, int64_t
             if (slots[b] == slots[c]) { distinct = 0; break; }
     NAME(norm_rows)(xin, norm_w, eps, Hd, B, h);
     NAME(proj_t)(w_in, h, Hd, pre, P, P, Hd, B);
-#pragma omp parallel for schedule(static) if (distinct && B > 1)
-    for (int64_t b = 0; b < B; ++b) {
-        /* causal depthwise conv over the slot's window, then the window moves on */
-        const float *pb = pre + b * P;
-        float *cb = conv + b * C;
-        CT *win = conv_store + slots[b] * W * C;
-        const float *wl = conv_wt + W * C;
-        for (int64_t c = 0; c < C; ++c) cb[c] = 0.0f;
-        for (int64_t j = 0; j < W; ++j) {
-            const CT *in = win + j * C;
-            const float *wj = conv_wt + j * C;
-            for (int64_t c = 0; c < C; ++c) cb[c] += LDC(in[c]) * wj[c];
-        }
-        for (int64_t c = 0; c < C; ++c) cb[c] = silu(cb[c] + pb[c] * wl[c]);
-        if (W > 0) {
-            memmove(win, win + C, sizeof(CT) * (W - 1) * C);
-            CT *last = win + (W - 1) * C;
-            for (int64_t c = 0; c < C; ++c) last[c] = STC(pb[c]);
-        }
-        if (kept_conv) memcpy(kept_conv + b * W * C, win, sizeof(CT) * W * C);
-    }
+    PAR_FOR(distinct && B > 1 && team_threads() > 1, schedule(static),
+        for (int64_t b = 0; b < B; ++b) {
+            /* causal depthwise conv over the slot's window, then the window moves on */
+            const float *pb = pre + b * P;
+            float *cb = conv + b * C;
+            CT *win = conv_store + slots[b] * W * C;
+            const float *wl = conv_wt + W * C;
+            for (int64_t c = 0; c < C; ++c) cb[c] = 0.0f;
+            for (int64_t j = 0; j < W; ++j) {
+                const CT *in = win + j * C;
+                const float *wj = conv_wt + j * C;
+                for (int64_t c = 0; c < C; ++c) cb[c] += LDC(in[c]) * wj[c];
+            }
+            for (int64_t c = 0; c < C; ++c) cb[c] = silu(cb[c] + pb[c] * wl[c]);
+            if (W > 0) {
+                memmove(win, win + C, sizeof(CT) * (W - 1) * C);
+                CT *last = win + (W - 1) * C;
+                for (int64_t c = 0; c < C; ++c) last[c] = STC(pb[c]);
+            }
+            if (kept_conv) memcpy(kept_conv + b * W * C, win, sizeof(CT) * W * C);
+        });
     /* the decay's and the gate's low-rank up-projections are independent: one on each thread
      * (at one row each is too small to split, and they ran one after the other) */
-#pragma omp parallel sections if (g_b != NULL)
-    {
+    if (g_b && team_threads() > 1) {
+#pragma omp parallel sections
+        {
 #pragma omp section
-        NAME(proj_t)(f_b, pre + C, P, gdec, HD, HD, D, B);         /* f_a rows */
+            NAME(proj_t)(f_b, pre + C, P, gdec, HD, HD, D, B);     /* f_a rows */
 #pragma omp section
+            NAME(proj_t)(g_b, pre + C + D, P, gate, HD, HD, D, B);
+        }
+    } else {
+        NAME(proj_t)(f_b, pre + C, P, gdec, HD, HD, D, B);
         if (g_b) NAME(proj_t)(g_b, pre + C + D, P, gate, HD, HD, D, B);
+        else
+            for (int64_t b = 0; b < B; ++b)
+                memcpy(gate + b * HD, pre + b * P + C + D, sizeof(float) * HD);
     }
-    if (!g_b)
-        for (int64_t b = 0; b < B; ++b) memcpy(gate + b * HD, pre + b * P + C + D, sizeof(float) * HD);
     const struct NAME(kda_heads) st = {H, D, G, P, C, HD, pre, conv, gdec, gate, o, state_store,
                                        slots, dt_bias, a, lower_bound, use_bound, o_norm_w,
                                        o_eps, q_scale};
     const size_t state_bytes = sizeof(float) * (size_t)(H * D * D);
     if (distinct) {
-#pragma omp parallel for collapse(2) schedule(static) if (B * H > 1)
-        for (int64_t b = 0; b < B; ++b)
-            for (int64_t hh = 0; hh < H; ++hh) NAME(kda_head)(&st, b, hh);
+        PAR_FOR(B * H > 1 && team_threads() > 1, collapse(2) schedule(static),
+                for (int64_t b = 0; b < B; ++b)
+                    for (int64_t hh = 0; hh < H; ++hh) NAME(kda_head)(&st, b, hh););
         if (kept_states)            /* one row per slot: its state after the step */
             for (int64_t b = 0; b < B; ++b)
                 memcpy(kept_states + b * H * D * D, state_store + slots[b] * H * D * D,
                        state_bytes);
     } else {
         for (int64_t b = 0; b < B; ++b) {     /* in row order: each continues the last */
-#pragma omp parallel for schedule(static) if (H > 1)
-            for (int64_t hh = 0; hh < H; ++hh) NAME(kda_head)(&st, b, hh);
+            PAR_FOR(H > 1 && team_threads() > 1, schedule(static),
+                    for (int64_t hh = 0; hh < H; ++hh) NAME(kda_head)(&st, b, hh););
             if (kept_states)
                 memcpy(kept_states + b * H * D * D, state_store + slots[b] * H * D * D,
                        state_bytes);
@@ -347,44 +353,46 @@ void NAME(moe_decode_block)(int64_t B, int64_t Hd, int64_t E, int64_t I, int64_t
         NAME(moe_rows_split)(B, Hd, E, I, K, idf, z, Wd, h, w13, w2, sh_gate, sh_up, sh_down,
                              Is, act, beta, lbeta, de, &shared, nt, &split_buf);
 #endif
-#pragma omp parallel for schedule(dynamic) if (S > 1 && !split)
-    for (int64_t it = 0; it <= (split ? -1 : E); ++it) {
-        const int64_t e = it - 1;
-        if (e < 0) {
-            if (sh_gate)
-                shared = NAME(glu)(h, sh_gate, sh_up, sh_down, Hd, Is, B, tmp, act, beta, lbeta);
-            continue;
-        }
-        int64_t slot[S];
-        int64_t n = 0;
-        for (int64_t s = 0; s < S; ++s)
-            if ((int64_t)idf[s] == e) slot[n++] = s;
-        if (!n) continue;
-        /* ask for all of this expert's weights at once: the products read them in several
-         * strided passes, each waiting on its misses one stream at a time */
+    if (!split) {                   /* (a split step ran its experts above) */
+#pragma omp parallel for schedule(dynamic) if (S > 1 && team_threads() > 1)
+        for (int64_t it = 0; it <= E; ++it) {
+            const int64_t e = it - 1;
+            if (e < 0) {
+                if (sh_gate)
+                    shared = NAME(glu)(h, sh_gate, sh_up, sh_down, Hd, Is, B, tmp, act, beta, lbeta);
+                continue;
+            }
+            int64_t slot[S];
+            int64_t n = 0;
+            for (int64_t s = 0; s < S; ++s)
+                if ((int64_t)idf[s] == e) slot[n++] = s;
+            if (!n) continue;
+            /* ask for all of this expert's weights at once: the products read them in several
+             * strided passes, each waiting on its misses one stream at a time */
 #ifndef QMATS
-        {
-            const char *p13 = (const char *)(w13 + e * Wd * 2 * I);
-            const char *p2 = (const char *)(w2 + e * I * Wd);
-            const int64_t bytes = (int64_t)sizeof(WT) * Wd * 2 * I;
-            for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p13 + off, 0, 2);
-            for (int64_t off = 0; off < bytes / 2; off += 64) __builtin_prefetch(p2 + off, 0, 2);
-        }
+            {
+                const char *p13 = (const char *)(w13 + e * Wd * 2 * I);
+                const char *p2 = (const char *)(w2 + e * I * Wd);
+                const int64_t bytes = (int64_t)sizeof(WT) * Wd * 2 * I;
+                for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p13 + off, 0, 2);
+                for (int64_t off = 0; off < bytes / 2; off += 64) __builtin_prefetch(p2 + off, 0, 2);
+            }
 #endif
-        float *xe = malloc(sizeof(float) * (size_t)(n * (Wd + 3 * I)));
-        float *gu = xe + n * Wd, *a = gu + n * 2 * I;
-        for (int64_t r = 0; r < n; ++r)
-            memcpy(xe + r * Wd, z + (slot[r] / K) * Wd, sizeof(float) * Wd);
-        if (transposed) NAME(matmat_t)(W_AT(w13, e, Wd, 2 * I), xe, Wd, gu, 2 * I, 2 * I, Wd, n);
-        else NAME(matmat)(w13 + e * 2 * I * Wd, xe, Wd, gu, 2 * I, 2 * I, Wd, n);
-        for (int64_t r = 0; r < n; ++r)
-            glu_span(act, beta, lbeta, gu + r * 2 * I, gu + r * 2 * I + I, a + r * I, I);
-        /* outputs land at their (row, slot) place in de [S, Wd] */
-        float *out = xe;                             /* xe is free again: [n, Wd] */
-        if (transposed) NAME(matmat_t)(W_AT(w2, e, I, Wd), a, I, out, Wd, Wd, I, n);
-        else NAME(matmat)(w2 + e * Wd * I, a, I, out, Wd, Wd, I, n);
-        for (int64_t r = 0; r < n; ++r) memcpy(de + slot[r] * Wd, out + r * Wd, sizeof(float) * Wd);
-        free(xe);
+            float *xe = malloc(sizeof(float) * (size_t)(n * (Wd + 3 * I)));
+            float *gu = xe + n * Wd, *a = gu + n * 2 * I;
+            for (int64_t r = 0; r < n; ++r)
+                memcpy(xe + r * Wd, z + (slot[r] / K) * Wd, sizeof(float) * Wd);
+            if (transposed) NAME(matmat_t)(W_AT(w13, e, Wd, 2 * I), xe, Wd, gu, 2 * I, 2 * I, Wd, n);
+            else NAME(matmat)(w13 + e * 2 * I * Wd, xe, Wd, gu, 2 * I, 2 * I, Wd, n);
+            for (int64_t r = 0; r < n; ++r)
+                glu_span(act, beta, lbeta, gu + r * 2 * I, gu + r * 2 * I + I, a + r * I, I);
+            /* outputs land at their (row, slot) place in de [S, Wd] */
+            float *out = xe;                             /* xe is free again: [n, Wd] */
+            if (transposed) NAME(matmat_t)(W_AT(w2, e, I, Wd), a, I, out, Wd, Wd, I, n);
+            else NAME(matmat)(w2 + e * Wd * I, a, I, out, Wd, Wd, I, n);
+            for (int64_t r = 0; r < n; ++r) memcpy(de + slot[r] * Wd, out + r * Wd, sizeof(float) * Wd);
+            free(xe);
+        }
     }
     for (int64_t b = 0; b < B; ++b) {
         float *sb = sum + b * Wd;

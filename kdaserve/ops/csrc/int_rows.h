@@ -201,6 +201,23 @@ static void q_rows(const qmat *m, const float *X, int64_t ldx, float *Y, int64_t
     free(xl);
 }
 
+/* Output blocks [lo, hi) of q_matmat. */
+static void q_blocks(const qmat *m, const qacts *a, int idot, const float *X, int64_t ldx,
+                     float *Y, int64_t ldy, int64_t N, int64_t K, int64_t B, int64_t lo,
+                     int64_t hi) {
+    if (lo >= hi) return;
+    const int64_t n1 = hi * QB < N ? hi * QB : N;
+    if (idot) {
+        idot_rows(m, a, B, Y, ldy, lo * QB, n1);
+        return;
+    }
+    float *wb = malloc(sizeof(float) * QB * K);
+    if (wb) {
+        q_rows(m, X, ldx, Y, ldy, lo * QB, n1, K, B, wb);
+        free(wb);
+    }
+}
+
 /* q_rows over all N outputs, blocks of them split over `nthreads` (OpenMP; each output is
  * computed whole by one thread, so the split changes nothing). */
 static void q_matmat(const qmat *m, const float *X, int64_t ldx, float *Y, int64_t ldy,
@@ -210,20 +227,15 @@ static void q_matmat(const qmat *m, const float *X, int64_t ldx, float *Y, int64
     const int idot = idot_applies(m, K);
     qacts a = {0};
     if (idot) a = qacts_make(X, ldx, B, K, m->bits);       /* once for both threads */
-#pragma omp parallel num_threads((int)nthreads) if (nthreads > 1 && N * K * B >= 32768)
-    {
-        int64_t lo, hi;
-        thread_share(0, blocks, &lo, &hi);
-        if (lo < hi && idot) {
-            idot_rows(m, &a, B, Y, ldy, lo * QB, hi * QB < N ? hi * QB : N);
-        } else if (lo < hi) {
-            float *wb = malloc(sizeof(float) * QB * K);
-            if (wb) {
-                const int64_t n1 = hi * QB < N ? hi * QB : N;
-                q_rows(m, X, ldx, Y, ldy, lo * QB, n1, K, B, wb);
-                free(wb);
-            }
+    if (nthreads > 1 && N * K * B >= 32768 && team_threads() > 1) {
+#pragma omp parallel num_threads((int)nthreads)
+        {
+            int64_t lo, hi;
+            thread_share(0, blocks, &lo, &hi);
+            q_blocks(m, &a, idot, X, ldx, Y, ldy, N, K, B, lo, hi);
         }
+    } else {
+        q_blocks(m, &a, idot, X, ldx, Y, ldy, N, K, B, 0, blocks);   /* (threads.h) */
     }
     if (idot) qacts_free(&a);
 }

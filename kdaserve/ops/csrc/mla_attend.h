@@ -195,37 +195,37 @@ static void NAME(mla_attend_rows)(int64_t B, int64_t H, int64_t N, int64_t R, in
             NAME(vecmat)(qn, kv_b + hh * (N + Vd) * Dc, dst, N, Dc);
             memcpy(dst + Dc, qn + N, sizeof(float) * (size_t)R);
         }
-#pragma omp parallel for schedule(dynamic) if (items > 1)
-    for (int64_t it = 0; it < items; ++it) {
-        int64_t b = 0;
-        while (first[b + 1] <= it) ++b;
-        const int64_t L = positions[b] + 1, t0 = (it - first[b]) * per[b];
-        const int64_t t1 = t0 + per[b] < L ? t0 + per[b] : L;
-        float *pm = part + it * H * (Dc + 2), *pl = pm + H, *pa = pl + H;
-        NAME(mla_span)(qf + b * H * LD, H, Dc, LD, pages, bs, block_table + b * width, t0, t1,
-                       scale, pm, pl, pa);
-    }
+    PAR_FOR(items > 1 && team_threads() > 1, schedule(dynamic),
+        for (int64_t it = 0; it < items; ++it) {
+            int64_t b = 0;
+            while (first[b + 1] <= it) ++b;
+            const int64_t L = positions[b] + 1, t0 = (it - first[b]) * per[b];
+            const int64_t t1 = t0 + per[b] < L ? t0 + per[b] : L;
+            float *pm = part + it * H * (Dc + 2), *pl = pm + H, *pa = pl + H;
+            NAME(mla_span)(qf + b * H * LD, H, Dc, LD, pages, bs, block_table + b * width, t0, t1,
+                           scale, pm, pl, pa);
+        });
     /* rows merge on their own: in parallel when there are several */
-#pragma omp parallel for schedule(static) if (B > 1)
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t hh = 0; hh < H; ++hh) {
-            float mx = -INFINITY;
-            for (int64_t it = first[b]; it < first[b + 1]; ++it) {
-                const float mi = part[it * H * (Dc + 2) + hh];
-                mx = mi > mx ? mi : mx;
-            }
-            float ctx[Dc], tot = 0.0f;
-            for (int64_t i = 0; i < Dc; ++i) ctx[i] = 0.0f;
-            for (int64_t it = first[b]; it < first[b + 1]; ++it) {
-                const float *pm = part + it * H * (Dc + 2), *pl = pm + H, *pa = pl + H;
-                const float c = exp_approx(pm[hh] - mx);
-                tot += c * pl[hh];
-                for (int64_t i = 0; i < Dc; ++i) ctx[i] += c * pa[hh * Dc + i];
-            }
-            const float inv = 1.0f / tot;
-            for (int64_t i = 0; i < Dc; ++i) ctx[i] *= inv;
-            NAME(matvec)(kv_b + (hh * (N + Vd) + N) * Dc, ctx, o + b * H * Vd + hh * Vd, Vd, Dc);
-        }
+    PAR_FOR(B > 1 && team_threads() > 1, schedule(static),
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t hh = 0; hh < H; ++hh) {
+                float mx = -INFINITY;
+                for (int64_t it = first[b]; it < first[b + 1]; ++it) {
+                    const float mi = part[it * H * (Dc + 2) + hh];
+                    mx = mi > mx ? mi : mx;
+                }
+                float ctx[Dc], tot = 0.0f;
+                for (int64_t i = 0; i < Dc; ++i) ctx[i] = 0.0f;
+                for (int64_t it = first[b]; it < first[b + 1]; ++it) {
+                    const float *pm = part + it * H * (Dc + 2), *pl = pm + H, *pa = pl + H;
+                    const float c = exp_approx(pm[hh] - mx);
+                    tot += c * pl[hh];
+                    for (int64_t i = 0; i < Dc; ++i) ctx[i] += c * pa[hh * Dc + i];
+                }
+                const float inv = 1.0f / tot;
+                for (int64_t i = 0; i < Dc; ++i) ctx[i] *= inv;
+                NAME(matvec)(kv_b + (hh * (N + Vd) + N) * Dc, ctx, o + b * H * Vd + hh * Vd, Vd, Dc);
+            });
     free(part);
     free(qf);
 }

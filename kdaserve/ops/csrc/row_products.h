@@ -13,11 +13,11 @@
  * On aarch64 each 8-lane sum is two NEON registers (decode_cpu.c's v8p; GCC keeps a v8f in
  * memory there) and rows go one at a time: four weight rows' sums (8), weights (8), products
  * (8) and the input (2) fit the 32 registers, a second row's would not. */
-static void NAME(matmat)(const WT *restrict W, const float *restrict X, int64_t ldx,
-                         float *restrict Y, int64_t ldy, int64_t N, int64_t K, int64_t B) {
-    const int64_t K8 = K - K % 8, N4 = N - N % 4;
-#pragma omp parallel for schedule(static) if (N4 * K * B >= PAR_MIN_MACS)
-    for (int64_t n = 0; n < N4; n += 4) {
+static inline void NAME(matmat_quad)(const WT *restrict W, const float *restrict X,
+                                     int64_t ldx, float *restrict Y, int64_t ldy, int64_t K,
+                                     int64_t B, int64_t n) {
+    const int64_t K8 = K - K % 8;
+    {
         const WT *w0 = W + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
         int64_t b = 0;
 #if V8_PARTS == 1
@@ -99,6 +99,14 @@ static void NAME(matmat)(const WT *restrict W, const float *restrict X, int64_t 
             y0[2] = lanes_sum8p(a2, t2); y0[3] = lanes_sum8p(a3, t3);
         }
     }
+}
+
+/* Four weight rows (outputs n..n+3) at a time over the threads, then the rest. */
+static void NAME(matmat)(const WT *restrict W, const float *restrict X, int64_t ldx,
+                         float *restrict Y, int64_t ldy, int64_t N, int64_t K, int64_t B) {
+    const int64_t K8 = K - K % 8, N4 = N - N % 4;
+    PAR_FOR(N4 * K * B >= PAR_MIN_MACS && team_threads() > 1, schedule(static),
+            for (int64_t n = 0; n < N4; n += 4) NAME(matmat_quad)(W, X, ldx, Y, ldy, K, B, n););
     for (int64_t n = N4; n < N; ++n) {
         const WT *w = W + n * K;
         for (int64_t b = 0; b < B; ++b) {
@@ -310,6 +318,36 @@ static void NAME(tail_outputs)(const WT *restrict W, int64_t ldw, const float *r
     free(strip);
 }
 
+/* Tile column t (outputs 16t.., TILE_COLS 16-lane sums wide where they fit) of B rows. */
+static inline void NAME(tile_column)(const WT *restrict W, int64_t ldw, const float *restrict X,
+                                     int64_t ldx, float *restrict Y, int64_t ldy, int64_t K,
+                                     int64_t KH, int64_t NT, int64_t tiles, int64_t B,
+                                     int64_t t) {
+    const int64_t n = 16 * t;
+    const int C = n + TILE_OUT <= NT ? TILE_COLS : 1;
+    /* the next tile's weights (this thread's, under the static split) are on their way
+     * while this one runs: several rows make a tile long enough to hide them */
+    if (B > 2 && t + TILE_COLS < tiles)
+        for (int64_t i = 0; i < K; ++i)
+            for (int c = 0; c < TILE_COLS; ++c)
+                __builtin_prefetch(W + i * ldw + n + TILE_OUT + 16 * c, 0, 2);
+    int64_t b = 0;
+    if (C == TILE_COLS) {        /* a whole tile wide: rows 6 at a time, then the rest */
+        for (; b + 6 <= B; b += 6)
+            NAME(outer_tile_k)(W, X, ldx, Y, ldy, ldw, K, KH, n, b, 6, TILE_COLS);
+        switch (B - b) {
+        case 5: NAME(outer_tile_k)(W, X, ldx, Y, ldy, ldw, K, KH, n, b, 5, TILE_COLS); break;
+        case 4: NAME(outer_tile_k)(W, X, ldx, Y, ldy, ldw, K, KH, n, b, 4, TILE_COLS); break;
+        case 3: NAME(outer_tile_k)(W, X, ldx, Y, ldy, ldw, K, KH, n, b, 3, TILE_COLS); break;
+        case 2: NAME(outer_tile_k)(W, X, ldx, Y, ldy, ldw, K, KH, n, b, 2, TILE_COLS); break;
+        case 1: NAME(outer_tile_k)(W, X, ldx, Y, ldy, ldw, K, KH, n, b, 1, TILE_COLS); break;
+        default: break;
+        }
+    } else {                      /* the last 16 outputs of a 32-wide tiling */
+        for (; b < B; ++b) NAME(outer_tile_k)(W, X, ldx, Y, ldy, ldw, K, KH, n, b, 1, 1);
+    }
+}
+
 /* matmat_t over weights whose rows are ldw >= N elements apart (a padded K-major store:
  * rows a multiple of 4 KiB apart put a tile's column of weights in one set of each cache,
  * kdaserve/ops/cpu_linear.py). */
@@ -331,13 +369,14 @@ static void NAME(matmat_tw)(const WT *restrict W, int64_t ldw, const float *rest
         int64_t ranges = parts / 2 > 0 ? parts / 2 : 1;
         if (ranges > units) ranges = units > 0 ? units : 1;
         float *T = malloc(sizeof(float) * (size_t)(B * (N16 > 0 ? N16 : 1)));
-#pragma omp parallel for schedule(static) num_threads((int)(2 * ranges)) if (parts > 1)
-        for (int64_t p = 0; p < 2 * ranges; ++p) {
-            const int64_t h = p % 2, q = p / 2;
-            const int64_t n0 = 16 * (units * q / ranges), n1 = 16 * (units * (q + 1) / ranges);
-            if (h == 0) NAME(outer_rows_stream)(W, X, ldx, Y, ldy, ldw, 0, KH, n0, n1, B);
-            else NAME(outer_rows_stream)(W, X, ldx, T, N16, ldw, KH, K, n0, n1, B);
-        }
+        PAR_FOR(parts > 1, schedule(static) num_threads((int)(2 * ranges)),
+                for (int64_t p = 0; p < 2 * ranges; ++p) {
+                    const int64_t h = p % 2, q = p / 2;
+                    const int64_t n0 = 16 * (units * q / ranges);
+                    const int64_t n1 = 16 * (units * (q + 1) / ranges);
+                    if (h == 0) NAME(outer_rows_stream)(W, X, ldx, Y, ldy, ldw, 0, KH, n0, n1, B);
+                    else NAME(outer_rows_stream)(W, X, ldx, T, N16, ldw, KH, K, n0, n1, B);
+                });
         for (int64_t b = 0; b < B; ++b)
             for (int64_t n = 0; n < N16; ++n) Y[b * ldy + n] += T[b * N16 + n];
         free(T);
@@ -351,40 +390,19 @@ static void NAME(matmat_tw)(const WT *restrict W, int64_t ldw, const float *rest
         if (N * K * B >= PAR_MIN_MACS && !omp_in_parallel()) parts = omp_get_max_threads();
 #endif
         if (parts > units) parts = units > 0 ? units : 1;
-#pragma omp parallel for schedule(static) num_threads((int)parts) if (parts > 1)
-        for (int64_t p = 0; p < parts; ++p) {
-            const int64_t n0 = 16 * (units * p / parts), n1 = 16 * (units * (p + 1) / parts);
-            NAME(outer_rows_stream)(W, X, ldx, Y, ldy, ldw, 0, K, n0, n1, B);
-        }
+        PAR_FOR(parts > 1, schedule(static) num_threads((int)parts),
+                for (int64_t p = 0; p < parts; ++p) {
+                    const int64_t n0 = 16 * (units * p / parts);
+                    const int64_t n1 = 16 * (units * (p + 1) / parts);
+                    NAME(outer_rows_stream)(W, X, ldx, Y, ldy, ldw, 0, K, n0, n1, B);
+                });
         first = N16;
     }
     const int64_t tiles = N16 / 16;
-#pragma omp parallel for schedule(static) if (N * K * B >= PAR_MIN_MACS)
-    for (int64_t t = first / 16; t < tiles; t += TILE_COLS) {
-        const int64_t n = 16 * t;
-        const int C = n + TILE_OUT <= NT ? TILE_COLS : 1;
-        /* the next tile's weights (this thread's, under the static split) are on their way
-         * while this one runs: several rows make a tile long enough to hide them */
-        if (B > 2 && t + TILE_COLS < tiles)
-            for (int64_t i = 0; i < K; ++i)
-                for (int c = 0; c < TILE_COLS; ++c)
-                    __builtin_prefetch(W + i * ldw + n + TILE_OUT + 16 * c, 0, 2);
-        int64_t b = 0;
-        if (C == TILE_COLS) {        /* a whole tile wide: rows 6 at a time, then the rest */
-            for (; b + 6 <= B; b += 6)
-                NAME(outer_tile_k)(W, X, ldx, Y, ldy, ldw, K, KH, n, b, 6, TILE_COLS);
-            switch (B - b) {
-            case 5: NAME(outer_tile_k)(W, X, ldx, Y, ldy, ldw, K, KH, n, b, 5, TILE_COLS); break;
-            case 4: NAME(outer_tile_k)(W, X, ldx, Y, ldy, ldw, K, KH, n, b, 4, TILE_COLS); break;
-            case 3: NAME(outer_tile_k)(W, X, ldx, Y, ldy, ldw, K, KH, n, b, 3, TILE_COLS); break;
-            case 2: NAME(outer_tile_k)(W, X, ldx, Y, ldy, ldw, K, KH, n, b, 2, TILE_COLS); break;
-            case 1: NAME(outer_tile_k)(W, X, ldx, Y, ldy, ldw, K, KH, n, b, 1, TILE_COLS); break;
-            default: break;
-            }
-        } else {                      /* the last 16 outputs of a 32-wide tiling */
-            for (; b < B; ++b) NAME(outer_tile_k)(W, X, ldx, Y, ldy, ldw, K, KH, n, b, 1, 1);
-        }
-    }
+    if (first / 16 < tiles)          /* streamed rows left no tiles: no region for nothing */
+        PAR_FOR(N * K * B >= PAR_MIN_MACS && team_threads() > 1, schedule(static),
+                for (int64_t t = first / 16; t < tiles; t += TILE_COLS)
+                    NAME(tile_column)(W, ldw, X, ldx, Y, ldy, K, KH, NT, tiles, B, t););
     if (N16 < N) NAME(tail_outputs)(W, ldw, X, ldx, Y, ldy, K, KH, B, N16, N);
 }
 

@@ -234,16 +234,23 @@ static void NAME(proj_t)(const WT *W, const float *X, int64_t ldx, float *Y, int
     float *pool = malloc(sizeof(float) * (size_t)(B * N + 1)), *at = pool;
     if (!pool) abort();
     const struct NAME(mprod) p = NAME(mprod_make)(W, X, ldx, Y, ldy, N, K, B, &at);
-#pragma omp parallel num_threads((int)nt) if (nt > 1 && N * K * B >= PAR_MIN_MACS)
-    {
-        int64_t t = 0, tn = 1, lo, hi;
+    if (nt > 1 && N * K * B >= PAR_MIN_MACS) {
+#pragma omp parallel num_threads((int)nt)
+        {
+            int64_t t = 0, tn = 1, lo, hi;
 #ifdef _OPENMP
-        t = omp_get_thread_num();
-        tn = omp_get_num_threads();
+            t = omp_get_thread_num();
+            tn = omp_get_num_threads();
 #endif
-        NAME(mprod_part)(&p, t, tn);
+            NAME(mprod_part)(&p, t, tn);
 #pragma omp barrier
-        NAME(mshare)(N, 16, t, tn, &lo, &hi);
+            NAME(mshare)(N, 16, t, tn, &lo, &hi);
+            NAME(mprod_finish)(&p, lo, hi);
+        }
+    } else {                         /* one thread: no region (threads.h) */
+        int64_t lo, hi;
+        NAME(mprod_part)(&p, 0, 1);
+        NAME(mshare)(N, 16, 0, 1, &lo, &hi);
         NAME(mprod_finish)(&p, lo, hi);
     }
     free(pool);
