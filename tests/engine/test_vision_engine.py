@@ -63,17 +63,29 @@ def test_greedy_matches_transformers_through_the_engine(k25):
         assert o.outputs[0].token_ids == ref
 
 
+def two_images():
+    return prompt(A, B, picture(60, 90, 1), picture(84, 84, 2))
+
+
+@pytest.fixture(scope="module")
+def whole(k25):
+    """The two-image prompt's greedy tokens prefilled in one chunk (built once: the reference
+    of every chunked run)."""
+    path, _ = k25
+    out = llm_for(path, enable_prefix_caching=False).generate(two_images(), GREEDY,
+                                                              use_tqdm=False)
+    return out[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("budget", [5, 7, 16])
-def test_chunk_boundary_inside_an_image(k25, budget):
+def test_chunk_boundary_inside_an_image(k25, whole, budget):
     """Prefill chunks of 5 / 7 / 16 tokens split the 12-token placeholder run of the first
     image (and the 9 of the second) at different places: the same greedy tokens as one chunk."""
     path, _ = k25
-    p = prompt(A, B, picture(60, 90, 1), picture(84, 84, 2))
-    whole = llm_for(path, enable_prefix_caching=False).generate(p, GREEDY, use_tqdm=False)
     llm = llm_for(path, enable_prefix_caching=False, max_num_batched_tokens=budget,
                   long_prefill_token_threshold=budget)
-    chunked = llm.generate(p, GREEDY, use_tqdm=False)
-    assert chunked[0].outputs[0].token_ids == whole[0].outputs[0].token_ids
+    chunked = llm.generate(two_images(), GREEDY, use_tqdm=False)
+    assert chunked[0].outputs[0].token_ids == whole
     assert llm.engine.runner.encoder_cache.num_encoded == 2
 
 

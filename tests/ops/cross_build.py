@@ -61,16 +61,34 @@ def missing_tools() -> str | None:
     return None
 
 
+def _folder(target: Target) -> tuple[list[str], Path]:
+    """The flags of `target`'s libraries and the cache folder of its builds: keyed by a hash
+    of every source, header and the driver, the compiler and the flags."""
+    flags = [*cpu_kernels._FLAGS, *target.flags, "-fopenmp"]
+    text = b"".join(p.read_bytes() for p in [*sorted(CSRC.glob("*.c")),
+                                             *sorted(CSRC.glob("*.h")), DRIVER])
+    key = hashlib.sha256(text + " ".join([target.cc, *flags]).encode()).hexdigest()[:16]
+    folder = cpu_kernels._cache_dir() / "cross" / f"{target.name}-{key}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return flags, folder
+
+
+def library(target: Target, source: str) -> Path:
+    """csrc/`source` built for `target` (the same file build() makes and keeps): a build that
+    fails raises with the compiler's message."""
+    flags, folder = _folder(target)
+    out = folder / f"{Path(source).stem}.so"
+    if not out.is_file():
+        _compile([target.cc, *flags, str(CSRC / source), "-o", "{out}", "-lm"], out)
+    return out
+
+
 def build(target: Target) -> dict[str, Path]:
     """The driver and one library per csrc/*.c for `target`: {source name: path}, "driver".
     Kept in the kernels' cache folder by a hash of the sources and flags (a cold build of
     the three aarch64 targets takes about a minute on two cores)."""
-    flags = [*cpu_kernels._FLAGS, *target.flags, "-fopenmp"]
+    flags, folder = _folder(target)
     sources = sorted(CSRC.glob("*.c"))
-    text = b"".join(p.read_bytes() for p in [*sources, *sorted(CSRC.glob("*.h")), DRIVER])
-    key = hashlib.sha256(text + " ".join([target.cc, *flags]).encode()).hexdigest()[:16]
-    folder = cpu_kernels._cache_dir() / "cross" / f"{target.name}-{key}"
-    folder.mkdir(parents=True, exist_ok=True)
     jobs = {src.name: ([target.cc, *flags, str(src), "-o", "{out}", "-lm"],
                        folder / f"{src.stem}.so") for src in sources}
     jobs["driver"] = ([target.cc, "-O2", "-std=c11", *target.flags, str(DRIVER), "-o", "{out}",
