@@ -114,6 +114,19 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When an offline request (LLM.generate) was added, got its first and its last token,
+    and finished: time.perf_counter() seconds (vLLM's RequestOutput.metrics names, on a
+    monotonic clock). A request's decode time is last_token_time - first_token_time, without
+    its prompt's prefill."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -122,6 +135,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None   # entry 0 None
+    metrics: RequestMetrics | None = None
 
 
 @dataclass

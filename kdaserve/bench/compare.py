@@ -35,6 +35,7 @@ from kdaserve.bench.llamacpp import (
 )
 from kdaserve.engine.llm import LLM
 from kdaserve.ops.cpu_isa import cpu_isa
+from kdaserve.outputs import RequestOutput
 from kdaserve.request import SamplingParams
 
 
@@ -53,6 +54,7 @@ class KdaservePeer:
                        max_num_batched_tokens=2048, enable_prefix_caching=False,
                        speculative_method=speculative, quantization=quantization)
         self.sampling: dict = {}          # empty: greedy; else temperature, top_p, seed
+        self._last: list[RequestOutput] = []     # the last generate's outputs (their metrics)
 
     def _gen(self, prompts: list[list[int]], out: int) -> tuple[float, float, list]:
         sp = SamplingParams(**{"temperature": 0.0, **self.sampling}, max_tokens=out,
@@ -60,12 +62,16 @@ class KdaservePeer:
         c0, t0 = time.process_time(), time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
                                  use_tqdm=False)
+        self._last = outs
         return (time.perf_counter() - t0, time.process_time() - c0,
                 [o.outputs[0].token_ids for o in outs])
 
     def single(self, prompt: list[int], out: int) -> dict:
         s, cpu, toks = self._gen([prompt], out)
-        return {"seconds": s, "cpu_seconds": cpu, "tokens": toks[0]}
+        m = self._last[0].metrics        # the first token ends the prefill, as the peer's does
+        return {"seconds": s, "cpu_seconds": cpu, "tokens": toks[0],
+                "prefill_seconds": m.first_token_time - m.arrival_time,
+                "decode_seconds": m.last_token_time - m.first_token_time}
 
     def batch(self, prompts: list[list[int]], out: int) -> dict:
         s, cpu, toks = self._gen(prompts, out)
@@ -222,12 +228,7 @@ def run(args: argparse.Namespace) -> int:
     report = summarize(runs, args, found, lc)
     report.update(extra)
     if args.shape == "memory-bound" and "kdaserve_single_tok_s" in report:
-        # decode alone: the single stream less its prompt's prefill (timed here the same way)
-        pre = {"kdaserve": min(kd.prefill(single_prompt)["seconds"] for _ in range(args.repeats))}
-        if lc is not None:
-            pre["llamacpp"] = min(lc.ask(op="prefill", prompt=single_prompt)["seconds"]
-                                  for _ in range(args.repeats))
-        report.update(memory_bound.decode_report(kd.llm.engine.model, report, pre, runs,
+        report.update(memory_bound.decode_report(kd.llm.engine.model, runs["single"],
                                                  args.single_output, args.threads))
     for p in (lc, lc_batch):
         if p is not None:

@@ -5,6 +5,7 @@ takes OpenAI-style messages with `image_url` parts."""
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -12,7 +13,7 @@ from tqdm.auto import tqdm
 
 from kdaserve.engine.args import EngineArgs
 from kdaserve.engine.core import EngineCore
-from kdaserve.outputs import CompletionOutput, RequestOutput
+from kdaserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kdaserve.image_io import ImageLimits, check_count, load_image
 from kdaserve.media import MediaItem
 from kdaserve.request import SamplingParams
@@ -105,14 +106,22 @@ class LLM:
             order.append(rid)
             results[rid] = RequestOutput(rid, text, ids, [
                 CompletionOutput(i, "", [], logprobs=[] if sp.logprobs is not None else None)
-                for i in range(sp.n)], finished=False)
+                for i in range(sp.n)], finished=False,
+                metrics=RequestMetrics(time.perf_counter()))
         pending = {rid: len(results[rid].outputs) for rid in order}
         bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm)
         try:
             while pending:
-                for d in self.engine.step():
+                deltas = self.engine.step()
+                now = time.perf_counter()
+                for d in deltas:
                     out = results[d.request_id]
                     comp = out.outputs[d.index]
+                    if d.new_token_ids:
+                        m = out.metrics
+                        m.last_token_time = now
+                        if m.first_token_time is None:
+                            m.first_token_time = now
                     comp.text += d.new_text
                     comp.token_ids.extend(d.new_token_ids)
                     if comp.logprobs is not None and d.new_logprobs:
@@ -129,6 +138,7 @@ class LLM:
                         if not pending[d.request_id]:
                             del pending[d.request_id]
                             out.finished = True
+                            out.metrics.finished_time = now
                             bar.update(1)
         except BaseException:
             for rid in pending:

@@ -38,13 +38,14 @@ def test_active_bytes_count_top_k_experts_and_one_embedding_row():
     assert mb.active_bytes(q) < 0.5 * mb.active_bytes(model)
 
 
-def test_decode_report_takes_the_prefill_off():
+def test_decode_report_takes_each_runs_own_decode_time():
     model = random_model(tiny_config())
-    runs = {"single": {"kdaserve": [{"seconds": 3.0}, {"seconds": 2.5}],
-                       "llamacpp": [{"seconds": 2.0}]}}
-    rep = mb.decode_report(model, {"kdaserve_single_tok_s": 1.0},
-                           {"kdaserve": 0.5, "llamacpp": 1.0}, runs, 21, 1)
+    single = {"kdaserve": [{"seconds": 3.0, "prefill_seconds": 0.6, "decode_seconds": 2.4},
+                           {"seconds": 2.5, "prefill_seconds": 0.5, "decode_seconds": 2.0}],
+              "llamacpp": [{"seconds": 2.0, "prefill_seconds": 1.0, "decode_seconds": 1.0}]}
+    rep = mb.decode_report(model, single, 21, 1)
     assert rep["kdaserve_decode_tok_s"] == 10.0 and rep["llamacpp_decode_tok_s"] == 20.0
+    assert rep["kdaserve_single_prefill_seconds"] == 0.5
     assert rep["ratio_vs_llamacpp_decode"] == 0.5
     frac = mb.active_bytes(model) * 10.0 / rep["read_bytes_per_s"]
     assert abs(rep["bandwidth_fraction_single"] - frac) <= 1e-3

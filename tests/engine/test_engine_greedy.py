@@ -68,3 +68,18 @@ def test_tiny_pool_preempts(hf_checkpoint, prompts, reference):
     llm = LLM(str(path), num_blocks=12, block_size=8, max_num_batched_tokens=64)
     assert run(llm, prompts) == reference
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_request_metrics_mark_the_first_and_last_token(hf_checkpoint, prompts):
+    """RequestOutput.metrics: added, first token (the prefill's end), last token, finished, in
+    that order; one token: the first is the last (bench compare's decode time is the gap)."""
+    path, _ = hf_checkpoint
+    llm = LLM(str(path), long_prefill_token_threshold=7, max_num_batched_tokens=40)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]],
+                        [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                         for n in (MAX_NEW, 1, 2)], use_tqdm=False)
+    for o, n in zip(outs, (MAX_NEW, 1, 2)):
+        m = o.metrics
+        assert len(o.outputs[0].token_ids) == n
+        assert m.arrival_time < m.first_token_time <= m.last_token_time <= m.finished_time
+        assert (m.first_token_time == m.last_token_time) == (n == 1)
