@@ -117,7 +117,7 @@ class FusedDecoder:
         model = self.model
         if self.k.parallel:      # the team size is per calling thread: torch's, every step
             self.k.threads(torch.get_num_threads())
-        slots, positions = slots.contiguous(), positions.contiguous()
+        ids, slots, positions = ids.contiguous(), slots.contiguous(), positions.contiguous()
         block_table = block_table.contiguous()
         B = ids.shape[0]
         logits = torch.empty(B, self.head[1].value, dtype=torch.float32)

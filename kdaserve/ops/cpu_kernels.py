@@ -366,6 +366,8 @@ def decode_block_kernels(weights: str = "f32"):
     fns["head"].restype = None
     fns["mix"] = lib.attn_res_mix_rows          # K3's attention residuals (fp32 activations)
     fns["mix"].restype = None
+    fns["embed"] = lib.embed_rows               # the rows' embeddings (fp32 or bf16 table)
+    fns["embed"].restype = ctypes.c_int64
     # the blocks run their work on several threads themselves (csrc/threads.h): the caller
     # should not split rows over threads of its own on top
     fns["parallel"] = _openmp_built("decode_cpu.c")

@@ -205,6 +205,31 @@ void decode_blocks_threads(int64_t n) {
 #endif
 }
 
+/* The rows' embeddings, the plain fused step's first call (kdaserve/model/fused_plain.py):
+ * x [B, H] fp32 = rows ids[b] of emb [V, H] (fp32, or bf16 widened exactly when bf16 != 0), as
+ * torch.embedding; its torch op cost ~25 us a step in the engine's loop, whose kernels leave
+ * the caches cold. Returns how many ids were outside [0, V) (their rows are left as they were;
+ * the engine checks prompts, so none should be). */
+int64_t embed_rows(int64_t B, const int64_t *ids, const void *emb, int64_t bf16, int64_t V,
+                   int64_t H, float *x) {
+    int64_t bad = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t t = ids[b];
+        if (t < 0 || t >= V) {
+            ++bad;
+            continue;
+        }
+        float *xb = x + b * H;
+        if (bf16) {
+            const uint16_t *row = (const uint16_t *)emb + t * H;
+            for (int64_t i = 0; i < H; ++i) xb[i] = bf16_to_f32(row[i]);
+        } else {
+            memcpy(xb, (const float *)emb + t * H, sizeof(float) * (size_t)H);
+        }
+    }
+    return bad;
+}
+
 /* Kimi K3's block attention-residuals before a sublayer, for B rows (kdaserve/model/
  * attn_res.py, attn_res_mix): out[b] = sum_s softmax_s(l_s) * s over the S banked sources
  * bank[b, s] ([Hd] each, the bank's rows `stride` floats apart) and the running in-block sum
