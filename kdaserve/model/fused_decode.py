@@ -27,6 +27,7 @@ dtype change turns the path off rather than reading stale memory).
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -77,6 +78,7 @@ class FusedDecoder:
         self._scratch_size = (per_row, fixed + 1024)
         self._scratch: dict[int, torch.Tensor] = {}      # by part (row split), grown as needed
         self._plain = PlainCalls(self.hidden)    # the plain step's calls (fused_plain.py)
+        self._team: tuple[int, int] | None = None   # (calling thread, team size) last set
 
     @property
     def k(self):
@@ -115,8 +117,12 @@ class FusedDecoder:
         consecutive positions, each continuing the state the one before left; `kept` then
         receives every row's state after its token (a rejected draft's rollback)."""
         model = self.model
-        if self.k.parallel:      # the team size is per calling thread: torch's, every step
-            self.k.threads(torch.get_num_threads())
+        if self.k.parallel:      # the team size is per calling thread: torch's (which
+            # torch.set_num_threads sets on its thread too), told again when either changes
+            team = (threading.get_ident(), torch.get_num_threads())
+            if team != self._team:
+                self.k.threads(team[1])
+                self._team = team
         ids, slots, positions = ids.contiguous(), slots.contiguous(), positions.contiguous()
         block_table = block_table.contiguous()
         B = ids.shape[0]

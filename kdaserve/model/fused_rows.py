@@ -78,18 +78,22 @@ class RowInputs:
 
     def fill(self, seqs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         width = max(1, max(len(s.block_ids) for s in seqs))
-        # each input built whole in an int64 array, then one copy into its buffer: a numpy
-        # slice assignment per row would cost more than the rows' own work
+        # each input built whole in an int64 array, then one copy into its buffer (positions,
+        # slots and ids in the buffer's order: one copy for the three): a numpy slice
+        # assignment per row would cost more than the rows' own work
         ids, pos, slots, table = array("q"), array("q"), array("q"), array("q")
-        pad = array("q", bytes(8 * width))
+        pad = None                        # zeros after a row with fewer blocks than the widest
         for s in seqs:
             m = len(s.token_ids)
             ids.extend(s.token_ids)
             pos.extend(range(s.context_len, s.context_len + m))
             slots.extend((s.state_slot,) * m)
-            row = array("q", s.block_ids)
-            row.extend(pad[:width - len(row)])
-            table.extend(row * m if m > 1 else row)
+            short = width - len(s.block_ids)
+            for _ in range(m):
+                table.extend(s.block_ids)
+                if short:
+                    pad = pad or array("q", bytes(8 * width))
+                    table.extend(pad[:short])
         R = len(pos)
         if self._views is None or self._views[0] != (R, width):
             self._rows = self._grown(self._rows, 3 * R)
@@ -98,9 +102,9 @@ class RowInputs:
                            (self._rows[2 * R:3 * R], self._rows[:R], self._rows[R:2 * R],
                             self._table[:R * width].view(R, width)))
         _, rows, flat, views = self._views
-        rows[:R] = np.frombuffer(pos, dtype=np.int64)
-        rows[R:2 * R] = np.frombuffer(slots, dtype=np.int64)
-        rows[2 * R:3 * R] = np.frombuffer(ids, dtype=np.int64)
+        pos.extend(slots)
+        pos.extend(ids)
+        rows[:3 * R] = np.frombuffer(pos, dtype=np.int64)
         flat[:R * width] = np.frombuffer(table, dtype=np.int64)
         return views
 
