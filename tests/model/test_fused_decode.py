@@ -325,3 +325,35 @@ def test_one_decoder_over_two_caches_and_growing_batches():
                     assert torch.equal(a, b), name
             for i in range(rows):
                 lens[i] += 1
+
+
+def test_plain_step_matches_torch_forward_and_refuses_unknown_ids():
+    """The plain step (no capture, snapshots or drafts: fused_plain.py's built calls, its
+    embedding gathered in C) against the torch forward; an id outside the vocabulary is
+    refused before any block writes the cache."""
+    cfg = tiny_config()
+    model = random_model(cfg, seed=5).fuse_for_inference()
+    cache = HybridCache.allocate(cfg, 32, 4, 4, num_snapshots=2)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (6, 11)]
+    tables, slots = [list(range(1, 9)), list(range(9, 17))], [1, 2]
+    _prefill(model, cache, tables, slots, prompts)
+    ref_cache = _clone(cache)
+    fused = fused_decoder(model, cache)
+    for step in range(3):
+        ids = torch.randint(0, cfg.vocab_size, (2,), generator=g)
+        ctx = [len(p) + step for p in prompts]
+        fb = build_forward_batch([1, 1], ctx, num_decode=2, conv_kernel=cfg.conv_kernel_size,
+                                 chunk_size=model.chunk_size, cache=ref_cache,
+                                 block_tables=tables, state_slots=slots)
+        with torch.inference_mode():
+            want, _ = model(ids, fb)
+        got = fused(ids, torch.tensor(ctx), torch.tensor(slots), torch.tensor(tables), cache)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    before = [t.clone() for t in cache.kda_states]
+    ctx = [len(p) + 3 for p in prompts]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        fused(torch.tensor([1, cfg.vocab_size]), torch.tensor(ctx), torch.tensor(slots),
+              torch.tensor(tables), cache)
+    assert all(torch.equal(a, b) for a, b in zip(cache.kda_states, before))
