@@ -18,9 +18,10 @@ from kdaserve.model.layers import MLP, RMSNorm
 from kdaserve.model.mla import MultiHeadLatentAttention
 from kdaserve.model.moe import SparseMoE
 from kdaserve.model_config import ModelConfig
-from kdaserve.ops.cpu_kernels import decode_block_kernels, moe_experts_kernel
+from kdaserve.ops.cpu_kernels import decode_block_kernels
 from kdaserve.ops.cpu_linear import available as k_major_available
 from kdaserve.ops.cpu_linear import store_k_major
+from kdaserve.ops.moe_kernel import moe_experts_kernel
 
 # Parameters kept in fp32 whatever the model dtype (as transformers does).
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "gate.weight", "e_score_correction_bias",

@@ -1,4 +1,4 @@
-"""The compiled decode blocks' arguments (ops/csrc/decode_blocks.h), built once from the
+"""The compiled decode blocks' arguments (ops/csrc/*_block.h), built once from the
 model for kdaserve/model/fused_decode.py: per layer the token mixer's and the feed-forward's
 weights as pointers (matrices in the model's dtype, read in place when contiguous; vectors in
 fp32), sizes and scalars, and each block's scratch need; K3's attention-residual vectors; the
@@ -16,8 +16,8 @@ from kdaserve.model.kda import KimiDeltaAttention
 from kdaserve.model.layers import MLP
 from kdaserve.model.moe import SparseMoE
 from kdaserve.model.packed_args import Descriptors, has_packed
-from kdaserve.ops.cpu_kernels import activation_args
 from kdaserve.ops.cpu_linear import k_major
+from kdaserve.ops.moe_kernel import activation_args
 
 _I, _F = ctypes.c_int64, ctypes.c_float
 

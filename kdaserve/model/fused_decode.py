@@ -66,7 +66,7 @@ class FusedDecoder:
             layer.input_layernorm.weight for layer in model.model.layers]
         self._witness = self._fingerprint()
         self.layers: list[tuple] = []
-        # scratch floats of a block for B rows: per_row * B + fixed (decode_blocks.h)
+        # scratch floats of a block for B rows: per_row * B + fixed (ops/csrc/*_block.h)
         per_row, fixed = 5 * self.hidden, 4 * self.hidden
         for layer in model.model.layers:
             mixer, ffn = args.mixer(layer), args.ffn(layer)

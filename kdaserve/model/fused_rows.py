@@ -13,7 +13,7 @@ import torch
 
 from kdaserve.model.hybrid_cache import HybridCache
 
-# the blocks read each weight once per step for all rows (decode_blocks.h, matmat); up to this
+# the blocks read each weight once per step for all rows (row_products.h); up to this
 # many decode rows they beat the batched torch forward (docs/benchmarks.md, "Fused decode")
 MAX_FUSED_ROWS = 64
 # rows per thread below which one thread runs the whole step (a pool hand-off costs more)

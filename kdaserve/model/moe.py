@@ -9,7 +9,7 @@ from torch import nn
 
 from kdaserve.model.layers import MLP, RMSNorm
 from kdaserve.model_config import ModelConfig
-from kdaserve.ops import cpu_int_linear, cpu_kernels, gpu
+from kdaserve.ops import cpu_int_linear, gpu, moe_kernel
 from kdaserve.ops.cpu_linear import k_major, linear
 from kdaserve.ops.int_quant import dequantize
 from kdaserve.ops.mxfp4 import GROUP, dequantize_mxfp4
@@ -141,7 +141,7 @@ class SparseMoE(nn.Module):
         if self.quantized:
             if self.int_quant is not None:
                 return cpu_int_linear.experts_kernel()
-            return cpu_kernels.moe_experts_mxfp4_kernel()
+            return moe_kernel.moe_experts_mxfp4_kernel()
         if torch.is_grad_enabled() and (x.requires_grad or self.experts_w13.requires_grad
                                         or self.experts_w2.requires_grad):
             return None
@@ -149,7 +149,7 @@ class SparseMoE(nn.Module):
         if not (w13t.is_contiguous() and w2t.is_contiguous()
                 and w13t.dtype == w2t.dtype == torch.float32):
             return None
-        return cpu_kernels.moe_experts_kernel()
+        return moe_kernel.moe_experts_kernel()
 
     def _compiled_bf16(self, x: torch.Tensor) -> bool:
         """bf16 experts stored transposed on CPU: one expert at a time through the compiled

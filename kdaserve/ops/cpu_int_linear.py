@@ -28,10 +28,10 @@ from kdaserve.ops.cpu_kernels import (
     _PTR,
     _c_function,
     _ptr,
-    activation_args,
     parallel_rows,
 )
 from kdaserve.ops.int_quant import int_dot_applies
+from kdaserve.ops.moe_kernel import activation_args
 
 if TYPE_CHECKING:
     from kdaserve.ops.activation import GLUActivation
@@ -121,7 +121,7 @@ def experts_kernel():
 def experts(x: torch.Tensor, token: torch.Tensor, offsets: torch.Tensor,
             slot_w: torch.Tensor, moe, out: torch.Tensor,
             act: GLUActivation | None = None) -> torch.Tensor:
-    """As cpu_kernels.moe_experts_kernel's run, over `moe`'s INT stacks (a SparseMoE with
+    """As moe_kernel.moe_experts_kernel's run, over `moe`'s INT stacks (a SparseMoE with
     int_quant: experts_w13_packed [E,2I,rb], _scale/_zero_point [E,2I,G], likewise w2)."""
     wq = moe.int_quant
     E, H, I = moe.num_experts, moe.width, moe.intermediate

@@ -48,19 +48,19 @@ def _moe() -> list[torch.Tensor]:
     x = torch.randn(5, t.H, generator=torch.Generator().manual_seed(4))
     w1, w3, w2 = t._fp32_weights(5)
     act = t.ACTS["situ_lb"]
-    fp32 = cpu_kernels_fn("moe_experts_kernel")(
+    fp32 = moe_kernel_fn("moe_experts_kernel")(
         x, token, offsets, slot_w, torch.cat([w1, w3], 1).transpose(1, 2).contiguous(),
         w2.transpose(1, 2).contiguous(), torch.zeros_like(x), act)
     (q13, s13), (q2, s2) = quantize_mxfp4(torch.cat([w1, w3], 1)), quantize_mxfp4(w2)
-    mx = cpu_kernels_fn("moe_experts_mxfp4_kernel")(x, token, offsets, slot_w, q13, s13, q2,
+    mx = moe_kernel_fn("moe_experts_mxfp4_kernel")(x, token, offsets, slot_w, q13, s13, q2,
                                                      s2, torch.zeros_like(x), act)
     return [fp32, mx]
 
 
-def cpu_kernels_fn(name: str):
-    from kdaserve.ops import cpu_kernels
+def moe_kernel_fn(name: str):
+    from kdaserve.ops import moe_kernel
 
-    return getattr(cpu_kernels, name)()
+    return getattr(moe_kernel, name)()
 
 
 def _mla() -> list[torch.Tensor]:

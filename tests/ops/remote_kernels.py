@@ -196,12 +196,12 @@ class RemoteLibrary:
 
 
 def _cached_loaders():
-    from kdaserve.ops import cpu_int_linear, cpu_linear, mla, registry, sample_kernel
+    from kdaserve.ops import cpu_int_linear, cpu_linear, mla, moe_kernel, registry, sample_kernel
 
     return [cpu_int_linear._kernel, cpu_int_linear._experts_kernel,
             cpu_kernels._library, cpu_kernels._openmp_built,
             cpu_kernels.kda_recurrent_slots_kernel, cpu_kernels.kda_prepare_kernel,
-            cpu_kernels.moe_experts_kernel, cpu_kernels.moe_experts_mxfp4_kernel,
+            moe_kernel.moe_experts_kernel, moe_kernel.moe_experts_mxfp4_kernel,
             cpu_kernels.decode_block_kernels, sample_kernel.sample_rows_kernel,
             cpu_linear._kernel, mla._paged_decode_kernel, registry._cpu_ops]
 
@@ -209,7 +209,7 @@ def _cached_loaders():
 @contextlib.contextmanager
 def routed_to(runner: Runner) -> Iterator[None]:
     """Within: every compiled kernel the Python side loads is `runner`'s build."""
-    from kdaserve.ops import cpu_int_linear, cpu_linear, sample_kernel
+    from kdaserve.ops import cpu_int_linear, cpu_linear, moe_kernel, sample_kernel
 
     def c_function(source: str, name: str, argtypes: list):
         return RemoteFunction(runner, source, name, argtypes)
@@ -217,11 +217,12 @@ def routed_to(runner: Runner) -> Iterator[None]:
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr in (
         (cpu_kernels, "_c_function"), (cpu_kernels, "_library"),
         (cpu_kernels, "_openmp_built"), (sample_kernel, "_c_function"),
-        (cpu_linear, "_c_function"), (cpu_int_linear, "_c_function"))]
+        (cpu_linear, "_c_function"), (cpu_int_linear, "_c_function"),
+        (moe_kernel, "_c_function"))]
     for c in _cached_loaders():
         c.cache_clear()
     cpu_kernels._c_function = sample_kernel._c_function = cpu_linear._c_function = c_function
-    cpu_int_linear._c_function = c_function
+    cpu_int_linear._c_function = moe_kernel._c_function = c_function
     cpu_kernels._library = lambda source="kda_cpu.c": RemoteLibrary(runner, source)
     cpu_kernels._openmp_built = lambda source: True     # one call per op: OpenMP splits it
     try:

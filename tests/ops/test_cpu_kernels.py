@@ -192,7 +192,7 @@ def test_moe_kernel_matches_torch_experts(T):
     from tiny_models import tiny_config
 
     from kdaserve.model.moe import SparseMoE
-    from kdaserve.ops.cpu_kernels import moe_experts_kernel
+    from kdaserve.ops.moe_kernel import moe_experts_kernel
 
     assert moe_experts_kernel() is not None
     cfg = tiny_config(num_experts=8, num_experts_per_token=3, hidden_size=40,
@@ -220,9 +220,9 @@ def test_moe_kernel_token_ranges_are_bitwise_independent():
     result of one call over all (a token's experts are summed in the same order)."""
     import ctypes
 
-    from kdaserve.ops import cpu_kernels
+    from kdaserve.ops import cpu_kernels, moe_kernel
 
-    assert cpu_kernels.moe_experts_kernel() is not None
+    assert moe_kernel.moe_experts_kernel() is not None
     fn = cpu_kernels._library("moe_cpu.c").moe_experts
     E, H, I, T, k = 5, 32, 16, 21, 2
     g = torch.Generator().manual_seed(0)
@@ -245,7 +245,8 @@ def test_moe_kernel_token_ranges_are_bitwise_independent():
 def test_thread_count_does_not_change_results():
     """The kernels split their work over torch's threads themselves (OpenMP): one thread and
     two give bitwise the same recurrence, the same prepared inputs and the same experts."""
-    from kdaserve.ops.cpu_kernels import kda_prepare_kernel, moe_experts_kernel
+    from kdaserve.ops.cpu_kernels import kda_prepare_kernel
+    from kdaserve.ops.moe_kernel import moe_experts_kernel
 
     recur, prep, moe = kda_recurrent_slots_kernel(), kda_prepare_kernel(), moe_experts_kernel()
     assert recur is not None and prep is not None and moe is not None

@@ -9,7 +9,7 @@ import pytest
 import torch
 from compiled_kernels import require
 
-from kdaserve.ops import cpu_kernels
+from kdaserve.ops import cpu_kernels, moe_kernel
 from kdaserve.ops.activation import GLUActivation
 from kdaserve.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
@@ -22,11 +22,11 @@ ACTS = {
 
 
 def _fp32_kernel():
-    return require(cpu_kernels.moe_experts_kernel(), "csrc/moe_cpu.c (fp32)")
+    return require(moe_kernel.moe_experts_kernel(), "csrc/moe_cpu.c (fp32)")
 
 
 def _mxfp4_kernel():
-    return require(cpu_kernels.moe_experts_mxfp4_kernel(), "csrc/moe_cpu.c (MXFP4)")
+    return require(moe_kernel.moe_experts_mxfp4_kernel(), "csrc/moe_cpu.c (MXFP4)")
 
 
 def _routing(T: int, seed: int, num_experts: int = E, k: int = TOP_K):
@@ -245,14 +245,14 @@ def test_mxfp4_kernel_rejects_sizes_off_the_scale_groups():
 
 
 def test_disabled_kernels_are_none(monkeypatch):
-    caches = (cpu_kernels._library, cpu_kernels.moe_experts_kernel,
-              cpu_kernels.moe_experts_mxfp4_kernel)
+    caches = (cpu_kernels._library, moe_kernel.moe_experts_kernel,
+              moe_kernel.moe_experts_mxfp4_kernel)
     monkeypatch.setenv("KDASERVE_CPU_KERNELS", "0")
     for c in caches:
         c.cache_clear()
     try:
-        assert cpu_kernels.moe_experts_kernel() is None
-        assert cpu_kernels.moe_experts_mxfp4_kernel() is None
+        assert moe_kernel.moe_experts_kernel() is None
+        assert moe_kernel.moe_experts_mxfp4_kernel() is None
     finally:
         monkeypatch.delenv("KDASERVE_CPU_KERNELS")
         for c in caches:

@@ -3,10 +3,11 @@
  * once per row and keeps every intermediate in a few KiB of scratch, where the torch forms
  * spend a dozen ops (each a dispatch, an allocation and a pass over memory) per block.
  * Every block adds its output to the residual stream x [B, Hd] in place. The blocks are in
- * decode_blocks.h, compiled here for fp32 weights and cache (suffix _f32) and for bf16 ones
- * (_bf16: --dtype bfloat16). bf16 weights are widened to fp32 in registers, so activations
- * and sums stay fp32 (AVX-512 BF16 dot products, vdpbf16ps, would round the activations to
- * bf16 as well); the widening is a shift, and the weights read per token halve.
+ * decode_blocks.h (and its *_block.h), compiled here for fp32 weights and cache (suffix
+ * _f32) and for bf16 ones (_bf16: --dtype bfloat16). bf16 weights are widened to fp32 in
+ * registers, so activations and sums stay fp32 (AVX-512 BF16 dot products, vdpbf16ps, would
+ * round the activations to bf16 as well); the widening is a shift, and the weights read per
+ * token halve.
  *
  * The arithmetic mirrors the torch reference of each block (kdaserve.model.kda / mla / moe,
  * kdaserve.ops.kda / mla), in fp32, with the same recurrence as kda_cpu.c: results agree with
@@ -93,7 +94,7 @@ static inline v8f ld8bf16(const uint16_t *p) {
 #endif
 }
 
-/* Sixteen lanes (vec16.h) for the outer-product tiles of row_products.h, whose sums stay in
+/* Sixteen lanes (vec16.h) for the outer-product tiles of outer_tiles.h, whose sums stay in
  * lanes and are never reduced; their bf16 weights widened. */
 typedef uint16_t v16h __attribute__((vector_size(32), aligned(2), may_alias));
 typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));

@@ -1,4 +1,4 @@
-/* The fused MLA decode attention of decode_blocks.h (included there, once per weight and
+/* The fused MLA decode attention of mla_block.h (included there, once per weight and
  * cache type: NAME, CT, LDW8 and LDC come from it): the absorbed form, queries moved into the
  * latent space attend over each row's cached latents [Dc + R] in its pages. Each latent is
  * read once for all heads (MLA is MQA in the latent space); the softmax is online over spans

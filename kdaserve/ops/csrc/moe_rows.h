@@ -1,4 +1,4 @@
-/* The experts of a few rows' MoE block (decode_blocks.h moe_decode_block, included there once
+/* The experts of a few rows' MoE block (moe_block.h moe_decode_block, included there once
  * per weight type), every product shared by all the threads (rows_split.h).
  *
  * Many rows run one expert per thread (the block's item loop): each expert's bytes are read

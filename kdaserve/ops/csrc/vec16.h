@@ -1,6 +1,6 @@
 /* Sixteen fp32 lanes (one AVX-512 register, two AVX2 ones), loaded and stored from any float
  * address (the typedef's alignment of 4), for the kernels whose sums stay in lanes: the
- * outer-product tiles of row_products.h and the recurrence of kda_step.h. */
+ * outer-product tiles of outer_tiles.h and the recurrence of kda_step.h. */
 #ifndef KDASERVE_VEC16_H
 #define KDASERVE_VEC16_H
 
