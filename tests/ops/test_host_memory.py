@@ -1,8 +1,7 @@
 """freeze_startup_heap (kdaserve/ops/host_memory.py): after an engine starts, what is alive is
 moved out of the cyclic collector's reach; a later start thaws and collects first, so an engine
-closed before it is not kept. The suite's own process runs with KDASERVE_GC_FREEZE=0
-(tests/conftest.py: a full collection at each of its hundreds of engine starts); the servers
-it starts freeze, as in production (server_harness.start_server)."""
+closed before it is not kept (without that, a process that starts engines one after another,
+as this suite's does, holds several closed engines' caches: ~3x its peak memory)."""
 
 from __future__ import annotations
 

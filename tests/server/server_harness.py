@@ -132,8 +132,7 @@ def start_server(model_dir: Path, log_path: Path, *args: str, env: dict | None =
            "--port", str(port), *args]
     # One torch thread: the tiny model gains nothing from more, and OpenMP threads that spin
     # against other jobs on a small machine make every step tens of times slower.
-    # the production start-up freeze (tests/conftest.py turns it off for the test process)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KDASERVE_GC_FREEZE": "1", **(env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                 start_new_session=True)
