@@ -16,11 +16,18 @@ class Block:
 
 class BlockPool:
     """Free blocks wait in LRU order; a freed block keeps its hash (and its cached content)
-    until it is handed out again, so a later request can still hit it."""
+    until it is handed out again, so a later request can still hit it.
+
+    A block's record is made when it is first handed out: the queue is the demoted blocks,
+    then the never-used ids in order, then the freed blocks (what one OrderedDict of every
+    block held, without ~400k records made up front for a small model's 512 MiB budget,
+    ~1 s of CPU at every engine start)."""
 
     def __init__(self, num_blocks: int) -> None:
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._num_blocks = num_blocks
+        self._next_fresh = 0                       # ids >= this were never handed out
+        self._front: OrderedDict[int, Block] = OrderedDict()    # demoted: first out
+        self._back: OrderedDict[int, Block] = OrderedDict()     # freed, in order
         self.cached: dict[bytes, Block] = {}
         # told before a cached block's content is given up (reused or forgotten), while it is
         # still intact: the offload tier stores it from there
@@ -28,21 +35,29 @@ class BlockPool:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return self._num_blocks
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._front) + self._num_blocks - self._next_fresh + len(self._back)
 
     def free_order(self) -> list[int]:
-        return list(self._free)
+        return [*self._front, *range(self._next_fresh, self._num_blocks), *self._back]
+
+    def _pop_free(self) -> Block:
+        if self._front:
+            return self._front.popitem(last=False)[1]
+        if self._next_fresh < self._num_blocks:
+            self._next_fresh += 1
+            return Block(self._next_fresh - 1)
+        return self._back.popitem(last=False)[1]
 
     def allocate(self, n: int) -> list[Block]:
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
         out = []
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
+            block = self._pop_free()
             if block.block_hash is not None:
                 self.forget(block)
             block.ref_cnt = 1
@@ -64,19 +79,32 @@ class BlockPool:
             if block.ref_cnt < 0:
                 raise RuntimeError(f"block {block.block_id} freed twice")
             if block.ref_cnt == 0:
-                self._free[block.block_id] = block
+                self._back[block.block_id] = block
 
     def demote(self, block: Block) -> None:
         """Move a free block to the front of the queue (first to be reused), keeping its hash."""
-        if block.ref_cnt == 0 and block.block_id in self._free:
-            self._free.move_to_end(block.block_id, last=False)
+        if block.ref_cnt == 0:
+            queue = self._queue_of(block)
+            if queue is not None:
+                del queue[block.block_id]
+                self._front[block.block_id] = block
+                self._front.move_to_end(block.block_id, last=False)
 
     def touch(self, blocks: list[Block]) -> None:
         """Take a reference on cached blocks (prefix hit), pulling free ones out of the queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                queue = self._queue_of(block)
+                if queue is None:
+                    raise KeyError(block.block_id)
+                del queue[block.block_id]
             block.ref_cnt += 1
+
+    def _queue_of(self, block: Block) -> OrderedDict[int, Block] | None:
+        """The queue a handed-out-before free block waits in (a record exists only for those)."""
+        if block.block_id in self._front:
+            return self._front
+        return self._back if block.block_id in self._back else None
 
     def cache_block(self, block: Block, block_hash: bytes) -> None:
         if block.block_hash is None and block_hash not in self.cached:

@@ -63,3 +63,74 @@ def test_planner_splits_budget():
     assert "tokens of MLA cache" in plan.describe()
     with pytest.raises(ValueError, match="too small"):
         plan_cache(lat, st, 1 << 20, max_num_seqs=8)
+
+
+class _EagerPool:
+    """The queue as one OrderedDict of every block (BlockPool makes a block's record when it
+    is first handed out): the order BlockPool must keep."""
+
+    def __init__(self, n: int) -> None:
+        self.free = dict.fromkeys(range(n))
+        self.refs = [0] * n
+
+    def allocate(self, n: int) -> list[int]:
+        out = list(self.free)[:n]
+        for i in out:
+            del self.free[i]
+            self.refs[i] = 1
+        return out
+
+    def release(self, ids: list[int]) -> None:
+        for i in ids:
+            self.refs[i] -= 1
+            if self.refs[i] == 0:
+                self.free[i] = None
+
+    def demote(self, i: int) -> None:
+        if self.refs[i] == 0 and i in self.free:
+            del self.free[i]
+            self.free = {i: None, **self.free}
+
+    def touch(self, i: int) -> None:
+        if self.refs[i] == 0:
+            del self.free[i]
+        self.refs[i] += 1
+
+
+def test_free_order_equals_one_queue_of_every_block():
+    """Random allocations, frees, demotions and hits: the same ids handed out and the same
+    free order as one LRU queue holding every block from the start."""
+    import random
+
+    rng = random.Random(5)
+    pool, ref = BlockPool(12), _EagerPool(12)
+    seen: dict[int, object] = {}                 # every block record handed out so far
+    held: list[object] = []
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.35 and pool.num_free:
+            n = rng.randint(1, pool.num_free)
+            got = pool.allocate(n)
+            assert [b.block_id for b in got] == ref.allocate(n)
+            for b in got:
+                assert seen.setdefault(b.block_id, b) is b        # one record per id
+            held += got
+        elif op < 0.65 and held:
+            out = rng.sample(held, rng.randint(1, len(held)))
+            for b in out:
+                held.remove(b)
+            pool.free(out)
+            ref.release([b.block_id for b in out])
+        elif op < 0.85 and seen:
+            b = rng.choice(list(seen.values()))
+            pool.demote(b)
+            ref.demote(b.block_id)
+        elif seen:
+            b = rng.choice(list(seen.values()))
+            if b.ref_cnt == 0 and b.block_id not in pool.free_order():
+                continue
+            pool.touch([b])
+            ref.touch(b.block_id)
+            held.append(b)
+        assert pool.free_order() == list(ref.free) and pool.num_free == len(ref.free)
+    assert pool.num_blocks == 12

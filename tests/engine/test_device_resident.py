@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 from no_reads import no_reads
-from sub_pytest import run_pytest
+from sub_pytest import torch_forms_outcome
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.assets import default_model_path, kimi_linear_demo_path
@@ -96,7 +96,5 @@ def test_the_same_with_the_torch_forms_the_gpu_runs():
     """Without the compiled CPU kernels every op is the torch form CUDA runs (the MoE takes
     its sync-free routing): the same checks, in a process of their own (the kernels' choice
     is made once per process)."""
-    env = {**os.environ, "KDASERVE_CPU_KERNELS": "0"}
-    done = run_pytest(["-x", __file__, "-k", "never_read_back"], env, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "2 passed" in done.stdout
+    passed, why = torch_forms_outcome("tests/engine/test_device_resident.py")
+    assert passed == 2, why
