@@ -54,27 +54,26 @@ class KdaservePeer:
                        max_num_batched_tokens=2048, enable_prefix_caching=False,
                        speculative_method=speculative, quantization=quantization)
         self.sampling: dict = {}          # empty: greedy; else temperature, top_p, seed
-        self._last: list[RequestOutput] = []     # the last generate's outputs (their metrics)
 
-    def _gen(self, prompts: list[list[int]], out: int) -> tuple[float, float, list]:
+    def _gen(self, prompts: list[list[int]], out: int
+             ) -> tuple[float, float, list[RequestOutput]]:
         sp = SamplingParams(**{"temperature": 0.0, **self.sampling}, max_tokens=out,
                             ignore_eos=True)
         c0, t0 = time.process_time(), time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
                                  use_tqdm=False)
-        self._last = outs
-        return (time.perf_counter() - t0, time.process_time() - c0,
-                [o.outputs[0].token_ids for o in outs])
+        return time.perf_counter() - t0, time.process_time() - c0, outs
 
     def single(self, prompt: list[int], out: int) -> dict:
-        s, cpu, toks = self._gen([prompt], out)
-        m = self._last[0].metrics        # the first token ends the prefill, as the peer's does
-        return {"seconds": s, "cpu_seconds": cpu, "tokens": toks[0],
+        s, cpu, outs = self._gen([prompt], out)
+        m = outs[0].metrics          # the first token ends the prefill, as the peer's does
+        return {"seconds": s, "cpu_seconds": cpu, "tokens": outs[0].outputs[0].token_ids,
                 "prefill_seconds": m.first_token_time - m.arrival_time,
                 "decode_seconds": m.last_token_time - m.first_token_time}
 
     def batch(self, prompts: list[list[int]], out: int) -> dict:
-        s, cpu, toks = self._gen(prompts, out)
+        s, cpu, outs = self._gen(prompts, out)
+        toks = [o.outputs[0].token_ids for o in outs]
         return {"seconds": s, "cpu_seconds": cpu, "output_tokens": sum(map(len, toks)),
                 "tokens": toks}
 

@@ -67,7 +67,7 @@ class RowInputs:
     hold until the next fill only: a caller that keeps one clones it."""
 
     def __init__(self) -> None:
-        self._rows = torch.zeros(0, dtype=torch.long)   # ids | positions | slots, 3 x capacity
+        self._rows = torch.zeros(0, dtype=torch.long)   # positions | slots | ids, 3 x capacity
         self._table = torch.zeros(0, dtype=torch.long)      # [R, width], flat
         self._views: tuple | None = None     # ((R, width), numpy views, the tensors) of the last
 
