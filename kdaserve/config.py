@@ -103,12 +103,17 @@ class SchedulerConfig:
     # a step that others decode in carries at most what keeps it within this many times its
     # cost without the long prompts' chunks (engine/decode_guard.py); 0: no limit
     max_decode_slowdown: float = 2.0
+    # a batch that only decodes runs up to this many forwards per scheduling decision
+    # (engine/decode_burst.py); 1: one step at a time
+    num_scheduler_steps: int = 4
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be >= 1")
+        if self.num_scheduler_steps < 1:
+            raise ConfigError("num_scheduler_steps must be >= 1")
         if self.max_model_len < 1:
             raise ConfigError("max_model_len must be >= 1")
         if self.max_decode_slowdown and self.max_decode_slowdown < 1.0:

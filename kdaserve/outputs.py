@@ -52,6 +52,9 @@ class SchedulerOutput:
     # speculation: how many drafts to propose for each request's next step (absent: the most)
     drafting: bool = True
     # False while adaptive speculation's drafter sleeps: no hidden-state capture, no proposals
+    num_steps: int = 1
+    # multi-step decoding (engine/decode_burst.py): forwards this step's decode rows run, each
+    # feeding the token the one before sampled
     request_data: dict[str, RequestData] = field(default_factory=dict)
     # what the runner needs of each scheduled request besides its tokens (prompt, params,
     # output so far): filled on rank 0 before the step leaves the engine core

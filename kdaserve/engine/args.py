@@ -87,6 +87,10 @@ class EngineArgs:
         2.0, "while requests decode, a step carries only as much of long prompts' prefill as "
         "keeps it within this many times its cost without them (measured on this machine); "
         "0: no limit (vLLM's behaviour)", parse=arg_types.slowdown)
+    num_scheduler_steps: int = _arg(
+        4, "a batch that only decodes runs up to this many forwards per scheduling decision "
+        "(within ~40 ms; not with speculative decoding, async scheduling, worker processes "
+        "or disaggregation); 1: one step at a time", parse=arg_types.positive_int)
     # cache
     cache_memory: int = _arg(512 << 20, "memory for MLA pages and KDA state slots, e.g. "
                              "256MiB, 1GiB or bytes", parse=arg_types.parse_size,
@@ -258,7 +262,8 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
-                max_decode_slowdown=self.max_decode_slowdown),
+                max_decode_slowdown=self.max_decode_slowdown,
+                num_scheduler_steps=self.num_scheduler_steps),
             speculative=self._speculative(),
             kv_transfer=kv_transfer_config(
                 self.role, self.kv_transfer_port, self.kv_transfer_host,

@@ -136,6 +136,10 @@ class EngineCore:
                                "speculative decoding; steps run synchronously")
             else:
                 self._pipeline = StepPipeline(self)
+        if (par.executor == "uni" and self._pipeline is None and config.kv_transfer is None
+                and (spec is None or self.scheduler.spec_policy is not None)):
+            # engine/decode_burst.py says why (adaptive speculation: while its drafter sleeps)
+            self.scheduler.max_burst = sched.num_scheduler_steps
         self.eos_ids = frozenset(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}
         self._children: dict[str, list[str]] = {}
@@ -340,17 +344,23 @@ class EngineCore:
         advanced the step's counts when it started (engine/lookahead.py)."""
         requests = self.scheduler.requests
         policy = self.scheduler.spec_policy
+        # what one of a burst's forwards took (engine/decode_burst.py); token rates take the
+        # whole burst's time
+        step_seconds = seconds / out.num_steps
         if policy is not None and not out.is_empty:   # what steps cost: the policy's data
             verifies = any(s.num_draft_tokens for s in out.sequences)
-            policy.cost.observe(out.num_tokens, len(result.drafts), seconds, verifies=verifies)
+            policy.cost.observe(out.num_tokens, len(result.drafts), step_seconds,
+                                verifies=verifies)
             if all(len(s.token_ids) == 1 + s.num_draft_tokens for s in out.sequences):
                 policy.realized.observe(len(out.sequences), verifies,
                                         sum(len(t) for t in result.sampled.values()), seconds)
         if self.config.speculative is not None and not out.is_empty:
             self._spec_time(out, result, seconds)
+        if all(s.is_decode for s in out.sequences) and not out.is_empty:
+            self.scheduler.decode_seconds = step_seconds
         if self.scheduler.guard is not None:
-            self.scheduler.guard.observe_step(out, seconds)
-        self.stats.steps += 1
+            self.scheduler.guard.observe_step(out, step_seconds)
+        self.stats.steps += out.num_steps
         self.stats.preemptions += len(out.preempted)
         for seq in out.sequences:
             req = requests.get(seq.request_id)

@@ -22,6 +22,7 @@ import torch
 
 from kdaserve.cache.planner import CachePlan
 from kdaserve.engine.cache_ops import CacheOpExecutor, StepOps
+from kdaserve.engine.decode_burst import run_burst
 from kdaserve.engine.decode_graphs import CaptureReport, DecodeGraphs, graph_sizes
 from kdaserve.engine.decode_inputs import DecodeInputs
 from kdaserve.engine.encoder_cache import EncoderCache, embed_with_media
@@ -115,6 +116,8 @@ class ModelRunner:
             masks = self.start_masks(plan)
             result = self.finish(plan, self.forward(plan, out.drafting), masks, ops,
                                  out.draft_limits, out.drafting)
+            if out.num_steps > 1:
+                run_burst(self, plan, result, out.num_steps)
         else:
             result = ModelRunnerOutput(sampled={})
         result.cache = ops.outcome
@@ -163,8 +166,10 @@ class ModelRunner:
             return None
         return self.structured.prepare(plan.seqs, self.requests)
 
-    def forward(self, plan: StepPlan, drafting: bool = True) -> ForwardResult:
-        """The whole model over the step."""
+    def forward(self, plan: StepPlan, drafting: bool = True,
+                advance: list[int] | None = None) -> ForwardResult:
+        """The whole model over the step. `advance`: a burst's next forward of a fused plan
+        that just ran (engine/decode_burst.py), each row at its next position with this token."""
         capture = (self.proposer.capture_layers if self.proposer is not None and drafting
                    else ())
         parts = (fused_decode.split_parts(self._threads, len(plan.seqs), capture, plan.fused)
@@ -175,7 +180,7 @@ class ModelRunner:
         if torch.get_num_threads() != threads:      # most steps: already so
             torch.set_num_threads(threads)
         if plan.fused is not None:
-            return self._forward_fused(plan, capture, parts)
+            return self._forward_fused(plan, capture, parts, advance)
         if plan.graph is not None:
             return self._forward_graph(plan, capture)
         return self._forward_torch(plan, capture)
@@ -196,12 +201,16 @@ class ModelRunner:
                              step.inputs.positions[:n].clone(),
                              step.fb.mla.slot_mapping[:n].clone())
 
-    def _forward_fused(self, plan: StepPlan, capture: tuple[int, ...], parts: int
-                       ) -> ForwardResult:
+    def _forward_fused(self, plan: StepPlan, capture: tuple[int, ...], parts: int,
+                       advance: list[int] | None = None) -> ForwardResult:
         """Decode rows, maybe with drafts (no media or prompt logprobs): one row per token,
         a token and its drafts each a row of the request's slot."""
         captured: list[torch.Tensor] = []
-        ids, positions, state_slots, table = self._row_inputs.fill(plan.seqs)
+        if advance is None:
+            ids, positions, state_slots, table = self._row_inputs.fill(plan.seqs)
+        else:
+            ids, positions, state_slots, table = self._row_inputs.advance(advance)
+            self.num_forward_tokens += len(advance)
         kept = fused_decode.Kept.allocate(self.cache, len(ids)) if plan.verifying else None
         last = [plan.starts[b] + plan.lens[b] - 1 for b in range(len(plan.seqs))]
         logits = plan.fused(ids, positions, state_slots, table, self.cache,

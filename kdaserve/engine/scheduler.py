@@ -30,7 +30,7 @@ from kdaserve.cache.ops import (
 )
 from kdaserve.config import SchedulerConfig
 from kdaserve.disagg import handoff
-from kdaserve.engine import decode_guard, prompt_logprobs, step_results
+from kdaserve.engine import decode_burst, decode_guard, prompt_logprobs, step_results
 from kdaserve.engine.fairness import fair_share_victim, next_waiting
 from kdaserve.engine.lookahead import may_look_ahead
 from kdaserve.engine.prompt_logprobs import wants_prompt_logprobs
@@ -67,6 +67,10 @@ class Scheduler:
         self._draft_plan: dict[str, int] = {}
         self._fair_preempted = 0
         self._suspects: set[str] = set()
+        # multi-step decoding (engine/decode_burst.py): the most forwards a step may run (set
+        # by the engine), and a plain decode step's measured time
+        self.max_burst = 1
+        self.decode_seconds = 0.0
         # disaggregation (kdaserve/disagg/handoff.py): caches to push once their request ended,
         # caches to take in when their request is admitted, requests whose transfer failed
         self._sends: list[SendRequest] = []
@@ -182,6 +186,8 @@ class Scheduler:
             self._admit(scheduled, budget, chunk_cap, drafts)
         if self._bulk_left is not None:
             self.guard.charge(self._bulk_granted - self._bulk_left[0])
+        steps = (decode_burst.burst_steps(self, scheduled, preempted, drafts)
+                 if self.max_burst > 1 else 1)
         seq_ops: list[CacheOp] = []
         seqs = [self._to_sequence(req, n, seq_ops, drafts.get(req.request_id, 0))
                 for req, n in scheduled]
@@ -201,7 +207,7 @@ class Scheduler:
                     limits[req.request_id] = first[kind]
         return SchedulerOutput(sequences=seqs, preempted=preempted,
                                ops=self._step_ops(seq_ops), draft_limits=limits,
-                               drafting=self._drafting())
+                               drafting=self._drafting(), num_steps=steps)
 
     def _step_ops(self, seq_ops: list[CacheOp]) -> list[CacheOp]:
         """The step's cache operations in the order they run: frees, then the manager's

@@ -33,8 +33,8 @@ def apply(sched: Scheduler, out: SchedulerOutput, result: ModelRunnerOutput) -> 
             # the last known token and the accepted drafts are computed; the rest is not
             req.num_computed_tokens += len(tokens)
             _count_verification(sched, req, seq, len(tokens) - 1)
-        else:
-            req.num_computed_tokens += len(seq.token_ids)
+        else:            # a burst's later steps computed the tokens its earlier ones sampled
+            req.num_computed_tokens += len(seq.token_ids) + out.num_steps - 1
         if seq.request_id in result.prompt_logprobs:
             record(req, *result.prompt_logprobs[seq.request_id])
         req.spec_token_ids = []

@@ -108,6 +108,15 @@ class RowInputs:
         flat[:R * width] = np.frombuffer(table, dtype=np.int64)
         return views
 
+    def advance(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor]:
+        """The last fill's rows one position on, each with its new token (a burst's next
+        forward, engine/decode_burst.py: one token a row, the pages already in the table)."""
+        (R, _), rows, _, views = self._views
+        rows[:R] += 1
+        rows[2 * R:3 * R] = tokens
+        return views
+
 
 def applies(seqs, num_decode: int) -> bool:
     """Decode rows that each sample (one token, or one and its drafts to verify), few enough

@@ -150,7 +150,8 @@ def calibrate(w: CalibrationWorkload = CalibrationWorkload(), model: str | None 
         model=str(model or default_model_path()), num_threads=1,
         cache=CacheConfig(cache_memory_bytes=cache_memory_bytes),
         scheduler=SchedulerConfig(max_num_batched_tokens=w.max_num_batched_tokens,
-                                  max_model_len=4 * (w.input_len + w.output_len) + 64))
+                                  max_model_len=4 * (w.input_len + w.output_len) + 64,
+                                  num_scheduler_steps=1))   # the simulator's steps are single
     core = EngineCore(config)
     vocab = core.model_config.vocab_size
     log = _StepLog()

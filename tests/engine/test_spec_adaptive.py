@@ -253,9 +253,9 @@ def test_a_sleeping_drafter_captures_nothing_and_drafts_only_for_context_it_hold
         drafted_for.append(set(out))
         return out
 
-    def counting_forward(step, drafting=True):
+    def counting_forward(step, drafting=True, **kw):     # (kw: a burst's advance)
         captures.append(drafting)
-        return forward(step, drafting)
+        return forward(step, drafting, **kw)
 
     proposer.propose, engine.runner.forward = counting_propose, counting_forward
     engine.add_request("a", prompts[0], sp)

@@ -51,8 +51,11 @@ def test_a_dormant_drafter_takes_the_forward_rows_of_plain_decoding(hf_checkpoin
     # the learning before the sleep: every extra forward row is a rejected draft
     assert _rows(llm)[0] - before[0] == sched.num_draft_tokens - sched.num_accepted_tokens
     start, drafts = _rows(llm), sched.num_draft_tokens
+    bursts, execute = [], llm.engine.runner.execute
+    llm.engine.runner.execute = lambda out: bursts.append(out.num_steps) or execute(out)
     assert _generate(llm, run, sp) == want
     assert policy.dormant and policy.sleeps == 1
+    assert max(bursts) > 1        # asleep, a batch that decodes runs multi-step bursts
     end = _rows(llm)
     assert end[0] - start[0] == plain_rows      # the target's rows: exactly plain decoding's
     assert end[1:] == start[1:]                 # nothing captured, projected or drafted

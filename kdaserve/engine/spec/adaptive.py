@@ -201,6 +201,12 @@ class AdaptiveSpeculation:
         self.last_speculating = sum(1 for k in out.values() if k)
         return out
 
+    def slept(self, steps: int) -> None:
+        """`steps` more steps ran asleep after the one plan() saw (a multi-step decode burst,
+        engine/decode_burst.py): the wake rules count steps, not plans."""
+        self._asleep += steps
+        self.steps += steps
+
     def _note_earned(self, earned: bool, rows: int) -> None:
         if earned:
             self._streak, self._earned_since_wake = 0, True

@@ -1,0 +1,98 @@
+"""Multi-step decoding (vLLM's `--num-scheduler-steps`): a batch that only decodes runs up to
+`num_scheduler_steps` forwards for one scheduling decision.
+
+Why: on a CPU a small model's decode step is ~1 ms of kernels, and scheduling, planning and the
+output bookkeeping around it cost a quarter more in Python. Overlapping them with the forward
+(async scheduling) does not pay on a machine whose cores all run the forward. A burst pays
+them once for several tokens instead: the scheduler allocates the pages of every step ahead,
+the runner feeds each step's sampled token to the next forward itself, and the results come
+back as several tokens per request, stopped where a stop condition falls (the tokens after it
+are dropped, as after a stop inside accepted drafts).
+
+A burst is planned only where its tokens cannot depend on anything the engine decides
+between steps. Every running request decodes one token (nothing waits, nothing was
+preempted, no drafts), with no grammar (masks follow each token), no stop strings (the
+detokenizer finds them), no cache transfer, no tokens in flight; the burst ends before:
+- any request's max_tokens or the model length (no token is computed past the last);
+- a prefix-cache snapshot at a block boundary after its first step (its hash needs tokens
+  the burst has not sampled yet).
+Its length also keeps a burst within BURST_SECONDS of measured step time, so a request that
+arrives meanwhile waits no longer than that. Greedy tokens are the same as one step at a time:
+the same forwards run in the same order. With adaptive speculation a batch bursts only while
+the drafter sleeps (the policy counts each of the burst's steps as a step asleep); the engine
+turns bursts off with fixed speculation, async scheduling, worker processes and
+disaggregation (engine/core.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from kdaserve.engine.cache_ops import StepOps
+from kdaserve.outputs import ModelRunnerOutput
+from kdaserve.request import Request
+
+if TYPE_CHECKING:
+    from kdaserve.engine.runner import ModelRunner
+    from kdaserve.engine.scheduler import Scheduler
+    from kdaserve.engine.step_plan import StepPlan
+
+BURST_SECONDS = 0.04        # the longest a burst aims to take (what an arrival may wait)
+
+
+def burst_steps(sched: Scheduler, scheduled: Sequence[tuple[Request, int]],
+                preempted: Sequence[str], drafts: dict[str, int]) -> int:
+    """How many forwards this step's decode rows run (1: a plain step). Plain Python over
+    the scheduler's state; allocates the pages the extra steps write."""
+    steps = sched.max_burst
+    if sched.spec_policy is not None and not sched.spec_policy.dormant:
+        return 1             # an awake drafter plans each step
+    if sched.decode_seconds > 0:
+        steps = min(steps, max(1, int(BURST_SECONDS / sched.decode_seconds)))
+    if (steps <= 1 or not scheduled or sched.waiting or preempted or drafts
+            or len(scheduled) != len(sched.running)):
+        return 1
+    bs, prefix = sched.cache.block_size, sched.cache.prefix_caching
+    max_len = sched.config.max_model_len
+    for req, n in scheduled:
+        sp = req.sampling_params
+        if (n != 1 or req.num_pending or req.num_tokens - req.num_computed_tokens != 1
+                or sp.guided is not None or sp.stop or sp.kv_transfer is not None):
+            return 1
+        steps = min(steps, req.max_tokens - len(req.output_token_ids),
+                    max_len - req.num_tokens)
+        if prefix:           # the first later step that fills a block (the first may)
+            steps = min(steps, (-(req.num_computed_tokens + 1)) % bs or bs)
+        if steps <= 1:
+            return 1
+    for req, _ in scheduled:
+        if not sched.cache.allocate(req.request_id, req.num_computed_tokens + steps):
+            return 1         # what was taken stays the request's: its next steps use it
+    if sched.spec_policy is not None:
+        sched.spec_policy.slept(steps - 1)
+    return steps
+
+
+def run_burst(runner: ModelRunner, plan: StepPlan, result: ModelRunnerOutput,
+              steps: int) -> None:
+    """The burst's forwards after its first (`plan`, whose sampled tokens are in `result`):
+    each feeds every row the token it sampled last. Appends to `result.sampled`. A burst
+    never drafts: a sleeping drafter is told of each step's rows, as of a plain step's."""
+    sampled = result.sampled
+    no_ops = StepOps()
+    # the fused decoder advances its row inputs in place; another forward plans each step
+    fused = replace(plan, snapshots=[]) if plan.fused is not None else None
+    for j in range(1, steps):
+        last = [sampled[s.request_id][-1].token_id for s in plan.seqs]
+        if fused is not None and runner.proposer is None:   # the rows' requests suffice
+            step = fused
+        else:
+            rows = [replace(s, token_ids=[t], context_len=s.context_len + j)
+                    for s, t in zip(plan.seqs, last)]
+            step = (replace(fused, seqs=rows) if fused is not None
+                    else runner.plan(rows, no_ops))
+        fwd = runner.forward(step, False, advance=last if fused is not None else None)
+        for rid, toks in runner.finish(step, fwd, None, no_ops, None, False).sampled.items():
+            sampled[rid].extend(toks)
