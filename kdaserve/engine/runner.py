@@ -168,8 +168,8 @@ class ModelRunner:
 
     def forward(self, plan: StepPlan, drafting: bool = True,
                 advance: list[int] | None = None) -> ForwardResult:
-        """The whole model over the step. `advance`: a burst's next forward of a fused plan
-        that just ran (engine/decode_burst.py), each row at its next position with this token."""
+        """The whole model over the step. `advance`: a fused plan that just ran, each row
+        one position on with this token (a burst's next forward, engine/decode_burst.py)."""
         capture = (self.proposer.capture_layers if self.proposer is not None and drafting
                    else ())
         parts = (fused_decode.split_parts(self._threads, len(plan.seqs), capture, plan.fused)
