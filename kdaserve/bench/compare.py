@@ -33,6 +33,7 @@ from kdaserve.bench.llamacpp import (
     gguf_kind,
     setup_peers,
 )
+from kdaserve.config import SchedulerConfig
 from kdaserve.engine.llm import LLM
 from kdaserve.ops.cpu_isa import cpu_isa
 from kdaserve.outputs import RequestOutput
@@ -245,6 +246,8 @@ def summarize(runs: dict, args: argparse.Namespace, found, lc) -> dict:
     }
     report: dict = {"dtype": args.dtype, "cpu_isa": cpu_isa(), "threads": args.threads,
                     "repeats": args.repeats,
+                    # kdaserve's multi-step decoding (engine/decode_burst.py): the default
+                    "num_scheduler_steps": SchedulerConfig().num_scheduler_steps,
                     "llamacpp": lc.info if lc is not None else None,
                     "peer_missing": found if isinstance(found, str) else None,
                     "load_average": os.getloadavg()}

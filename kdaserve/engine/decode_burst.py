@@ -9,8 +9,9 @@ the runner feeds each step's sampled token to the next forward itself, and the r
 back as several tokens per request, stopped where a stop condition falls (the tokens after it
 are dropped, as after a stop inside accepted drafts).
 
-A burst is planned only where its tokens cannot depend on anything the engine decides
-between steps. Every running request decodes one token (nothing waits, nothing was
+This module is the scheduler's half (plain Python, no tensors); the runner's is
+engine/burst_forwards.py. A burst is planned only where its tokens cannot depend on anything
+the engine decides between steps. Every running request decodes one token (nothing waits, nothing was
 preempted, no drafts), with no grammar (masks follow each token), no stop strings (the
 detokenizer finds them), no cache transfer, no tokens in flight; the burst ends before:
 - any request's max_tokens or the model length (no token is computed past the last);
@@ -27,17 +28,12 @@ disaggregation (engine/core.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from kdaserve.engine.cache_ops import StepOps
-from kdaserve.outputs import ModelRunnerOutput
 from kdaserve.request import Request
 
 if TYPE_CHECKING:
-    from kdaserve.engine.runner import ModelRunner
     from kdaserve.engine.scheduler import Scheduler
-    from kdaserve.engine.step_plan import StepPlan
 
 BURST_SECONDS = 0.04        # the longest a burst aims to take (what an arrival may wait)
 
@@ -73,26 +69,3 @@ def burst_steps(sched: Scheduler, scheduled: Sequence[tuple[Request, int]],
     if sched.spec_policy is not None:
         sched.spec_policy.slept(steps - 1)
     return steps
-
-
-def run_burst(runner: ModelRunner, plan: StepPlan, result: ModelRunnerOutput,
-              steps: int) -> None:
-    """The burst's forwards after its first (`plan`, whose sampled tokens are in `result`):
-    each feeds every row the token it sampled last. Appends to `result.sampled`. A burst
-    never drafts: a sleeping drafter is told of each step's rows, as of a plain step's."""
-    sampled = result.sampled
-    no_ops = StepOps()
-    # the fused decoder advances its row inputs in place; another forward plans each step
-    fused = replace(plan, snapshots=[]) if plan.fused is not None else None
-    for j in range(1, steps):
-        last = [sampled[s.request_id][-1].token_id for s in plan.seqs]
-        if fused is not None and runner.proposer is None:   # the rows' requests suffice
-            step = fused
-        else:
-            rows = [replace(s, token_ids=[t], context_len=s.context_len + j)
-                    for s, t in zip(plan.seqs, last)]
-            step = (replace(fused, seqs=rows) if fused is not None
-                    else runner.plan(rows, no_ops))
-        fwd = runner.forward(step, False, advance=last if fused is not None else None)
-        for rid, toks in runner.finish(step, fwd, None, no_ops, None, False).sampled.items():
-            sampled[rid].extend(toks)

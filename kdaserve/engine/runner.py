@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kdaserve.cache.planner import CachePlan
+from kdaserve.engine.burst_forwards import run_burst
 from kdaserve.engine.cache_ops import CacheOpExecutor, StepOps
-from kdaserve.engine.decode_burst import run_burst
 from kdaserve.engine.decode_graphs import CaptureReport, DecodeGraphs, graph_sizes
 from kdaserve.engine.decode_inputs import DecodeInputs
 from kdaserve.engine.encoder_cache import EncoderCache, embed_with_media
