@@ -18,8 +18,9 @@
  * where NV 8 takes 32 of its 16 registers (kv, delta and out of 128 columns) and spills.
  * NEON (32 registers of 4 lanes, vec16.h's VREGS16 = 4 per 16 columns): KDA_STEP_COLS 16 on
  * aarch64. 32 columns hold 8 registers of delta and 8 of out in the second sweep, and each
- * unfused product a register until its add (16 more), so GCC 12 spilled them every i; 16
- * columns hold 4 + 4 + 8. Not measured: no ARM machine here. */
+ * unfused product took a register until its add (16 more), so GCC 12 spilled them every i;
+ * 16 columns hold 4 + 4 + 8 (the sums are vec16.h's fused vfmas now, which needs fewer;
+ * 16 kept). Not measured: no ARM machine here. */
 #define KDA_STEP_REGS(NV)                                                                       \
     static inline void kda_step_##NV(float *restrict S, const float *q, const float *k,         \
                                      const float *v, const float *decay, float beta,            \
@@ -33,7 +34,7 @@
             for (int c = 0; c < P; ++c) {                                                       \
                 const vregf r = ldvf(row + VREG_LANES * c) * e;                                 \
                 stvf(row + VREG_LANES * c, r);                                                  \
-                acc[c] += ki * r;                                                               \
+                acc[c] = vfmas(acc[c], r, ki);                                                  \
             }                                                                                   \
         }                                                                                       \
         for (int c = 0; c < P; ++c) {                                                           \
@@ -44,9 +45,9 @@
             float *row = S + i * ld;                                                            \
             const float ki = k[i], qi = q[i];                                                   \
             for (int c = 0; c < P; ++c) {                                                       \
-                const vregf r = ldvf(row + VREG_LANES * c) + ki * dl[c];                        \
+                const vregf r = vfmas(ldvf(row + VREG_LANES * c), dl[c], ki);                   \
                 stvf(row + VREG_LANES * c, r);                                                  \
-                acc[c] += qi * r;                                                               \
+                acc[c] = vfmas(acc[c], r, qi);                                                  \
             }                                                                                   \
         }                                                                                       \
         for (int c = 0; c < P; ++c) stvf(out + VREG_LANES * c, acc[c]);                         \

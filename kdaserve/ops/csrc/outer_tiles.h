@@ -8,13 +8,10 @@
  * (12 registers of sums, 2 of weights, 1 of input): 2.0 -> 7 GFLOPS a thread at 6-256 rows
  * of a [2304 x 2304] product on an AVX2 EPYC. Up to STREAM_ROWS rows stream instead
  * (outer_rows_stream).
- * NEON (aarch64): 32 registers of 4 lanes, a 16-lane sum is four (vec16.h's VREGS16), and
- * the ISO C build does not fuse a multiply-add, so each product takes a register until its
- * add: GCC 12 issues a step's products before its adds. The 6 x 16 tile (24 sums + 24
- * products + 4 weights) spills about 13 products a step to L1, which the FP pipes' 48
- * operations a step hide on paper; a 3-row tile would fit (31 registers) but read each
- * weight tile from L2 twice as often. Neither is measured: no ARM machine here
- * (docs/benchmarks.md).
+ * NEON (aarch64): 32 registers of 4 lanes, a 16-lane sum is four (vec16.h's VREGS16). Each
+ * step is a fused multiply-add (vec16.h's vfmas), so the 6 x 16 tile holds 24 sums + 4
+ * weights and fits; before vfmas each product took a register until its add and about 13 a
+ * step spilled to L1. Not measured: no ARM machine here (docs/benchmarks.md).
  * Each output still sums in K order: the results are the same bits with any tiling. */
 #ifndef KDASERVE_ROW_PRODUCTS_TILES
 #define KDASERVE_ROW_PRODUCTS_TILES
@@ -46,8 +43,9 @@
 /* Y[b, n] = X[b, :] . W[:, n] for b < B: W [K, N] row-major (a projection stored transposed,
  * K-major), X rows ldx apart, Y rows ldy apart. Outer products: a tile of up to 6 input rows
  * by 32 outputs keeps its sums in registers (16 lanes) while i runs, each weight row segment
- * read once per tile. Every (b, n) sums x[b, i] w[i, n] in i order, y = y + x w (the build
- * is ISO C, so nothing is contracted), whatever the tile: the same for any B. One running sum
+ * read once per tile. Every (b, n) sums x[b, i] w[i, n] in i order, y = fma(x, w, y) where
+ * the target fuses (vec16.h's vfmas; the build contracts nothing else), whatever the tile:
+ * the same for any B. One running sum
  * over K rounds a little more than the dot-product form's eight lanes (K3 demo hidden states
  * within 1.5e-4 of the torch forward's, logits within its 5e-4); summing in blocks of 32-128
  * to tighten it halved the speed in a microbenchmark. At 32 rows a step runs ~1.1-1.2x faster
@@ -71,7 +69,7 @@ static inline __attribute__((always_inline)) void NAME(outer_tile)(
         for (int r = 0; r < R; ++r) {
             const float x = X[(b + r) * ldx + i];
 #pragma GCC unroll 8
-            for (int c = 0; c < CV; ++c) acc[r][c] += wv[c] * x;
+            for (int c = 0; c < CV; ++c) acc[r][c] = vfmas(acc[r][c], wv[c], x);
         }
     }
 #pragma GCC unroll 6

@@ -41,22 +41,22 @@ static void NAME(outer_rows_stream)(const WT *restrict W, const float *restrict 
                 for (int64_t j = 0; j < len; j += ROW_LANES) {
                     if (!(j & (PF_EVERY - 1))) __builtin_prefetch(w + N + j, 0, 3);
                     const ROW_T wv = LDROW(w + j);
-                    STROW(acc[0] + j, LDACC(acc[0] + j) + wv * x0);
-                    STROW(acc[1] + j, LDACC(acc[1] + j) + wv * x1);
-                    STROW(acc[2] + j, LDACC(acc[2] + j) + wv * x2);
-                    STROW(acc[3] + j, LDACC(acc[3] + j) + wv * x3);
+                    STROW(acc[0] + j, vfmas(LDACC(acc[0] + j), wv, x0));
+                    STROW(acc[1] + j, vfmas(LDACC(acc[1] + j), wv, x1));
+                    STROW(acc[2] + j, vfmas(LDACC(acc[2] + j), wv, x2));
+                    STROW(acc[3] + j, vfmas(LDACC(acc[3] + j), wv, x3));
                 }
             } else if (R > 1)
                 for (int64_t j = 0; j < len; j += ROW_LANES) {
                     if (!(j & (PF_EVERY - 1))) __builtin_prefetch(w + N + j, 0, 3);
                     const ROW_T wv = LDROW(w + j);
-                    STROW(acc[0] + j, LDACC(acc[0] + j) + wv * x0);
-                    STROW(acc[1] + j, LDACC(acc[1] + j) + wv * x1);
+                    STROW(acc[0] + j, vfmas(LDACC(acc[0] + j), wv, x0));
+                    STROW(acc[1] + j, vfmas(LDACC(acc[1] + j), wv, x1));
                 }
             else
                 for (int64_t j = 0; j < len; j += ROW_LANES) {
                     if (!(j & (PF_EVERY - 1))) __builtin_prefetch(w + N + j, 0, 3);
-                    STROW(acc[0] + j, LDACC(acc[0] + j) + LDROW(w + j) * x0);
+                    STROW(acc[0] + j, vfmas(LDACC(acc[0] + j), LDROW(w + j), x0));
                 }
         }
         for (int64_t r = 0; r < R; ++r)

@@ -91,10 +91,10 @@ static void NAME(mstream)(const WT *restrict W, const float *restrict X, int64_t
                     const int64_t j1 = j0 + MSTREAM_LINE < len ? j0 + MSTREAM_LINE : len;
                     for (int64_t j = j0; j < j1; j += ROW_LANES) {
                         ROW_T s = LDACC(acc[0] + j);
-                        s = s + LDROW(w + j) * x0;
-                        s = s + LDROW(w + N + j) * x1;
-                        s = s + LDROW(w + 2 * N + j) * x2;
-                        s = s + LDROW(w + 3 * N + j) * x3;
+                        s = vfmas(s, LDROW(w + j), x0);
+                        s = vfmas(s, LDROW(w + N + j), x1);
+                        s = vfmas(s, LDROW(w + 2 * N + j), x2);
+                        s = vfmas(s, LDROW(w + 3 * N + j), x3);
                         STROW(acc[0] + j, s);
                     }
                 }
@@ -107,10 +107,10 @@ static void NAME(mstream)(const WT *restrict W, const float *restrict X, int64_t
                 for (int64_t r = 0; r < R; ++r) {
                     const float *x = X + r * ldx + i;
                     ROW_T s = LDACC(acc[r] + j);
-                    s = s + w0 * x[0];
-                    s = s + w1 * x[1];
-                    s = s + w2 * x[2];
-                    s = s + w3 * x[3];
+                    s = vfmas(s, w0, x[0]);
+                    s = vfmas(s, w1, x[1]);
+                    s = vfmas(s, w2, x[2]);
+                    s = vfmas(s, w3, x[3]);
                     STROW(acc[r] + j, s);
                 }
             }
@@ -120,7 +120,7 @@ static void NAME(mstream)(const WT *restrict W, const float *restrict X, int64_t
             for (int64_t j = 0; j < len; j += ROW_LANES) {
                 const ROW_T wv = LDROW(w + j);
                 for (int64_t r = 0; r < R; ++r)
-                    STROW(acc[r] + j, LDACC(acc[r] + j) + wv * X[r * ldx + i]);
+                    STROW(acc[r] + j, vfmas(LDACC(acc[r] + j), wv, X[r * ldx + i]));
             }
         }
         for (int64_t r = 0; r < R; ++r)

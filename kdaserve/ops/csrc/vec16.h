@@ -38,4 +38,30 @@ static inline vregf ldvf(const float *p) { return *(const vregf *)(const void *)
 
 static inline void stvf(float *p, vregf v) { *(vregf *)(void *)p = v; }
 
+/* acc + a * s, every lane by the scalar s: one fused multiply-add, rounded once, where the
+ * target has one (x86-64-v3 and v4, aarch64); else a product and a sum. The build is ISO C,
+ * so the compiler contracts nothing on its own: each kernel that sums with vfmas does so in
+ * all its forms (the products' tiles, streamed rows and tails; KDA's recurrence), which keeps
+ * a row's result the same bits whatever its batch. Why: on the AVX2 EPYC (Zen 3) the outer
+ * products' tiles ran the demo's 32-row fused decode step 12% faster fused than as a product
+ * and an add (docs/benchmarks.md). */
+#if VREG_LANES == 8 && defined(__FMA__)
+#include <immintrin.h>
+static inline vregf vfmas(vregf acc, vregf a, float s) {
+    return (vregf)_mm256_fmadd_ps((__m256)a, _mm256_set1_ps(s), (__m256)acc);
+}
+#elif VREG_LANES == 16 && defined(__AVX512F__)
+#include <immintrin.h>
+static inline vregf vfmas(vregf acc, vregf a, float s) {
+    return (vregf)_mm512_fmadd_ps((__m512)a, _mm512_set1_ps(s), (__m512)acc);
+}
+#elif VREG_LANES == 4 && defined(__aarch64__)
+#include <arm_neon.h>
+static inline vregf vfmas(vregf acc, vregf a, float s) {
+    return (vregf)vfmaq_n_f32((float32x4_t)acc, (float32x4_t)a, s);
+}
+#else
+static inline vregf vfmas(vregf acc, vregf a, float s) { return acc + a * s; }
+#endif
+
 #endif
