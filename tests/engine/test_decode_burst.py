@@ -82,7 +82,11 @@ def test_bursts_equal_single_steps(fused: bool):
             if w[2] is not None:          # logprobs, token by token
                 for a, b in zip(g[2], w[2]):
                     assert a.keys() == b.keys(), (a, b)
-                    assert list(a.values()) == pytest.approx(list(b.values()), rel=1e-6, abs=1e-6), (a, b)
+                    if fused:         # the fused rows sum the same whatever the batch
+                        assert a == b
+                    else:             # the torch forms' batches differ: arrivals are
+                        # admitted at other steps when requests end inside bursts
+                        assert list(a.values()) == pytest.approx(list(b.values()), rel=1e-5)
         assert max(k for k, _, _ in seen) == steps        # bursts ran
         if steps == 4:
             # the stops end requests inside bursts: only those rows may compute more
