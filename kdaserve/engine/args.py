@@ -89,8 +89,10 @@ class EngineArgs:
         "0: no limit (vLLM's behaviour)", parse=arg_types.slowdown)
     num_scheduler_steps: int = _arg(
         4, "a batch that only decodes runs up to this many forwards per scheduling decision "
-        "(within ~40 ms; not with speculative decoding, async scheduling, worker processes "
-        "or disaggregation); 1: one step at a time", parse=arg_types.positive_int)
+        "(within ~40 ms; not for requests with grammars or stop strings, nor with fixed "
+        "speculation, async scheduling, worker processes or disaggregation; adaptive "
+        "speculation: while its drafter sleeps); 1: one step at a time",
+        parse=arg_types.positive_int)
     # cache
     cache_memory: int = _arg(512 << 20, "memory for MLA pages and KDA state slots, e.g. "
                              "256MiB, 1GiB or bytes", parse=arg_types.parse_size,
