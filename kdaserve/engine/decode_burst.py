@@ -11,9 +11,9 @@ are dropped, as after a stop inside accepted drafts).
 
 This module is the scheduler's half (plain Python, no tensors); the runner's is
 engine/burst_forwards.py. A burst is planned only where its tokens cannot depend on anything
-the engine decides between steps. Every running request decodes one token (nothing waits, nothing was
-preempted, no drafts), with no grammar (masks follow each token), no stop strings (the
-detokenizer finds them), no cache transfer, no tokens in flight; the burst ends before:
+the engine decides between steps. Every running request decodes one token (nothing waits,
+nothing was preempted, no drafts), with no grammar (masks follow each token), no stop strings
+(the detokenizer finds them), no cache transfer, no tokens in flight; the burst ends before:
 - any request's max_tokens or the model length (no token is computed past the last);
 - a prefix-cache snapshot at a block boundary after its first step (its hash needs tokens
   the burst has not sampled yet).
