@@ -43,7 +43,7 @@ static inline void stvf(float *p, vregf v) { *(vregf *)(void *)p = v; }
  * so the compiler contracts nothing on its own: each kernel that sums with vfmas does so in
  * all its forms (the products' tiles, streamed rows and tails; KDA's recurrence), which keeps
  * a row's result the same bits whatever its batch. Why: on the AVX2 EPYC (Zen 3) the outer
- * products' tiles ran the demo's 32-row fused decode step 12% faster fused than as a product
+ * products' tiles ran the demo's 32-row fused decode step 10.5% faster fused than as a product
  * and an add (docs/benchmarks.md). */
 #if VREG_LANES == 8 && defined(__FMA__)
 #include <immintrin.h>
