@@ -44,10 +44,10 @@ def _record(llm: LLM) -> list[tuple[int, list[int], int]]:
     return seen
 
 
-def _run(llm: LLM, prompts, sp) -> list[tuple[list[int], str, list | None]]:
+def _run(llm: LLM, prompts, sp) -> list[tuple[list[int], str, list | None, int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.outputs[0].logprobs)
-            for o in outs]
+    return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.outputs[0].logprobs,
+             o.num_cached_tokens) for o in outs]
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch"])
@@ -67,7 +67,8 @@ def test_bursts_equal_single_steps(fused: bool):
     stopped = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=stops)
     sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=30, repetition_penalty=1.3,
                              presence_penalty=0.5, logprobs=2)
-    again = [prompts[1] + want[1][0][:6] + want[2][0][:20]]
+    # request 0's blocks 16-31 and 32-47 were completed by decode steps: their snapshots
+    again = [prompts[0] + want[0][0][:30]]
     cases = [(prompts, stopped), (prompts, sampled), (again, greedy[0])]
     want += [r for ps, sp in cases for r in _run(one, ps, sp)]
     rows_one = one.engine.runner.num_forward_tokens
@@ -87,6 +88,7 @@ def test_bursts_equal_single_steps(fused: bool):
                     else:             # the torch forms' batches differ: arrivals are
                         # admitted at other steps when requests end inside bursts
                         assert list(a.values()) == pytest.approx(list(b.values()), rel=1e-5)
+        assert got[-1][3] == want[-1][3] == 32          # the hit on decode's snapshots
         assert max(k for k, _, _ in seen) == steps        # bursts ran
         if steps == 4:
             # the stops end requests inside bursts: only those rows may compute more
