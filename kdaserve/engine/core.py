@@ -356,7 +356,8 @@ class EngineCore:
                                         sum(len(t) for t in result.sampled.values()), seconds)
         if self.config.speculative is not None and not out.is_empty:
             self._spec_time(out, result, seconds)
-        if all(s.is_decode for s in out.sequences) and not out.is_empty:
+        if (self.scheduler.max_burst > 1 and not out.is_empty      # read by bursts alone
+                and all(s.is_decode for s in out.sequences)):
             self.scheduler.decode_seconds = step_seconds
         if self.scheduler.guard is not None:
             self.scheduler.guard.observe_step(out, step_seconds)
