@@ -51,18 +51,36 @@ static inline void NAME(mshare)(int64_t n, int64_t unit, int64_t t, int64_t nt, 
 }
 
 #define MOE_STREAM_SUMS 8192
-/* The four rows of a pass are four short streams (a row's run of the chunk), which the
- * hardware prefetcher restarts at each pass; the lines MSTREAM_ROWS_AHEAD rows on are asked
- * for as each line of the pass is read. */
-#ifndef MSTREAM_ROWS_AHEAD
-#define MSTREAM_ROWS_AHEAD 8
+/* The weights of a later pass asked for while a pass runs, in address order: a pass reads
+ * four rows at once, four streams a row apart, and this machine served them at ~22 GB/s
+ * however far ahead each stream was prefetched, against ~28-30 GB/s when the same lines were
+ * asked for one after another, a line a step per row (the passes' rows are consecutive, so a
+ * whole-width product is one run: docs/benchmarks.md, thirteenth session). The cursor walks
+ * the rows [a, a + len) of the pass MSTREAM_AHEAD_BYTES on, row by row, four lines a step: a
+ * pass has four rows of steps, so it covers that pass exactly. */
+#ifndef MSTREAM_AHEAD_BYTES
+#define MSTREAM_AHEAD_BYTES 8192
 #endif
 #define MSTREAM_LINE ((int64_t)(64 / sizeof(WT)))
-#define MSTREAM_AHEAD(w, N, j)                                                               \
-    do {                                                                                     \
-        for (int r_ = 0; MSTREAM_ROWS_AHEAD && r_ < 4; ++r_)                                  \
-            __builtin_prefetch((w) + (MSTREAM_ROWS_AHEAD + r_) * (N) + (j), 0, 3);           \
-    } while (0)
+struct NAME(mcursor) {
+    const WT *row;                   /* the row of the pass ahead the cursor is in */
+    int64_t col, len, N, ahead;      /* ahead: rows from the pass read to the pass asked for */
+};
+static inline struct NAME(mcursor) NAME(mcursor_at)(int64_t N, int64_t len) {
+    const int64_t pass = 4 * len * (int64_t)sizeof(WT);
+    struct NAME(mcursor) c = {NULL, 0, len, N, 4 * ((MSTREAM_AHEAD_BYTES + pass - 1) / pass)};
+    return c;
+}
+static inline void NAME(mcursor_pass)(struct NAME(mcursor) *c, const WT *w) {
+    c->row = w + c->ahead * c->N, c->col = 0;
+}
+static inline void NAME(mcursor_step)(struct NAME(mcursor) *c) {
+    for (int q = 0; q < 4; ++q) {
+        __builtin_prefetch(c->row + c->col, 0, 3);
+        c->col += MSTREAM_LINE;
+        if (c->col >= c->len) c->col = 0, c->row += c->N;
+    }
+}
 /* outer_rows_stream's sums over rows [k0, k1) of W for outputs [n0, n1) (16-multiples) of R
  * <= MOE_SPLIT_ROWS rows: each output adds x[i] w[i, n] in i order, y = y + x w, the same
  * bits; four weight rows go through the running sums per pass instead of one, so that the
@@ -82,12 +100,14 @@ static void NAME(mstream)(const WT *restrict W, const float *restrict X, int64_t
         const int64_t len = n1 - a < CH ? n1 - a : CH;
         for (int64_t r = 0; r < R; ++r) memset(acc[r], 0, sizeof(float) * (size_t)len);
         int64_t i = k0;
+        struct NAME(mcursor) pf = NAME(mcursor_at)(N, len);
         for (; i + 4 <= k1; i += 4) {
             const WT *w = W + i * N + a;
+            NAME(mcursor_pass)(&pf, w);
             if (R == 1) {
                 const float x0 = X[i], x1 = X[i + 1], x2 = X[i + 2], x3 = X[i + 3];
                 for (int64_t j0 = 0; j0 < len; j0 += MSTREAM_LINE) {
-                    MSTREAM_AHEAD(w, N, j0);
+                    NAME(mcursor_step)(&pf);
                     const int64_t j1 = j0 + MSTREAM_LINE < len ? j0 + MSTREAM_LINE : len;
                     for (int64_t j = j0; j < j1; j += ROW_LANES) {
                         ROW_T s = LDACC(acc[0] + j);
@@ -101,7 +121,7 @@ static void NAME(mstream)(const WT *restrict W, const float *restrict X, int64_t
                 continue;
             }
             for (int64_t j = 0; j < len; j += ROW_LANES) {
-                if (j % MSTREAM_LINE == 0) MSTREAM_AHEAD(w, N, j);
+                if (j % MSTREAM_LINE == 0) NAME(mcursor_step)(&pf);
                 const ROW_T w0 = LDROW(w + j), w1 = LDROW(w + N + j), w2 = LDROW(w + 2 * N + j),
                             w3 = LDROW(w + 3 * N + j);
                 for (int64_t r = 0; r < R; ++r) {
