@@ -10,13 +10,6 @@ import os
 # takes time from them (~1% of a single-stream decode's samples on 2 cores). A user's setting
 # wins; numpy imported before kdaserve has its pool already.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-# Weights in transparent huge pages: decode reads every weight once a token, and in 4 KiB pages
-# each 4 KiB of a stream costs a TLB miss and a restart of the hardware prefetcher. torch's own
-# switch puts its CPU allocations of 2 MiB or more in huge pages; it is read at torch's first
-# allocation, so it is set here, before kdaserve imports torch (a process that imported torch
-# first keeps its setting: kdaserve/ops/host_memory.py advises the decode weights then).
-if os.environ.get("KDASERVE_HUGE_PAGES", "1") != "0":
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 __version__ = "0.1.0"
 

@@ -17,7 +17,6 @@ from kdaserve.model.layers import MLP
 from kdaserve.model.moe import SparseMoE
 from kdaserve.model.packed_args import Descriptors, has_packed
 from kdaserve.ops.cpu_linear import k_major
-from kdaserve.ops.host_memory import advise_huge_pages
 from kdaserve.ops.moe_kernel import activation_args
 
 _I, _F = ctypes.c_int64, ctypes.c_float
@@ -59,7 +58,6 @@ class BlockArgs:
         if t.dtype != self.wdtype or not t.is_contiguous():
             t = t.to(self.wdtype).contiguous()
         self.keep.append(t)
-        advise_huge_pages(t)
         return _p(t)
 
     def _wt(self, m: nn.Module | torch.Tensor) -> ctypes.c_void_p:

@@ -7,14 +7,6 @@ buffers) whose pages then fault in again on every step: on the 2-core developmen
 that was ~20% of a 64-request decode step. Raising the mmap threshold to glibc's maximum and
 keeping freed memory in the process makes those allocations reuse warm pages.
 KDASERVE_TUNE_MALLOC=0 leaves the allocator alone.
-
-The weights that decode streams belong in transparent huge pages (2 MiB): in 4 KiB pages every
-4 KiB read is a TLB miss and the hardware prefetcher stops at each page's end. On the AVX2
-development machine a memory-bound bf16 model's fused decode step took 7% less once its
-weights were in huge pages (docs/benchmarks.md, thirteenth session). kdaserve/__init__.py turns
-on torch's own switch for that (THP_MEM_ALLOC_ENABLE) before torch is imported; where torch
-came first, advise_huge_pages marks the decode weights for the kernel's collapsing thread.
-KDASERVE_HUGE_PAGES=0 leaves both alone.
 """
 
 from __future__ import annotations
@@ -32,9 +24,6 @@ _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD = 32 << 20        # glibc's upper bound on 64-bit (HEAP_MAX_SIZE / 2)
 _TRIM_THRESHOLD = 1 << 30
 _done = False
-_HUGE = 2 << 20
-_MADV_HUGEPAGE = 14
-_madvise = None
 
 
 def tune_host_allocator() -> bool:
@@ -73,29 +62,3 @@ def freeze_startup_heap() -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
-
-
-def advise_huge_pages(t) -> None:
-    """Mark the whole 2 MiB pages inside a CPU tensor's memory for transparent huge pages
-    (madvise MADV_HUGEPAGE): already huge where torch allocated it with its switch on (a no-op
-    then); else khugepaged collapses them in the background. Never fails."""
-    global _madvise
-    if os.environ.get("KDASERVE_HUGE_PAGES", "1") == "0" or t.device.type != "cpu":
-        return
-    begin = t.data_ptr()
-    end = begin + t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
-    begin = -(-begin // _HUGE) * _HUGE
-    end = end // _HUGE * _HUGE
-    if end <= begin:
-        return
-    if _madvise is None:
-        name = ctypes.util.find_library("c")
-        try:
-            fn = ctypes.CDLL(name).madvise if name else None
-        except (OSError, AttributeError):
-            fn = None
-        if fn is not None:
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _madvise = fn or False
-    if _madvise:
-        _madvise(begin, end - begin, _MADV_HUGEPAGE)     # EINVAL without THP: nothing to do
