@@ -180,6 +180,43 @@ def test_many_rows_split_over_threads_equal_one_row_at_a_time(dtype, shape):
     torch.testing.assert_close(together, want, rtol=1e-4, atol=1e-4)
 
 
+def test_bf16_lone_row_is_the_same_on_any_thread_count():
+    """A lone bf16 row's products split over the threads (csrc/rows_split.h): two threads
+    take a K half each, four split each half's outputs in two ranges (whose streams prefetch
+    their own rows' runs), one runs them whole; every product sums the same halves in the same
+    order, so the logits and the cache are the same bits."""
+    cfg = tiny_config(**WIDE_BF16)
+    model = random_model(cfg, seed=11).to(torch.bfloat16).fuse_for_inference()
+    rows, bs = 2, 4
+    cache = HybridCache.allocate(cfg, 4 * rows + 1, bs, rows + 1, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, cfg.vocab_size, (5 + 4 * i,), generator=g).tolist()
+               for i in range(rows)]
+    tables = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(rows)]
+    slots = list(range(1, rows + 1))
+    _prefill(model, cache, tables, slots, prompts)
+    before = torch.get_num_threads()
+    outs = {}
+    try:
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            mine = _clone(cache)
+            fused = fused_decoder(model, mine)
+            ids = torch.tensor([7, 11])
+            ctx = torch.tensor([len(p) for p in prompts])
+            logits = torch.cat([fused(ids[i:i + 1], ctx[i:i + 1], torch.tensor(slots[i:i + 1]),
+                                      torch.tensor(tables[i:i + 1]), mine)
+                                for i in range(rows)])
+            outs[threads] = (logits, mine)
+    finally:
+        torch.set_num_threads(before)
+    for threads in (2, 4):
+        assert torch.equal(outs[threads][0], outs[1][0]), threads
+        for name in ("kda_states", "kda_conv", "mla_pages"):
+            for a, b in zip(getattr(outs[threads][1], name), getattr(outs[1][1], name)):
+                assert torch.equal(a, b), (threads, name)
+
+
 @pytest.mark.parametrize("gate", ["low_rank", "full_rank"])
 @pytest.mark.parametrize("experts", ["transposed", "checkpoint"])
 def test_bf16_step_matches_fp32_forward_of_the_rounded_weights(gate, experts):
