@@ -50,17 +50,38 @@
  * within 1.5e-4 of the torch forward's, logits within its 5e-4); summing in blocks of 32-128
  * to tighten it halved the speed in a microbenchmark. At 32 rows a step runs ~1.1-1.2x faster
  * than with the dot-product form above, which must reduce its lanes. */
+/* lines asked for in address order, a few a step (tiles_blocked.h): rows ld bytes apart,
+ * bytes [0, len) of each from row */
+#ifndef TCURSOR_HINT
+#define TCURSOR_HINT 2
+#endif
+struct NAME(tcursor) {
+    const char *row;
+    int64_t off, len, ld, left;
+};
+static inline void NAME(tcursor_step)(struct NAME(tcursor) *c, int64_t lines) {
+    for (; lines > 0 && c->left > 0; --lines, --c->left) {
+        __builtin_prefetch(c->row + c->off, 0, TCURSOR_HINT);
+        c->off += 64;
+        if (c->off >= c->len) c->off = 0, c->row += c->ld;
+    }
+}
+
 static inline __attribute__((always_inline)) void NAME(outer_tile)(
         const WT *restrict W, const float *restrict X, int64_t ldx, float *restrict Y,
         int64_t ldy, int64_t N, int64_t k0, int64_t k1, int64_t n, int64_t b, const int R,
-        const int C, const int add) {
+        const int C, const int add, struct NAME(tcursor) *pf, int64_t pf_lines) {
     const int CV = C * VREGS16;       /* registers per tile row */
     vregf acc[6][2 * VREGS16];
+    /* add: 0 the sums stored, 1 y + the sums (ksplit.h's second half), 2 the running sums
+     * carried on from y (tiles_blocked.h's later K blocks: stored and reloaded exactly) */
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-        for (int c = 0; c < CV; ++c) acc[r][c] = (vregf){0};
+        for (int c = 0; c < CV; ++c)
+            acc[r][c] = add == 2 ? ldvf(Y + (b + r) * ldy + n + VREG_LANES * c) : (vregf){0};
     for (int64_t i = k0; i < k1; ++i) {
+        if (pf) NAME(tcursor_step)(pf, pf_lines);
         const WT *w = W + i * N + n;
         vregf wv[2 * VREGS16];
 #pragma GCC unroll 8
@@ -77,7 +98,7 @@ static inline __attribute__((always_inline)) void NAME(outer_tile)(
 #pragma GCC unroll 8
         for (int c = 0; c < CV; ++c) {
             float *y = Y + (b + r) * ldy + n + VREG_LANES * c;
-            if (add) stvf(y, ldvf(y) + acc[r][c]);
+            if (add == 1) stvf(y, ldvf(y) + acc[r][c]);
             else stvf(y, acc[r][c]);
         }
 }
@@ -87,6 +108,6 @@ static inline __attribute__((always_inline)) void NAME(outer_tile_k)(
         const WT *restrict W, const float *restrict X, int64_t ldx, float *restrict Y,
         int64_t ldy, int64_t N, int64_t K, int64_t KH, int64_t n, int64_t b, const int R,
         const int C) {
-    NAME(outer_tile)(W, X, ldx, Y, ldy, N, 0, KH, n, b, R, C, 0);
-    if (KH < K) NAME(outer_tile)(W, X, ldx, Y, ldy, N, KH, K, n, b, R, C, 1);
+    NAME(outer_tile)(W, X, ldx, Y, ldy, N, 0, KH, n, b, R, C, 0, NULL, 0);
+    if (KH < K) NAME(outer_tile)(W, X, ldx, Y, ldy, N, KH, K, n, b, R, C, 1, NULL, 0);
 }
