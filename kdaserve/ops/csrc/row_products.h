@@ -141,7 +141,7 @@ static void NAME(matmat_tw)(const WT *restrict W, int64_t ldw, const float *rest
      * thread one contiguous K half); 2-4 rows, or a row on one thread (an expert of the
      * blocks' item loop), ran 1.2-4x faster through the blocked tiles (a [1024 x 1024] out
      * of cache, AVX-512 EPYC: bf16 3 rows on one thread 646 -> 132 us) */
-    const int big = (int64_t)sizeof(WT) * N * K >= TILE_BLOCKED_BYTES && K > TILE_KBLOCK_FEW;
+    const int big = (int64_t)sizeof(WT) * N * K >= TILE_BLOCKED_BYTES && K > tile_kblock(B);
     const int64_t stream_rows = !big ? STREAM_ROWS : team_threads() > 1 ? 1 : 0;
     if (B <= stream_rows && KH < K) {
         /* few rows of a split product: the threads take (half, output range) parts, so with

@@ -4,23 +4,23 @@
  * A tile column reads 64- or 128-byte runs of every weight row, a row apart: with the matrix
  * out of cache that walk ran at 4-6 GB/s of weights (a bf16 [1024 x 1024] product of 8 rows,
  * 96 matrices in turn: 356 us against 146 with the matrix in cache, AVX-512 EPYC; fp32 at 8
- * rows 33 against 102 GFLOPS). So a large product runs TILE_KBLOCK rows of K at a time: every
- * tile column of the thread's range over the block, the sums carried from block to block in Y
- * (stored and reloaded, exact), while the next block's rows are asked for in address order, a
- * share per tile column. Each output still sums x[i] w[i, n] in i order from zero over each
+ * rows 33 against 102 GFLOPS). So a large product runs blocks of K rows (tile_kblock) at a
+ * time: every tile column of the thread's range over the block, the sums carried from block to
+ * block in Y (stored and reloaded, exact), while the next block's rows are asked for in
+ * address order (into L2), a few lines at each step of the block's first tiles. Each output still sums x[i] w[i, n] in i order from zero over each
  * K half (ksplit.h; the second half's in T, then y + t, as outer_tile_k's add): the same bits
  * as the unblocked tiles and the streamed rows. */
 
-#ifndef TILE_KBLOCK_FEW
-#define TILE_KBLOCK_FEW 64            /* up to TILE_FEW_ROWS rows */
-#endif
-#ifndef TILE_KBLOCK_MANY
-#define TILE_KBLOCK_MANY 256
-#endif
-#define TILE_FEW_ROWS 24
-/* matrices from this size on (smaller ones mostly stay in cache between steps) */
+#ifndef KDASERVE_TILES_BLOCKED
+#define KDASERVE_TILES_BLOCKED
+/* rows of K a block: 64 up to 24 rows, 256 beyond, where the sums' trips through Y cost more
+ * (bf16 at 32 and 64 rows: 64-row blocks 0.9x the unblocked tiles, 256-row blocks 1.1-1.3x) */
+static inline int64_t tile_kblock(int64_t B) { return B <= 24 ? 64 : 256; }
+/* matrices from this size on, of more than one block: the rest (the demo's, in cache) keep
+ * the unblocked tiles and their prefetch of the next tile column */
 #ifndef TILE_BLOCKED_BYTES
 #define TILE_BLOCKED_BYTES ((int64_t)1 << 20)
+#endif
 #endif
 
 /* rows b.. of tile column t (outputs 16t..) over rows [k0, k1) of W, into D (add as
@@ -63,7 +63,7 @@ static void NAME(tiles_blocked)(const WT *restrict W, int64_t ldw, const float *
     const int64_t skew = (int64_t)((uintptr_t)(W + n0) & 63);
     const int64_t rowlen = (int64_t)sizeof(WT) * (n1 - n0) + skew;
     const int64_t lines_per_row = (rowlen + 63) / 64;
-    const int64_t KB = B <= TILE_FEW_ROWS ? TILE_KBLOCK_FEW : TILE_KBLOCK_MANY;
+    const int64_t KB = tile_kblock(B);
     for (int h = 0; h < (KH < K ? 2 : 1); ++h) {
         const int64_t ks = h ? KH : 0, ke = h ? K : KH;
         float *D = h ? T : Y;
