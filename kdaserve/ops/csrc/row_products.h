@@ -137,12 +137,15 @@ static void NAME(matmat_tw)(const WT *restrict W, int64_t ldw, const float *rest
     const int64_t NT = N - N % TILE_OUT, N16 = N - N % 16;
     const int64_t KH = k_split_at(N, K, (int64_t)sizeof(WT));
     int64_t first = 0;                 /* outputs before it are done */
-    /* a matrix from memory (tiles_blocked.h) streams only a lone row on several threads (each
-     * thread one contiguous K half); 2-4 rows, or a row on one thread (an expert of the
-     * blocks' item loop), ran 1.2-4x faster through the blocked tiles (a [1024 x 1024] out
-     * of cache, AVX-512 EPYC: bf16 3 rows on one thread 646 -> 132 us) */
+    /* a matrix from memory (tiles_blocked.h) streams only a lone row: 2-4 rows, and a bf16
+     * row on one thread (an expert of the blocks' item loop), ran 1.4-4x faster through the
+     * blocked tiles (a [1024 x 1024] out of cache, AVX-512 EPYC: bf16 3 rows on one thread
+     * 646 -> 132 us, a bf16 row 132-176 -> 91-97); an fp32 row on one thread ran even
+     * (217-255 against 210-271 us), and in cache (the demo's padded LM head, a server's
+     * --torch-threads 1) keeps the stream it was tuned on */
     const int big = (int64_t)sizeof(WT) * N * K >= TILE_BLOCKED_BYTES && K > tile_kblock(B);
-    const int64_t stream_rows = !big ? STREAM_ROWS : team_threads() > 1 ? 1 : 0;
+    const int64_t stream_rows =
+        !big ? STREAM_ROWS : team_threads() > 1 || sizeof(WT) == sizeof(float) ? 1 : 0;
     if (B <= stream_rows && KH < K) {
         /* few rows of a split product: the threads take (half, output range) parts, so with
          * two threads each reads one contiguous half of the matrix (ksplit.h); the first half

@@ -7,9 +7,10 @@
  * rows 33 against 102 GFLOPS). So a large product runs blocks of K rows (tile_kblock) at a
  * time: every tile column of the thread's range over the block, the sums carried from block to
  * block in Y (stored and reloaded, exact), while the next block's rows are asked for in
- * address order (into L2), a few lines at each step of the block's first tiles. Each output still sums x[i] w[i, n] in i order from zero over each
- * K half (ksplit.h; the second half's in T, then y + t, as outer_tile_k's add): the same bits
- * as the unblocked tiles and the streamed rows. */
+ * address order (into L2), a few lines at each step of the block's first tiles. Each output
+ * still sums x[i] w[i, n] in i order from zero over each K half (ksplit.h; the second half's
+ * in T, then y + t, as outer_tile_k's add): the same bits as the unblocked tiles and the
+ * streamed rows. */
 
 #ifndef KDASERVE_TILES_BLOCKED
 #define KDASERVE_TILES_BLOCKED
