@@ -50,18 +50,19 @@
  * within 1.5e-4 of the torch forward's, logits within its 5e-4); summing in blocks of 32-128
  * to tighten it halved the speed in a microbenchmark. At 32 rows a step runs ~1.1-1.2x faster
  * than with the dot-product form above, which must reduce its lanes. */
-/* lines asked for in address order, a few a step (tiles_blocked.h): rows ld bytes apart,
- * bytes [0, len) of each from row */
-#ifndef TCURSOR_HINT
-#define TCURSOR_HINT 2
-#endif
+/* lines asked for in address order, a few a step: rows ld bytes apart, bytes [0, len) of each
+ * from row, `left` lines in all (tiles_blocked.h's next block; rows_split.h's pass ahead).
+ * hint: the prefetch's locality, a constant at each call (3: into L1, 2: into L2) */
 struct NAME(tcursor) {
     const char *row;
     int64_t off, len, ld, left;
 };
-static inline void NAME(tcursor_step)(struct NAME(tcursor) *c, int64_t lines) {
+static inline __attribute__((always_inline)) void NAME(tcursor_step)(struct NAME(tcursor) *c,
+                                                                     int64_t lines,
+                                                                     const int hint) {
     for (; lines > 0 && c->left > 0; --lines, --c->left) {
-        __builtin_prefetch(c->row + c->off, 0, TCURSOR_HINT);
+        if (hint == 3) __builtin_prefetch(c->row + c->off, 0, 3);
+        else __builtin_prefetch(c->row + c->off, 0, 2);
         c->off += 64;
         if (c->off >= c->len) c->off = 0, c->row += c->ld;
     }
@@ -81,7 +82,7 @@ static inline __attribute__((always_inline)) void NAME(outer_tile)(
         for (int c = 0; c < CV; ++c)
             acc[r][c] = add == 2 ? ldvf(Y + (b + r) * ldy + n + VREG_LANES * c) : (vregf){0};
     for (int64_t i = k0; i < k1; ++i) {
-        if (pf) NAME(tcursor_step)(pf, pf_lines);
+        if (pf) NAME(tcursor_step)(pf, pf_lines, 2);
         const WT *w = W + i * N + n;
         vregf wv[2 * VREGS16];
 #pragma GCC unroll 8

@@ -62,24 +62,13 @@ static inline void NAME(mshare)(int64_t n, int64_t unit, int64_t t, int64_t nt, 
 #define MSTREAM_AHEAD_BYTES 8192
 #endif
 #define MSTREAM_LINE ((int64_t)(64 / sizeof(WT)))
-struct NAME(mcursor) {
-    const WT *row;                   /* the row of the pass ahead the cursor is in */
-    int64_t col, len, N, ahead;      /* ahead: rows from the pass read to the pass asked for */
-};
-static inline struct NAME(mcursor) NAME(mcursor_at)(int64_t N, int64_t len) {
-    const int64_t pass = 4 * len * (int64_t)sizeof(WT);
-    struct NAME(mcursor) c = {NULL, 0, len, N, 4 * ((MSTREAM_AHEAD_BYTES + pass - 1) / pass)};
+/* the cursor (outer_tiles.h's tcursor, into L1) over the pass `ahead` rows on, for a pass of
+ * len outputs: four lines a step, so that a pass's steps cover the pass ahead exactly */
+static inline struct NAME(tcursor) NAME(mcursor_pass)(const WT *w, int64_t N, int64_t len,
+                                                      int64_t ahead) {
+    struct NAME(tcursor) c = {(const char *)(w + ahead * N), 0, (int64_t)sizeof(WT) * len,
+                              (int64_t)sizeof(WT) * N, INT64_MAX};
     return c;
-}
-static inline void NAME(mcursor_pass)(struct NAME(mcursor) *c, const WT *w) {
-    c->row = w + c->ahead * c->N, c->col = 0;
-}
-static inline void NAME(mcursor_step)(struct NAME(mcursor) *c) {
-    for (int q = 0; q < 4; ++q) {
-        __builtin_prefetch(c->row + c->col, 0, 3);
-        c->col += MSTREAM_LINE;
-        if (c->col >= c->len) c->col = 0, c->row += c->N;
-    }
 }
 /* outer_rows_stream's sums over rows [k0, k1) of W for outputs [n0, n1) (16-multiples) of R
  * <= MOE_SPLIT_ROWS rows: each output adds x[i] w[i, n] in i order, y = y + x w, the same
@@ -100,14 +89,16 @@ static void NAME(mstream)(const WT *restrict W, const float *restrict X, int64_t
         const int64_t len = n1 - a < CH ? n1 - a : CH;
         for (int64_t r = 0; r < R; ++r) memset(acc[r], 0, sizeof(float) * (size_t)len);
         int64_t i = k0;
-        struct NAME(mcursor) pf = NAME(mcursor_at)(N, len);
+        /* rows from the pass read to the pass asked for */
+        const int64_t pass = 4 * len * (int64_t)sizeof(WT);
+        const int64_t ahead = 4 * ((MSTREAM_AHEAD_BYTES + pass - 1) / pass);
         for (; i + 4 <= k1; i += 4) {
             const WT *w = W + i * N + a;
-            NAME(mcursor_pass)(&pf, w);
+            struct NAME(tcursor) pf = NAME(mcursor_pass)(w, N, len, ahead);
             if (R == 1) {
                 const float x0 = X[i], x1 = X[i + 1], x2 = X[i + 2], x3 = X[i + 3];
                 for (int64_t j0 = 0; j0 < len; j0 += MSTREAM_LINE) {
-                    NAME(mcursor_step)(&pf);
+                    NAME(tcursor_step)(&pf, 4, 3);
                     const int64_t j1 = j0 + MSTREAM_LINE < len ? j0 + MSTREAM_LINE : len;
                     for (int64_t j = j0; j < j1; j += ROW_LANES) {
                         ROW_T s = LDACC(acc[0] + j);
@@ -121,7 +112,7 @@ static void NAME(mstream)(const WT *restrict W, const float *restrict X, int64_t
                 continue;
             }
             for (int64_t j = 0; j < len; j += ROW_LANES) {
-                if (j % MSTREAM_LINE == 0) NAME(mcursor_step)(&pf);
+                if (j % MSTREAM_LINE == 0) NAME(tcursor_step)(&pf, 4, 3);
                 const ROW_T w0 = LDROW(w + j), w1 = LDROW(w + N + j), w2 = LDROW(w + 2 * N + j),
                             w3 = LDROW(w + 3 * N + j);
                 for (int64_t r = 0; r < R; ++r) {
