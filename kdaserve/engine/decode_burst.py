@@ -11,9 +11,13 @@ are dropped, as after a stop inside accepted drafts).
 
 This module is the scheduler's half (plain Python, no tensors); the runner's is
 engine/burst_forwards.py. A burst is planned only where its tokens cannot depend on anything
-the engine decides between steps. Every running request decodes one token (nothing waits,
-nothing was preempted, no drafts), with no grammar (masks follow each token), no stop strings
-(the detokenizer finds them), no cache transfer, no tokens in flight; the burst ends before:
+the engine decides between steps. Every running request decodes one token (nothing
+was preempted, no drafts), with no grammar (masks follow each token), no stop strings (the
+detokenizer finds them), no cache transfer, no tokens in flight. Nothing waits, unless what is
+left out is long prompts the decode guard holds back this step (engine/decode_guard.py): the
+steps the burst replaces would not carry them either, so the decodes beside a long prompt run
+at a burst's pace, and the burst ends where the guard's credit buys the prompt's next chunk
+(each of its forwards earns that credit as a plain step does). The burst ends before:
 - any request's max_tokens or the model length (no token is computed past the last);
 - a prefix-cache snapshot at a block boundary after its first step (its hash needs tokens
   the burst has not sampled yet).
@@ -47,9 +51,15 @@ def burst_steps(sched: Scheduler, scheduled: Sequence[tuple[Request, int]],
         return 1             # an awake drafter plans each step
     if sched.decode_seconds > 0:
         steps = min(steps, max(1, int(BURST_SECONDS / sched.decode_seconds)))
-    if (steps <= 1 or not scheduled or sched.waiting or preempted or drafts
-            or len(scheduled) != len(sched.running)):
+    if steps <= 1 or not scheduled or preempted or drafts:
         return 1
+    held = _held_bulk(sched, scheduled)
+    if held is None:
+        return 1
+    if held:
+        steps = min(steps, sched.guard.steps_to_chunk())
+        if steps <= 1:
+            return 1
     bs, prefix = sched.cache.block_size, sched.cache.prefix_caching
     max_len = sched.config.max_model_len
     for req, n in scheduled:
@@ -68,4 +78,23 @@ def burst_steps(sched: Scheduler, scheduled: Sequence[tuple[Request, int]],
             return 1         # what was taken stays the request's: its next steps use it
     if sched.spec_policy is not None:
         sched.spec_policy.slept(steps - 1)
+    if held:
+        sched.guard.earn(steps - 1)
     return steps
+
+
+def _held_bulk(sched: Scheduler, scheduled: Sequence[tuple[Request, int]]) -> bool | None:
+    """False: every request runs in this step and nothing waits. True: what is left out is
+    long prompts the decode guard holds back this step (engine/decode_guard.py): they would
+    wait for the plain steps the burst replaces anyway, and the burst ends where the guard's
+    credit buys their next chunk. None: a burst would keep something else waiting."""
+    ran = {q.request_id for q, _ in scheduled}
+    left = [r for r in sched.running if r.request_id not in ran] + list(sched.waiting)
+    if not left:
+        return False
+    guard = sched.guard
+    if guard is None or sched.bulk_room() != 0:
+        return None
+    if not all(guard.is_bulk(r.num_tokens - r.num_cached_tokens) for r in left):
+        return None
+    return True

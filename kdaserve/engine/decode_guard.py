@@ -29,6 +29,7 @@ step, the same rule leaves chunks whole. Plain Python: the scheduler owns it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kdaserve.engine.spec.step_cost import StepCostModel
@@ -49,6 +50,7 @@ class DecodeGuard:
     cost: StepCostModel = field(default_factory=StepCostModel)
     credit: float = 0.0        # seconds
     _per_chunk: tuple[float, float] | None = None     # (b, extra) of the last budget
+    _earning: tuple[float, float, float] = (0.0, 0.0, 0.0)  # (earned, need, cap), last budget
     _plain: tuple[float, float] | None = None   # decode-only steps: (seconds, rows), EWMA
 
     def observe(self, prefill_tokens: int, decoding: int, seconds: float) -> None:
@@ -100,7 +102,23 @@ class DecodeGuard:
         self.credit = min(self.credit + earned, cap)
         tokens = int((self.credit - extra) / b)
         self._per_chunk = (b, extra)
+        self._earning = (earned, extra + b * self.min_chunk, cap)
         return tokens if tokens >= self.min_chunk else 0
+
+    def steps_to_chunk(self) -> int:
+        """After a budget that held the bulk back: how many steps, this one included, run
+        without bulk before the credit buys the smallest chunk (what a decode burst may
+        replace; engine/decode_burst.py)."""
+        earned, need, _ = self._earning
+        if earned <= 0:
+            return 1
+        return max(1, math.ceil((need - self.credit) / earned))
+
+    def earn(self, steps: int) -> None:
+        """A burst ran `steps` more forwards for the waiting rows, each earning what a
+        plain step earns (its cost is their own measured one)."""
+        earned, _, cap = self._earning
+        self.credit = min(self.credit + steps * earned, cap)
 
     def charge(self, tokens: int) -> None:
         """The bulk tokens this step took: what they cost comes off the credit."""

@@ -253,6 +253,11 @@ class Scheduler:
         self._bulk_granted = cap or 0
         return None if cap is None else [cap]
 
+    def bulk_room(self) -> int | None:
+        """The bulk prefill tokens the decode guard granted the step being planned; None:
+        no cap."""
+        return None if self._bulk_left is None else self._bulk_granted
+
     def _reserve_for_waiting(self, budget: int) -> int:
         """Budget a partial prefill leaves for admitting waiting requests (at most half the
         step), so a short request arriving during a long prefill starts at the next step

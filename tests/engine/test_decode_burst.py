@@ -133,3 +133,53 @@ def test_bursts_are_off_where_the_engine_needs_each_step():
     assert _llm(4, speculative_method="ngram").engine.scheduler.max_burst == 4
     assert _llm(1).engine.scheduler.max_burst == 1
     assert _llm(4).engine.scheduler.max_burst == 4
+
+
+def test_bursts_beside_a_held_long_prompt_equal_single_steps():
+    """Decodes burst while the decode guard holds a long prompt back (engine/decode_guard.py):
+    greedy tokens and the long prompt's own output are those of one step at a time. The guard
+    is given a CPU-like cost model and no clock, so which steps hold the prompt is fixed."""
+    def build(steps):
+        llm = _llm(steps, max_model_len=1024)
+        g = llm.engine.scheduler.guard
+        for i in range(60):       # 2 ms a plain step, 12 ms more with prefill, 0.2 ms a token
+            prefill = (0, 0, 512, 37, 0, 300)[i % 6]
+            g.observe(prefill, 1 + i % 3, 2e-3 + 1e-4 * (1 + i % 3)
+                      + (12e-3 + 2e-4 * prefill if prefill else 0.0))
+        g.observe = lambda *a, **k: None
+        return llm
+
+    def run(llm):
+        seen = []                 # (forwards, the long prompt is still prefilling)
+        sched, execute = llm.engine.scheduler, llm.engine.runner.execute
+
+        def recording(out):
+            r = sched.requests.get("long")
+            seen.append((out.num_steps, r is not None and r.num_computed_tokens < len(long)))
+            return execute(out)
+        llm.engine.runner.execute = recording
+        vocab = llm.engine.model_config.vocab_size
+        short = _prompts(vocab, (5, 9, 7))
+        long = _prompts(vocab, (700,))[0]
+        sp = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+        engine = llm.engine
+        for i, p in enumerate(short):
+            engine.add_request(f"s{i}", p, sp)
+        got: dict[str, list[int]] = {}
+
+        def step():
+            for d in engine.step():
+                got.setdefault(d.request_id, []).extend(d.new_token_ids)
+        for _ in range(3):
+            step()
+        engine.add_request("long", long, SamplingParams(temperature=0.0, max_tokens=8,
+                                                        ignore_eos=True))
+        while engine.has_unfinished():
+            step()
+        return got, seen
+
+    want, one = run(build(1))
+    got, many = run(build(4))
+    assert got == want
+    assert all(k == 1 for k, _ in one)
+    assert any(k > 1 and prefilling for k, prefilling in many)

@@ -123,3 +123,56 @@ def test_short_request_starts_behind_capped_prompt_logprob_requests():
     got = run_step(s)
     assert got.get("short") == 5
     assert sum(n for rid, n in got.items() if rid.startswith("echo")) <= 512
+
+
+def burst_step(s: Scheduler) -> tuple[int, int]:
+    """run_step for a scheduler that may burst: (forwards, bulk tokens) of the step."""
+    out = s.schedule()
+    sampled = {q.request_id: [SampledToken(7)] * out.num_steps
+               for q in out.sequences if q.sample}
+    s.update(out, ModelRunnerOutput(sampled))
+    prefill = sum(len(q.token_ids) for q in out.sequences if not q.is_decode)
+    decoding = sum(1 for q in out.sequences if q.is_decode)
+    s.guard.observe(prefill, decoding, cost(prefill, decoding))
+    return out.num_steps, prefill
+
+
+def test_held_back_prompt_lets_the_decodes_burst_and_still_advances():
+    """While the guard holds a long prompt back, the decodes beside it run as bursts (the steps
+    they replace would carry no bulk either), each burst ending where the credit buys the next
+    chunk; the credit counts every forward, so the chunks come as they would step by step."""
+    def run(max_burst: int) -> tuple[list[tuple[int, int]], int]:
+        s = make()
+        s.max_burst = max_burst
+        s.add_request(req("d", 4, max_tokens=4000))
+        for _ in range(40):
+            burst_step(s)
+        s.add_request(req("long", 3000))
+        steps = []
+        while s.requests["long"].num_computed_tokens < 3000:
+            steps.append(burst_step(s))
+        return steps, sum(k for k, _ in steps)
+
+    plain, plain_forwards = run(1)
+    burst, burst_forwards = run(8)
+    assert all(k == 1 for k, _ in plain)
+    assert any(k > 1 for k, _ in burst)
+    assert all(p == 0 for k, p in burst if k > 1)       # a burst never carries bulk
+    assert sum(p for _, p in burst) == 3000
+    # the same credit per forward: the prompt needs as many forwards either way
+    assert abs(burst_forwards - plain_forwards) <= 8, (burst_forwards, plain_forwards)
+    assert len(burst) < len(plain) // 2
+
+
+def test_a_short_arrival_is_never_kept_behind_a_burst():
+    s = make()
+    s.max_burst = 8
+    s.add_request(req("d", 4, max_tokens=4000))
+    for _ in range(40):
+        burst_step(s)
+    s.add_request(req("long", 3000))
+    burst_step(s)
+    s.add_request(req("short", 5, max_tokens=8))
+    out = s.schedule()
+    assert out.num_steps == 1
+    assert {q.request_id for q in out.sequences} >= {"d", "short"}
