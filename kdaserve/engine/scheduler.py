@@ -246,6 +246,8 @@ class Scheduler:
         running = [self.guard.is_bulk(r.num_tokens - r.num_cached_tokens) for r in prefills]
         waiting = [self.guard.is_bulk(r.num_tokens - r.num_cached_tokens) for r in self.waiting]
         if not any(running) and not any(waiting):
+            if decoding or prefills or self.waiting:
+                self.guard.saw_sensitive()
             return None               # nothing to cut (and no fit to solve: most steps)
         free = self.config.max_num_seqs - len(self.running)
         short = running.count(False) + min(free, waiting.count(False))

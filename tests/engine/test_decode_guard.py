@@ -176,3 +176,35 @@ def test_a_short_arrival_is_never_kept_behind_a_burst():
     out = s.schedule()
     assert out.num_steps == 1
     assert {q.request_id for q in out.sequences} >= {"d", "short"}
+
+
+def test_bulk_alone_is_cut_to_the_arrival_bound_while_serving_and_whole_when_quiet():
+    g = DecodeGuard(2.0)
+    assert g.bulk_budget(0, 0) is None               # a fresh engine: nothing sensitive yet
+    g.bulk_budget(1, 0)                              # a decode ran
+    assert g.bulk_budget(0, 0) == g.bulk_tokens      # per-token cost not measured yet
+    for i in range(60):
+        prefill = (0, 0, 512, 37, 0, 300)[i % 6]
+        g.observe(prefill, 1 + i % 3, cost(prefill, 1 + i % 3))
+        g.bulk_budget(1, 0)                          # (these steps had decodes beside)
+    n = g.bulk_budget(0, 0)
+    # what the fit says takes arrival_seconds (the fit is a few % off the exact formula)
+    assert g.min_chunk <= n < 512
+    assert cost(n, 0) <= g.arrival_seconds * 1.05 < cost(int(n * 1.2), 0)
+    while g.quiet < g.recent_seconds:                # bulk alone for recent_seconds of steps
+        assert g.bulk_budget(0, 0) == n
+        g.observe(n, 0, cost(n, 0))
+    assert g.bulk_budget(0, 0) is None
+
+
+def test_a_long_prompt_after_a_short_request_comes_in_bounded_steps():
+    s = make()
+    s.add_request(req("short", 5, max_tokens=4))
+    while "short" in s.requests:
+        run_step(s)
+    s.add_request(req("long", 3000))
+    got = run_step(s)
+    assert got == {"long": s.guard.bulk_tokens}      # the per-token cost is not known yet
+    got = run_step(s)
+    assert s.guard.min_chunk <= got["long"] < 512
+    assert cost(got["long"], 0) <= s.guard.arrival_seconds * 1.1
