@@ -74,25 +74,18 @@ class AsyncEngine:
     `QueueFullError` instead of queueing without limit. `on_dead` is called (in the event loop)
     if the engine process dies while serving. `last_heartbeat` is when the engine last said
     anything (it reports at least every engine_process.HEARTBEAT_S while its loop runs).
-    `engine_niceness` lowers the engine process's scheduling priority: on a machine with few
-    cores its forward keeps them all busy, and a request that arrives meanwhile waits for
-    the server's event loop (and a client on the same machine) to get one. The engine loses
-    nothing while nothing else wants a core (`kdaserve serve --engine-nice`, default 5: on 2
-    cores under the echo probe, a normal request's HTTP handler started 22-37 ms after it
-    was sent instead of 42-77, docs/reliability.md).
     """
 
     def __init__(self, config: EngineConfig, *, max_waiting: int = DEFAULT_MAX_WAITING,
                  max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS,
                  startup_timeout_s: float = 1800.0, log_level: int | None = None,
-                 on_dead: Any = None, engine_niceness: int = 0) -> None:
+                 on_dead: Any = None) -> None:
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.config = config
         self.max_waiting = max_waiting
         self.max_queued_tokens = max_queued_tokens
         self.on_dead = on_dead
-        self.engine_niceness = engine_niceness
         self.last_heartbeat = time.monotonic()
         self._queued_tokens = 0
         self.startup_timeout_s = startup_timeout_s
@@ -140,8 +133,7 @@ class AsyncEngine:
             # with the engine process (PDEATHSIG), which exits when the server goes
             target=engine_process_main, name="kdaserve-engine",
             daemon=self.config.parallel.executor == "uni",
-            args=(self._encoder.encode(self.config), cmd_addr, out_addr, self.log_level,
-                  self.engine_niceness))
+            args=(self._encoder.encode(self.config), cmd_addr, out_addr, self.log_level))
         self._proc.start()
         self._exited = loop.create_future()
         loop.add_reader(self._proc.sentinel, self._on_exit)

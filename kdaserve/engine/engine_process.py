@@ -35,22 +35,9 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _lower_priority(niceness: int) -> None:
-    if niceness <= 0 or not hasattr(os, "nice"):
-        return
-    try:
-        os.nice(niceness)
-    except OSError:          # a sandbox that forbids it: the engine still runs
-        logger.warning("could not lower the engine's priority by %d", niceness)
-
-
 # ---- the child process -----------------------------------------------------------------------
-def engine_process_main(config_msg: bytes, cmd_addr: str, out_addr: str, log_level: int,
-                        niceness: int = 0) -> None:
-    """Entry point of the engine process (spawned, so it starts from a fresh interpreter).
-    `niceness`: added to its scheduling priority before any thread starts (every thread it and
-    its workers start inherits it; see AsyncEngine)."""
-    _lower_priority(niceness)
+def engine_process_main(config_msg: bytes, cmd_addr: str, out_addr: str, log_level: int) -> None:
+    """Entry point of the engine process (spawned, so it starts from a fresh interpreter)."""
     # Ctrl-C or a SIGTERM to the process group reaches the server too, which then shuts us down
     # once its open requests are done; if the server dies instead, the loop notices and exits.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

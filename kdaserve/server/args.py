@@ -51,11 +51,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--health-timeout", type=float, default=10.0,
                    help="/health turns 503 when the engine has not reported for this many "
                         "seconds (default: %(default)s)")
-    p.add_argument("--engine-nice", type=int, default=5, choices=range(0, 20), metavar="N",
-                   help="niceness the engine process adds to its own (0-19): its forward "
-                        "saturates the cores, and a request arriving meanwhile waits for this "
-                        "process (and for a client on the same machine) to get a core "
-                        "(default: %(default)s; 0: the server's own)")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection may take to send a request's headers")
     p.add_argument("--body-timeout", type=float, default=30.0,

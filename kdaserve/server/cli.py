@@ -87,8 +87,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Toke
 
     engine = AsyncEngine(config, max_waiting=args.max_waiting,
                          max_queued_tokens=args.max_queued_tokens,
-                         log_level=getattr(logging, args.log_level.upper()), on_dead=on_dead,
-                         engine_niceness=args.engine_nice)
+                         log_level=getattr(logging, args.log_level.upper()), on_dead=on_dead)
     try:
         # While the model loads, SIGINT/SIGTERM cancel us (and so stop the engine).
         with _exit_signals(lambda *_: loop.call_soon_threadsafe(main.cancel)):

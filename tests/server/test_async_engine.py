@@ -6,8 +6,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -185,19 +183,3 @@ def test_startup_error_comes_from_the_child(tiny_model_dir, tmp_path, loop):
     assert not eng.is_alive
     with pytest.raises(EngineError):
         run(loop, eng.stats())
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_engine_niceness_reaches_every_thread_of_the_engine(tiny_model_dir, loop):
-    eng = AsyncEngine(config(tiny_model_dir), engine_niceness=3)
-    with one_omp_thread():
-        loop.run_until_complete(eng.start())
-    try:
-        run(loop, collect(eng, "nice", [5, 6, 7], greedy(2)))      # its threads have started
-        want = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 3)
-        tasks = list(Path(f"/proc/{eng._proc.pid}/task").iterdir())
-        # field 19 of stat is the nice value (after the command name in parentheses)
-        nices = {int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks}
-        assert nices == {want}, nices
-    finally:
-        loop.run_until_complete(eng.shutdown())
