@@ -18,6 +18,7 @@ import msgspec
 import zmq
 
 from kdaserve.config import EngineConfig
+from kdaserve.engine.cpu_share import CpuShare
 from kdaserve.engine.grammar_admission import GrammarAdmission
 from kdaserve.engine.wire import (AbortCmd, AddCmd, AddFailed, Command, DeltaBatch, EngineInfo,
                                   EngineStatsSnapshot, Fatal, Heartbeat, HoldCmd, HoldReply,
@@ -100,6 +101,10 @@ class EngineLoop:
         # requests whose grammar compiles off this loop (grammar_admission.py)
         self.grammars: GrammarAdmission[tuple[AddCmd, SamplingParams]] = GrammarAdmission(
             core.executor.validate_guided)
+        # the forward's threads follow the cores other processes leave (cpu_share.py)
+        runner = getattr(core.executor, "runner", None)
+        self.share = (CpuShare(runner.threads)
+                      if runner is not None and runner.device.type == "cpu" else None)
 
     def run(self) -> None:
         try:
@@ -124,6 +129,8 @@ class EngineLoop:
                 return
             self._admit_compiled()
             if self.core.has_unfinished():
+                if self.share is not None:
+                    self.core.runner.set_threads(self.share.threads())
                 deltas = self.core.step()
                 if deltas:
                     self._send(DeltaBatch(deltas))

@@ -95,6 +95,15 @@ class ModelRunner:
             device_resident = env == "1" or (self.device.type == "cuda" and env != "0")
         self.decode_inputs = DecodeInputs(self.device) if device_resident else None
 
+    @property
+    def threads(self) -> int:
+        """The forward's thread count (torch's, as the engine configured it)."""
+        return self._threads
+
+    def set_threads(self, threads: int) -> None:
+        """The forward's thread count from the next step on (engine/cpu_share.py)."""
+        self._threads = max(1, threads)
+
     @torch.inference_mode()
     def capture_graphs(self, max_num_seqs: int, max_len: int) -> CaptureReport:
         """Capture a decode graph for each padded batch size (startup)."""
