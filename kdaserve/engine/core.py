@@ -21,6 +21,7 @@ from kdaserve.engine.executor import Executor, ExecutorError
 from kdaserve.engine.executor.uniproc import UniProcExecutor
 from kdaserve.engine.lookahead import settle_results
 from kdaserve.engine.offload_setup import open_tiers
+from kdaserve.engine.prompt_sharing import PromptScores
 from kdaserve.engine.runner import ModelRunner
 from kdaserve.engine.runner_builder import (
     build_runner,
@@ -49,7 +50,8 @@ class _Tracked:
     detok: IncrementalDetokenizer | None
     emitted_tokens: int = 0
     stop_string: str | None = None
-    shared_prompt: bool = False     # its prompt logprobs are its leader's (prompt_logprobs.py)
+    prompt_from: str | None = None  # whose prompt logprobs it takes (prompt_sharing.py)
+    prompt_k: int | None = None     # the top-k it asked for (scored itself if that one ends)
 
 
 @dataclass
@@ -143,7 +145,7 @@ class EngineCore:
         self.eos_ids = frozenset(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}
         self._children: dict[str, list[str]] = {}
-        self._prompt_lps: dict[str, list] = {}     # parent -> its leader's prompt logprobs
+        self._scores = PromptScores()        # prompt logprobs scored once per prompt
         self.stats = EngineStats()
         logger.info("kdaserve cache: %s", self.plan.describe())
         freeze_startup_heap()
@@ -182,24 +184,31 @@ class EngineCore:
             if first_output and self.transfer is not None:   # an import: drafts came along?
                 drafts = self.transfer.arrived_drafts(params.kv_transfer.transfer_id)
         children = []
-        leader = None               # the child that scores the prompt for all n (i > 0 wait)
+        # the request that scores the prompt for the others (the first of the n, or a live
+        # request scoring the same prompt: prompt_sharing.py); the rest wait and take it
+        key = ((tuple(prompt_token_ids), params.prompt_logprobs, cache_salt, tuple(extra_keys))
+               if params.prompt_logprobs is not None and not media and params.kv_transfer is None
+               else None)
+        leader = self._scores.leader(key) if key is not None else None
         for i in range(params.n):
             child_params = params
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
-            if params.n > 1:
-                seed = None if params.seed is None else child_seed(params.seed, i)
-                shared = {"prompt_logprobs": None} if leader is not None else {}
+            follows = leader is not None
+            if params.n > 1 or follows:
+                seed = (params.seed if params.n == 1 or params.seed is None
+                        else child_seed(params.seed, i))
+                shared = {"prompt_logprobs": None} if follows else {}
                 child_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed,
                                                  **shared})
-                if params.prompt_logprobs is not None and leader is None:
-                    leader = cid
+            if params.prompt_logprobs is not None and leader is None:
+                leader = cid
             req = Request(cid, list(prompt_token_ids), child_params, eos_token_ids=self.eos_ids,
                           output_token_ids=list(first_output), spec_token_ids=list(drafts),
                           priority=priority,
                           arrival_time=arrival_time or time.monotonic(),
                           cache_salt=cache_salt, extra_keys=tuple(extra_keys),
                           media=tuple(media), group=group or request_id,
-                          prompt_leader=leader if leader != cid else None)
+                          prompt_leader=leader if follows else None)
             self.scheduler.add_request(req)  # validates; the first failure raises before any
             children.append(cid)
             detok = None
@@ -209,7 +218,12 @@ class EngineCore:
                     child_params.stop, child_params.include_stop_str_in_output,
                     defer=not stream_text)
             self._tracked[cid] = _Tracked(request_id, i, detok,
-                                          shared_prompt=leader is not None and leader != cid)
+                                          prompt_from=leader if follows else None,
+                                          prompt_k=params.prompt_logprobs)
+            if follows:
+                self._scores.follow(cid, leader)
+            elif leader == cid:
+                self._scores.lead(cid, key)
         self._children[request_id] = children
 
     def hold_prefix(self, transfer_id: str, prompt_token_ids: list[int]) -> int:
@@ -241,10 +255,10 @@ class EngineCore:
                     self._vision.merge_size)
 
     def abort(self, request_id: str) -> None:
-        self._prompt_lps.pop(request_id, None)
         for cid in self._children.pop(request_id, []):
             self.scheduler.abort(cid)
             self._tracked.pop(cid, None)
+            self._orphaned(self._scores.forget(cid))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or (
@@ -422,12 +436,12 @@ class EngineCore:
 
     def _delta(self, req: Request) -> RequestDelta:
         tr = self._tracked[req.request_id]
-        prompt_lps = (req.prompt_logprobs or [None]) if tr.emitted_tokens == 0 and \
-            req.sampling_params.prompt_logprobs is not None else None
-        if prompt_lps is not None and len(self._children.get(tr.parent, ())) > 1:
-            self._prompt_lps[tr.parent] = list(prompt_lps)     # for its siblings
-        elif tr.shared_prompt and tr.emitted_tokens == 0:
-            prompt_lps = self._prompt_lps.get(tr.parent)
+        prompt_lps = None
+        if tr.emitted_tokens == 0 and req.sampling_params.prompt_logprobs is not None:
+            prompt_lps = req.prompt_logprobs or [None]
+            self._scores.scored(req.request_id, list(prompt_lps))   # for its followers
+        elif tr.emitted_tokens == 0 and tr.prompt_from is not None:
+            prompt_lps = self._scores.take(req.request_id)
         known = req.num_known_outputs         # the rest are in flight (async scheduling)
         new_ids = req.output_token_ids[tr.emitted_tokens:known]
         new_lps = req.output_logprobs[tr.emitted_tokens:] if req.output_logprobs else None
@@ -473,7 +487,19 @@ class EngineCore:
         tr = self._tracked.pop(rid, None)
         if tr is None:
             return
+        self._orphaned(self._scores.forget(rid))
         kids = self._children.get(tr.parent)
         if kids is not None and all(k not in self._tracked for k in kids):
             del self._children[tr.parent]
-            self._prompt_lps.pop(tr.parent, None)
+
+    def _orphaned(self, followers: list[str]) -> None:
+        """Followers whose leader ended before scoring the prompt score it themselves (none
+        has started: they wait for the leader)."""
+        for rid in followers:
+            req, tr = self.scheduler.requests.get(rid), self._tracked.get(rid)
+            if req is None or tr is None:
+                continue
+            req.sampling_params = SamplingParams(**{**req.sampling_params.__dict__,
+                                                    "prompt_logprobs": tr.prompt_k})
+            req.prompt_leader = None
+            tr.prompt_from = None

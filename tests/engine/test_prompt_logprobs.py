@@ -131,3 +131,53 @@ def test_prompt_scoring_is_capped_per_step_and_others_go_on(model_dir, monkeypat
         finished += [d.request_id for d in eng.step() if d.finished]
     assert max(rows) <= 8 and sum(rows) == len(PROMPT) - 1
     assert finished == ["plain", "echo"]         # the short one did not wait for the scoring
+
+
+def test_requests_of_one_prompt_score_it_once(model_dir, reference, monkeypatch):
+    """A completions call with a list of prompts is a request per prompt: those asking for
+    the logprobs of a prompt another live request is scoring take its entries (and start
+    from its cached blocks) instead of scoring it again; a different prompt or top-k scores
+    its own."""
+    llm = LLM(str(model_dir), max_num_batched_tokens=16)
+    rows = _spy_scoring(monkeypatch)
+    sp = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    other = PROMPT[:30]
+    outs = llm.generate([{"prompt_token_ids": p} for p in (PROMPT, PROMPT, other, PROMPT)]
+                        + [{"prompt_token_ids": PROMPT}],
+                        [sp, sp, sp, sp, SamplingParams(temperature=0.0, max_tokens=2,
+                                                        prompt_logprobs=3)], use_tqdm=False)
+    # PROMPT once at k=1, once at k=3, `other` once
+    assert sum(rows) == 2 * (len(PROMPT) - 1) + len(other) - 1
+    first = outs[0]
+    for o in (outs[1], outs[3]):
+        assert o.prompt_logprobs == first.prompt_logprobs
+        assert o.outputs[0].token_ids == first.outputs[0].token_ids
+        assert o.num_cached_tokens > 0                 # from the leader's blocks
+    for i in range(1, len(PROMPT)):
+        assert first.prompt_logprobs[i][PROMPT[i]] == pytest.approx(
+            reference[i - 1][PROMPT[i]].item(), abs=1e-4)
+        assert len(outs[4].prompt_logprobs[i]) >= 3
+    assert outs[2].prompt_logprobs[1:] == first.prompt_logprobs[1:30]
+
+
+def test_followers_of_an_aborted_leader_score_the_prompt_themselves(model_dir, reference):
+    llm = LLM(str(model_dir), max_num_batched_tokens=16)
+    eng = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    eng.add_request("lead", PROMPT, sp)
+    eng.add_request("f1", PROMPT, sp)
+    eng.add_request("f2", PROMPT, sp)
+    eng.step()                                         # the leader's first chunk
+    eng.abort("lead")
+    got = {}
+    while eng.has_unfinished():
+        for d in eng.step():
+            if d.prompt_logprobs is not None:
+                got[d.request_id] = d.prompt_logprobs
+    assert set(got) == {"f1", "f2"}
+    for lps in got.values():
+        assert len(lps) == len(PROMPT) and lps[0] is None
+        for i in range(1, len(PROMPT)):
+            assert lps[i][PROMPT[i]] == pytest.approx(reference[i - 1][PROMPT[i]].item(),
+                                                      abs=1e-4)
+    assert len(eng._scores) == 0                       # nothing kept for anyone
