@@ -17,9 +17,10 @@ are the engine's measured ones (StepCostModel, fit online on this machine's step
 
     seconds = a + b·prefill_tokens + c·sensitive_rows + d·[the step has prefill]
 
-A step without bulk is timed directly (a moving average of the decode-only steps), and a chunk of
-P tokens spends what the fit predicts for its step less that. On CPU d is large (a step with any prefill leaves the fused
-single-token decode kernels), so chunks come every few steps rather than a few tokens each;
+A step without bulk is timed directly (a moving average of the decode-only steps), and a chunk
+of P tokens spends what the fit predicts for its step less that. On CPU d is large (a step with
+any prefill leaves the fused single-token decode kernels), so chunks come every few steps
+rather than a few tokens each;
 nothing below `min_chunk` tokens is worth a step of its own. The credit is capped at
 `window` steps' worth, so a long quiet stretch does not buy one huge chunk. A long prompt always
 advances (the credit grows with every sensitive step), and with nothing sensitive in the step
@@ -102,10 +103,11 @@ class DecodeGuard:
 
     def bulk_budget(self, decoding: int, short_prompts: int) -> int | None:
         """Bulk prefill tokens this step may carry (0: none); None: no cap (nothing waits on
-        the step, and nothing latency-sensitive ran in its last `recent_seconds` of steps;
-        if something did, a step of bulk alone is cut to `arrival_seconds`). `short_prompts`: prompts of at most bulk_tokens that finish in the step
-        (their first token waits on it too; each costs about as much as a decoding sequence
-        here). Call charge() with what the step took."""
+        the step, and nothing latency-sensitive ran in the last `recent_seconds` of steps;
+        if something did, a step of bulk alone is cut to `arrival_seconds`).
+        `short_prompts`: prompts of at most bulk_tokens that finish in the step (their first
+        token waits on it too; each costs about as much as a decoding sequence here). Call
+        charge() with what the step took."""
         sensitive = decoding + short_prompts
         a, b, c, d = self.cost.coefficients()
         if not sensitive:

@@ -97,7 +97,7 @@ class ModelRunner:
 
     @property
     def threads(self) -> int:
-        """The forward's thread count (torch's, as the engine configured it)."""
+        """The forward's thread count (the engine's configured one until set_threads)."""
         return self._threads
 
     def set_threads(self, threads: int) -> None:
