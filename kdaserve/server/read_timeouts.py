@@ -5,12 +5,15 @@ sends nothing, or half its headers, or headers announcing a body it never sends,
 socket (and whatever the app allotted it) indefinitely; a few thousand such clients hold the
 server. This protocol (uvicorn's h11 one, with two timers) closes a connection whose request
 headers are not complete `header_timeout_s` after its first byte (or after it opened), and one
-whose body stalls for `body_timeout_s` between reads; the app then sees a disconnect.
+whose body stalls for `body_timeout_s` between reads; the app then sees a disconnect. A
+client that sent part of a request gets a 408 (OpenAI-shaped body, `Connection: close`) before
+the close; one that sent nothing (a browser's preconnect) is closed without a word.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
@@ -19,14 +22,22 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger("kdaserve")
 
+_BODY = json.dumps({"error": {"message": "the request was not sent in time", "type":
+                              "invalid_request_error", "param": None,
+                              "code": "request_timeout"}}).encode()
+TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                    b"connection: close\r\ncontent-length: " + str(len(_BODY)).encode()
+                    + b"\r\n\r\n" + _BODY)
+
 
 class TimedH11Protocol(H11Protocol):
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
+    header_timeout_s: float = 5.0
+    body_timeout_s: float = 5.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._read_timer: asyncio.TimerHandle | None = None
+        self._partial = False          # bytes of a request not yet complete came in
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -40,6 +51,7 @@ class TimedH11Protocol(H11Protocol):
         waiting_headers = self.conn.their_state is h11.IDLE
         super().data_received(data)
         state = self.conn.their_state
+        self._partial = bool(data) and state in (h11.IDLE, h11.SEND_BODY)
         if state is h11.SEND_BODY:              # every read restarts the body's clock
             self._arm(self.body_timeout_s)
         elif state is h11.IDLE:
@@ -70,6 +82,8 @@ class TimedH11Protocol(H11Protocol):
             return                              # a response is being written: not idle
         logger.info("closing a connection whose request was not sent in time (%s)",
                     "headers" if state is h11.IDLE else "body")
+        if self._partial:
+            self.transport.write(TIMEOUT_RESPONSE)
         self.transport.close()
 
 

@@ -173,8 +173,17 @@ def test_half_sent_requests_are_cut_off(srv, sent):
         healthy_and_serving(srv)                 # while they hang
         for s in socks:
             s.settimeout(60)                     # generous: the limit is 2 s
-            while s.recv(4096):                  # a 4xx, if anything, then the close
-                pass
+            got = b""
+            while chunk := s.recv(4096):         # then the close
+                got += chunk
+            # a client that sent part of a request is told (a preconnect that sent nothing
+            # is only closed)
+            if sent:
+                assert got.startswith(b"HTTP/1.1 408 "), got
+                assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == \
+                    "request_timeout"
+            else:
+                assert got == b""
     finally:
         for s in socks:
             s.close()
