@@ -51,10 +51,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--health-timeout", type=float, default=10.0,
                    help="/health turns 503 when the engine has not reported for this many "
                         "seconds (default: %(default)s)")
-    p.add_argument("--header-timeout", type=float, default=5.0,
+    p.add_argument("--header-timeout", type=float, default=4.0,
                    help="seconds a connection may take to send a request's headers; then a "
                         "408 and the close (default: %(default)s)")
-    p.add_argument("--body-timeout", type=float, default=5.0,
+    p.add_argument("--body-timeout", type=float, default=4.0,
                    help="seconds a request's body may stall between reads; then a 408 and "
                         "the close (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -31,8 +31,8 @@ TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/
 
 
 class TimedH11Protocol(H11Protocol):
-    header_timeout_s: float = 5.0
-    body_timeout_s: float = 5.0
+    header_timeout_s: float = 4.0
+    body_timeout_s: float = 4.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
