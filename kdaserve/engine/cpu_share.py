@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 logger = logging.getLogger("kdaserve")
 
 _IDLE_FIELDS = (3, 4)            # idle, iowait in a /proc/stat cpu line's counters
+_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100    # ticks a second
 
 
 def _busy_ticks(cpus: set[int]) -> int | None:
@@ -70,7 +71,6 @@ class CpuShare:
 
     def __post_init__(self) -> None:
         self._threads = self.configured
-        self._hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
     def threads(self, now: float | None = None) -> int:
         """The thread count for the next steps (read at most every `interval` seconds)."""
@@ -85,7 +85,7 @@ class CpuShare:
         if self._last is not None:
             seconds = now - self._last[0]
             self.others = max(0.0, (busy - self._last[1]) - (own - self._last[2])) \
-                / self._hz / seconds
+                / _HZ / seconds
             self._threads = self.decide(self.others)
         self._last = (now, busy, own)
         return self._threads

@@ -65,8 +65,8 @@ class DecodeGuard:
     arrival_seconds: float = 0.05
     recent_seconds: float = 10.0
     quiet: float = math.inf    # step seconds since the last step with latency-sensitive work
-    _per_chunk: tuple[float, float] | None = None     # (b, extra) of the last budget
-    _earning: tuple[float, float, float] = (0.0, 0.0, 0.0)  # (earned, need, cap), last budget
+    # the last budget's (b, extra, earned, cap); None: nothing sensitive waited on its step
+    _last: tuple[float, float, float, float] | None = None
     _plain: tuple[float, float] | None = None   # decode-only steps: (seconds, rows), EWMA
 
     def observe(self, prefill_tokens: int, decoding: int, seconds: float) -> None:
@@ -112,7 +112,7 @@ class DecodeGuard:
         a, b, c, d = self.cost.coefficients()
         if not sensitive:
             self.credit = 0.0
-            self._per_chunk = None
+            self._last = None
             if self.quiet >= self.recent_seconds:
                 return None
             if not any(row[1] >= self.bulk_tokens for row in self.cost.samples):
@@ -126,8 +126,7 @@ class DecodeGuard:
         cap = max(self.window * earned, extra + b * self.min_chunk)
         self.credit = min(self.credit + earned, cap)
         tokens = int((self.credit - extra) / b)
-        self._per_chunk = (b, extra)
-        self._earning = (earned, extra + b * self.min_chunk, cap)
+        self._last = (b, extra, earned, cap)
         return tokens if tokens >= self.min_chunk else 0
 
     def saw_sensitive(self) -> None:
@@ -138,21 +137,22 @@ class DecodeGuard:
         """After a budget that held the bulk back: how many steps, this one included, run
         without bulk before the credit buys the smallest chunk (what a decode burst may
         replace; engine/decode_burst.py)."""
-        earned, need, _ = self._earning
-        if earned <= 0:
+        if self._last is None or self._last[2] <= 0:
             return 1
-        return max(1, math.ceil((need - self.credit) / earned))
+        b, extra, earned, _ = self._last
+        return max(1, math.ceil((extra + b * self.min_chunk - self.credit) / earned))
 
     def earn(self, steps: int) -> None:
         """A burst ran `steps` more forwards for the waiting rows, each earning what a
         plain step earns (its cost is their own measured one)."""
-        earned, _, cap = self._earning
-        self.credit = min(self.credit + steps * earned, cap)
+        if self._last is not None:
+            _, _, earned, cap = self._last
+            self.credit = min(self.credit + steps * earned, cap)
 
     def charge(self, tokens: int) -> None:
         """The bulk tokens this step took: what they cost comes off the credit."""
-        if tokens > 0 and self._per_chunk is not None:
-            b, extra = self._per_chunk
+        if tokens > 0 and self._last is not None:
+            b, extra, _, _ = self._last
             self.credit = max(0.0, self.credit - extra - b * tokens)
 
 

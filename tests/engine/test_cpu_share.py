@@ -37,7 +37,7 @@ def test_threads_follow_the_counters(monkeypatch):
     monkeypatch.setattr(cpu_share, "_busy_ticks", lambda cpus: ticks["busy"])
     monkeypatch.setattr(cpu_share, "_own_ticks", lambda: ticks["own"])
     share = CpuShare(2, cpus={0, 1})
-    hz = share._hz
+    hz = cpu_share._HZ
     assert share.threads(now=0.0) == 2              # the first reading only sets the origin
     ticks["busy"] += 2 * hz // 2                    # 0.5 s: both cores busy ...
     ticks["own"] += hz // 2                         # ... one of them by the engine
