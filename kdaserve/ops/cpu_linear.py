@@ -16,6 +16,7 @@ result does not depend on how many rows share its step."""
 
 from __future__ import annotations
 
+import ctypes
 from functools import cache
 
 import torch
@@ -38,6 +39,17 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 def _kernel(dtype: torch.dtype = torch.float32):
     return _c_function("decode_cpu.c", f"linear_rows_{_SUFFIX[dtype]}",
                        [_I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64])
+
+
+@cache
+def _kernel_x16():
+    """linear_rows over bf16 rows and bf16 weights (pair tiles where the CPU has AVX-512 BF16):
+    returns 0, or -1 when its scratch could not be allocated."""
+    fn = _c_function("decode_cpu.c", "linear_rows_x16_bf16",
+                     [_I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64])
+    if fn is not None:
+        fn.restype = ctypes.c_int64
+    return fn
 
 
 def available() -> bool:
@@ -65,12 +77,18 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         return F.linear(x, w, bias)
     N, K = w.shape
     rows = x.reshape(-1, K)
-    if rows.dtype != torch.float32:
-        rows = rows.float()
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], N, dtype=torch.float32)
-    if rows.shape[0]:
+    if not rows.shape[0]:
+        return out.view(*x.shape[:-1], N).to(x.dtype)
+    # bf16 rows of a bf16 weight: the C side widens them (and pairs them for the BF16 dot
+    # products, the same sums); else fp32 rows
+    x16 = _kernel_x16() if rows.dtype == w.dtype == torch.bfloat16 else None
+    if x16 is None or x16(rows.shape[0], N, K, rows.data_ptr(), rows.stride(0), w.data_ptr(),
+                          w.stride(1), out.data_ptr(), N, torch.get_num_threads()) != 0:
+        if rows.dtype != torch.float32:
+            rows = rows.float()
         fn(rows.shape[0], N, K, rows.data_ptr(), rows.stride(0), w.data_ptr(), w.stride(1),
            out.data_ptr(), N, torch.get_num_threads())
     return out.view(*x.shape[:-1], N).to(x.dtype)

@@ -213,3 +213,41 @@ def test_large_matrices_sum_in_two_halves_whatever_the_rows_and_threads(dtype):
         assert torch.equal(full, halves)
     torch.testing.assert_close(full.float(), F.linear(x.float(), w.float()), rtol=2e-2,
                                atol=5e-2 if dtype == torch.bfloat16 else 1e-3)
+
+
+@pytest.mark.parametrize("N,K", [(1024, 1024), (1000, 2048), (48, 130), (1040, 1026),
+                                 (96, 64), (33, 17)])
+def test_bf16_rows_give_the_bits_of_widened_rows(N, K):
+    """bf16 rows of a bf16 weight (a bf16 model's prefill) go to the C side as they are, which
+    widens them and, on a CPU with AVX-512 BF16, runs its tiles as dot products of pairs
+    (csrc/pair_tiles.h): every row and batch the same bits as the fp32 rows' product, over
+    shapes that run pair tiles, fp32 tiles, streamed rows, K halves of odd length and tails."""
+    import ctypes
+
+    from kdaserve.ops import cpu_isa
+    from kdaserve.ops.cpu_kernels import _c_function
+    from kdaserve.ops.cpu_linear import _kernel_x16
+
+    x16, f32 = require(_kernel_x16(), "linear_rows_x16_bf16"), _kernel(torch.bfloat16)
+    built = _c_function("decode_cpu.c", "pair_tiles_built_bf16", [])
+    built.restype = ctypes.c_int64
+    if cpu_isa.requested() == "native" and "avx512_bf16" in cpu_isa.cpu_flags():
+        assert built() == 1                # the dot products are not silently off
+    g = torch.Generator().manual_seed(N + K)
+    w = k_major_weight(torch.randn(N, K, generator=g).bfloat16())
+    x = torch.randn(103, K, generator=g).bfloat16()
+    xf = x.float()
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for b in (1, 2, 5, 6, 7, 32, 103):
+                want, got = torch.empty(b, N), torch.empty(b, N)
+                f32(b, N, K, xf.data_ptr(), K, w.data_ptr(), w.stride(1), want.data_ptr(), N, t)
+                assert x16(b, N, K, x.data_ptr(), K, w.data_ptr(), w.stride(1),
+                           got.data_ptr(), N, t) == 0
+                assert torch.equal(got, want), (t, b)
+    finally:
+        torch.set_num_threads(threads)
+    # and the layer gives them back rounded once, as before
+    assert torch.equal(linear(x, w), want.bfloat16())

@@ -10,6 +10,8 @@
 
 #include "outer_tiles.h"
 
+#include "pair_tiles.h"
+
 /* Outputs [n0, n1) (a multiple of ROW_LANES) of R <= STREAM_ROWS rows, i outer: each weight
  * row's run of the range is read once, in order, for all R rows, and every output's running
  * sum lives in an L1/L2 buffer between its adds. Register-held sums of 128 outputs at a time
@@ -92,11 +94,12 @@ static void NAME(tail_outputs)(const WT *restrict W, int64_t ldw, const float *r
     free(strip);
 }
 
-/* Tile column t (outputs 16t.., TILE_COLS 16-lane sums wide where they fit) of B rows. */
+/* Tile column t (outputs 16t.., TILE_COLS 16-lane sums wide where they fit) of B rows; a
+ * whole tile's width in pair tiles where XP holds the rows as pairs (pair_tiles.h). */
 static inline void NAME(tile_column)(const WT *restrict W, int64_t ldw, const float *restrict X,
-                                     int64_t ldx, float *restrict Y, int64_t ldy, int64_t K,
-                                     int64_t KH, int64_t NT, int64_t tiles, int64_t B,
-                                     int64_t t) {
+                                     int64_t ldx, const uint32_t *XP, int64_t ldp,
+                                     float *restrict Y, int64_t ldy, int64_t K, int64_t KH,
+                                     int64_t NT, int64_t tiles, int64_t B, int64_t t) {
     const int64_t n = 16 * t;
     const int C = n + TILE_OUT <= NT ? TILE_COLS : 1;
     /* the next tile's weights (this thread's, under the static split) are on their way
@@ -110,6 +113,15 @@ static inline void NAME(tile_column)(const WT *restrict W, int64_t ldw, const fl
             for (int c = 0; c < TILE_COLS; ++c)
                 __builtin_prefetch(W + i * ldw + n + TILE_OUT + 16 * c, 0, 0);
     int64_t b = 0;
+#if PAIR_TILES
+    if (XP && C == TILE_COLS && !((K | KH) & 1)) {
+        NAME(pair_tiles_rows)(W, XP, ldp, Y, ldy, ldw, 0, KH, n, 0, B, 0, NULL, 0);
+        if (KH < K) NAME(pair_tiles_rows)(W, XP, ldp, Y, ldy, ldw, KH, K, n, 0, B, 1, NULL, 0);
+        return;
+    }
+#else
+    (void)XP, (void)ldp;
+#endif
     if (C == TILE_COLS) {        /* a whole tile wide: rows 6 at a time, then the rest */
         for (; b + 6 <= B; b += 6)
             NAME(outer_tile_k)(W, X, ldx, Y, ldy, ldw, K, KH, n, b, 6, TILE_COLS);
@@ -131,9 +143,9 @@ static inline void NAME(tile_column)(const WT *restrict W, int64_t ldw, const fl
 /* matmat_t over weights whose rows are ldw >= N elements apart (a padded K-major store:
  * rows a multiple of 4 KiB apart put a tile's column of weights in one set of each cache,
  * kdaserve/ops/cpu_linear.py). */
-static void NAME(matmat_tw)(const WT *restrict W, int64_t ldw, const float *restrict X,
-                            int64_t ldx, float *restrict Y, int64_t ldy, int64_t N, int64_t K,
-                            int64_t B) {
+static void NAME(matmat_twp)(const WT *restrict W, int64_t ldw, const float *restrict X,
+                             int64_t ldx, const uint32_t *XP, int64_t ldp, float *restrict Y,
+                             int64_t ldy, int64_t N, int64_t K, int64_t B) {
     const int64_t NT = N - N % TILE_OUT, N16 = N - N % 16;
     const int64_t KH = k_split_at(N, K, (int64_t)sizeof(WT));
     int64_t first = 0;                 /* outputs before it are done */
@@ -200,14 +212,22 @@ static void NAME(matmat_tw)(const WT *restrict W, int64_t ldw, const float *rest
                     const int64_t t0 = first / 16 + TILE_COLS * (units * p / parts);
                     int64_t t1 = first / 16 + TILE_COLS * (units * (p + 1) / parts);
                     t1 = t1 < tiles ? t1 : tiles;
-                    NAME(tiles_blocked)(W, ldw, X, ldx, Y, ldy, T, N16, K, KH, NT, B, t0, t1);
+                    NAME(tiles_blocked)(W, ldw, X, ldx, XP, ldp, Y, ldy, T, N16, K, KH, NT, B, t0,
+                                        t1);
                 });
         free(T);
     } else if (first / 16 < tiles)   /* streamed rows left no tiles: no region for nothing */
         PAR_FOR(N * K * B >= PAR_MIN_MACS && team_threads() > 1, schedule(static),
                 for (int64_t t = first / 16; t < tiles; t += TILE_COLS)
-                    NAME(tile_column)(W, ldw, X, ldx, Y, ldy, K, KH, NT, tiles, B, t););
+                    NAME(tile_column)(W, ldw, X, ldx, XP, ldp, Y, ldy, K, KH, NT, tiles, B,
+                                          t););
     if (N16 < N) NAME(tail_outputs)(W, ldw, X, ldx, Y, ldy, K, KH, B, N16, N);
+}
+
+static void NAME(matmat_tw)(const WT *restrict W, int64_t ldw, const float *restrict X,
+                            int64_t ldx, float *restrict Y, int64_t ldy, int64_t N, int64_t K,
+                            int64_t B) {
+    NAME(matmat_twp)(W, ldw, X, ldx, NULL, 0, Y, ldy, N, K, B);
 }
 
 static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_t ldx,
@@ -219,9 +239,10 @@ static void NAME(matmat_t)(const WT *restrict W, const float *restrict X, int64_
  * (kdaserve/ops/cpu_linear.py), typically a prefill's thousands of rows. matmat_t splits the
  * outputs over the threads, which leaves one thread idle on a narrow matrix; many rows are
  * split by rows instead, in blocks of whole 6-row tiles. Either way each output sums in K
- * order, so the split changes nothing in the result. */
-void NAME(linear_rows)(int64_t B, int64_t N, int64_t K, const float *X, int64_t ldx,
-                       const WT *W, int64_t ldw, float *Y, int64_t ldy, int64_t nthreads) {
+ * order, so the split changes nothing in the result. XP: the rows as pairs too, or NULL. */
+static void NAME(linear_rows_p)(int64_t B, int64_t N, int64_t K, const float *X, int64_t ldx,
+                                const uint32_t *XP, int64_t ldp, const WT *W, int64_t ldw,
+                                float *Y, int64_t ldy, int64_t nthreads) {
     (void)nthreads;
 #ifdef _OPENMP
     /* torch's count (OpenMP keeps it per calling thread; an engine thread may not have set it) */
@@ -233,10 +254,45 @@ void NAME(linear_rows)(int64_t B, int64_t N, int64_t K, const float *X, int64_t 
             const int64_t per = ((B + nt - 1) / nt + 5) / 6 * 6;
             const int64_t b0 = t * per, b1 = b0 + per < B ? b0 + per : B;
             if (b0 < b1)
-                NAME(matmat_tw)(W, ldw, X + b0 * ldx, ldx, Y + b0 * ldy, ldy, N, K, b1 - b0);
+                NAME(matmat_twp)(W, ldw, X + b0 * ldx, ldx, XP ? XP + b0 * ldp : NULL, ldp,
+                                 Y + b0 * ldy, ldy, N, K, b1 - b0);
         }
         return;
     }
 #endif
-    NAME(matmat_tw)(W, ldw, X, ldx, Y, ldy, N, K, B);
+    NAME(matmat_twp)(W, ldw, X, ldx, XP, ldp, Y, ldy, N, K, B);
 }
+
+void NAME(linear_rows)(int64_t B, int64_t N, int64_t K, const float *X, int64_t ldx,
+                       const WT *W, int64_t ldw, float *Y, int64_t ldy, int64_t nthreads) {
+    NAME(linear_rows_p)(B, N, K, X, ldx, NULL, 0, W, ldw, Y, ldy, nthreads);
+}
+
+#if WIDEN
+/* linear_rows over bf16 rows X (the torch forms of a bf16 model): the same sums, widened
+ * exactly, and as pairs for pair_tiles.h's dot products where the build has them. Returns 0,
+ * or -1 when the scratch could not be had. */
+int64_t NAME(linear_rows_x16)(int64_t B, int64_t N, int64_t K, const uint16_t *X, int64_t ldx,
+                              const WT *W, int64_t ldw, float *Y, int64_t ldy,
+                              int64_t nthreads) {
+    float *XF = malloc(sizeof(float) * (size_t)(B * K > 0 ? B * K : 1));
+    const int64_t ldp = (K + 1) / 2;
+    uint32_t *XP = PAIR_TILES ? malloc(sizeof(uint32_t) * (size_t)(B * ldp > 0 ? B * ldp : 1))
+                              : NULL;
+    if (!XF || (PAIR_TILES && !XP)) {
+        free(XF);
+        free(XP);
+        return -1;
+    }
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < K; ++i) XF[b * K + i] = LDW(X[b * ldx + i]);
+    if (XP) pairs_of(X, ldx, B, K, XP);
+    NAME(linear_rows_p)(B, N, K, XF, K, XP, ldp, W, ldw, Y, ldy, nthreads);
+    free(XF);
+    free(XP);
+    return 0;
+}
+
+/* 1 when linear_rows_x16 runs pair_tiles.h's dot products (tests: not silently off) */
+int64_t NAME(pair_tiles_built)(void) { return PAIR_TILES; }
+#endif

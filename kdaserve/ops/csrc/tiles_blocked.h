@@ -26,14 +26,23 @@ static inline int64_t tile_kblock(int64_t B) { return B <= 24 ? 64 : 256; }
 
 /* rows b.. of tile column t (outputs 16t..) over rows [k0, k1) of W, into D (add as
  * outer_tile's: 0 from zero, 2 carried on from D), the first rows' tile asking for `lines`
- * of pf's on the way */
+ * of pf's on the way; a whole tile's width in pair tiles where XP has the rows as pairs */
 static inline void NAME(tile_column_part)(const WT *restrict W, int64_t ldw,
-                                          const float *restrict X, int64_t ldx, float *D,
+                                          const float *restrict X, int64_t ldx,
+                                          const uint32_t *XP, int64_t ldp, float *D,
                                           int64_t ldd, int64_t k0, int64_t k1, int64_t NT,
                                           int64_t B, int64_t t, int add,
                                           struct NAME(tcursor) *pf, int64_t lines) {
     const int64_t n = 16 * t, per = (lines + (k1 - k0) - 1) / (k1 - k0);
     int64_t b = 0;
+#if PAIR_TILES
+    if (XP && n + TILE_OUT <= NT && !((k0 | k1) & 1)) {
+        NAME(pair_tiles_rows)(W, XP, ldp, D, ldd, ldw, k0, k1, n, 0, B, add, pf, per);
+        return;
+    }
+#else
+    (void)XP, (void)ldp;
+#endif
 #define TILE_PART(R_, C_) NAME(outer_tile)(W, X, ldx, D, ldd, ldw, k0, k1, n, b, R_, C_, add, \
                                            b ? NULL : pf, per)
     if (n + TILE_OUT <= NT) {
@@ -55,7 +64,7 @@ static inline void NAME(tile_column_part)(const WT *restrict W, int64_t ldw,
 /* tile columns [t0, t1) (t0 a tile's start) of B rows, K blocked; T [B, ldt]: the second
  * half's sums (ksplit.h) when KH < K */
 static void NAME(tiles_blocked)(const WT *restrict W, int64_t ldw, const float *restrict X,
-                                int64_t ldx, float *Y, int64_t ldy, float *T, int64_t ldt,
+                                int64_t ldx, const uint32_t *XP, int64_t ldp, float *Y, int64_t ldy, float *T, int64_t ldt,
                                 int64_t K, int64_t KH, int64_t NT, int64_t B, int64_t t0,
                                 int64_t t1) {
     const int64_t n0 = 16 * t0, n1 = 16 * t1;
@@ -76,7 +85,7 @@ static void NAME(tiles_blocked)(const WT *restrict W, int64_t ldw, const float *
                                       (int64_t)sizeof(WT) * ldw, next * lines_per_row};
             const int64_t share = (c.left + cols - 1) / cols;
             for (int64_t t = t0; t < t1; t += TILE_COLS)
-                NAME(tile_column_part)(W, ldw, X, ldx, D, ldd, kb, kn, NT, B, t,
+                NAME(tile_column_part)(W, ldw, X, ldx, XP, ldp, D, ldd, kb, kn, NT, B, t,
                                        kb == ks ? 0 : 2, &c, share);
         }
     }
