@@ -64,7 +64,10 @@ def _build_with(src: Path, extra: list[str], quiet: bool = True) -> Path | None:
         log.warning("kdaserve: KDASERVE_CPU_ISA=%s, which this CPU (%s) cannot execute; "
                     "using the torch reference", variant, cpu_isa.native_isa())
         return None
-    flags = [*_FLAGS, cpu_isa.march_flag(variant), *extra]
+    # KDASERVE_KERNEL_CFLAGS: more flags, for an A/B build of a kernel's tunable (a -D of its
+    # headers' #ifndef constants, docs/benchmarks.md); part of the cache key like the rest
+    flags = [*_FLAGS, cpu_isa.march_flag(variant), *extra,
+             *os.environ.get("KDASERVE_KERNEL_CFLAGS", "").split()]
     headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))
     key = hashlib.sha256(src.read_bytes() + headers + " ".join(
         [cc, *flags, platform.machine(), platform.node()]).encode()).hexdigest()[:16]

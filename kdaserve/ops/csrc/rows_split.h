@@ -61,6 +61,15 @@ static inline void NAME(mshare)(int64_t n, int64_t unit, int64_t t, int64_t nt, 
 #ifndef MSTREAM_AHEAD_BYTES
 #define MSTREAM_AHEAD_BYTES 8192
 #endif
+/* where the pass ahead goes: L2 (2). Into L1 (3), a wide pass (KDA's 3,216-output input
+ * projection: 26 KB of weights a pass, the LM head's 32 KB) pushed out the pass being read and
+ * its sums, and the 8 KB passes of the experts ran no faster either: the memory-bound model's
+ * lone-row decode step, 6 alternating pairs on Zen 4, 1.11x tok/s (median; 5 of 6 faster),
+ * the input projection 3.9-4.0x the 2 MiB output projection's time before, 2.6-3.3x after
+ * (3.1x its bytes) */
+#ifndef MSTREAM_HINT
+#define MSTREAM_HINT 2
+#endif
 #define MSTREAM_LINE ((int64_t)(64 / sizeof(WT)))
 /* the cursor (outer_tiles.h's tcursor, into L1) over the pass `ahead` rows on, for a pass of
  * len outputs: four lines a step, so that a pass's steps cover the pass ahead exactly */
@@ -98,7 +107,7 @@ static void NAME(mstream)(const WT *restrict W, const float *restrict X, int64_t
             if (R == 1) {
                 const float x0 = X[i], x1 = X[i + 1], x2 = X[i + 2], x3 = X[i + 3];
                 for (int64_t j0 = 0; j0 < len; j0 += MSTREAM_LINE) {
-                    NAME(tcursor_step)(&pf, 4, 3);
+                    NAME(tcursor_step)(&pf, 4, MSTREAM_HINT);
                     const int64_t j1 = j0 + MSTREAM_LINE < len ? j0 + MSTREAM_LINE : len;
                     for (int64_t j = j0; j < j1; j += ROW_LANES) {
                         ROW_T s = LDACC(acc[0] + j);
@@ -112,7 +121,7 @@ static void NAME(mstream)(const WT *restrict W, const float *restrict X, int64_t
                 continue;
             }
             for (int64_t j = 0; j < len; j += ROW_LANES) {
-                if (j % MSTREAM_LINE == 0) NAME(tcursor_step)(&pf, 4, 3);
+                if (j % MSTREAM_LINE == 0) NAME(tcursor_step)(&pf, 4, MSTREAM_HINT);
                 const ROW_T w0 = LDROW(w + j), w1 = LDROW(w + N + j), w2 = LDROW(w + 2 * N + j),
                             w3 = LDROW(w + 3 * N + j);
                 for (int64_t r = 0; r < R; ++r) {
