@@ -206,10 +206,13 @@ def run(args: argparse.Namespace) -> int:
     runs: dict[str, dict[str, list]] = {w: {"kdaserve": [], "llamacpp": []} for w in work}
     if spec is not None:
         runs["single_spec"] = {"kdaserve": []}
+    single = kd.single
+    if args.shape == "memory-bound":
+        single = memory_bound.beside_read_rate(kd.single, args.threads)
     for _ in range(args.repeats):
         for w in work:
             if w == "single":
-                runs[w]["kdaserve"].append(kd.single(single_prompt, args.single_output))
+                runs[w]["kdaserve"].append(single(single_prompt, args.single_output))
                 if lc is not None:
                     runs[w]["llamacpp"].append(lc.ask(op="single", prompt=single_prompt,
                                                       out=args.single_output))

@@ -50,3 +50,20 @@ def test_decode_report_takes_each_runs_own_decode_time():
     frac = mb.active_bytes(model) * 10.0 / rep["read_bytes_per_s"]
     assert abs(rep["bandwidth_fraction_single"] - frac) <= 1e-3
     assert rep["read_bytes_per_s"] > 1e8
+
+
+def test_the_fraction_takes_the_read_rate_beside_the_best_decode():
+    """Runs timed beside_read_rate carry their own rate: the fraction uses the best decode's,
+    and the range of all of them is printed."""
+    model = random_model(tiny_config())
+    single = {"kdaserve": [{"prefill_seconds": 0.5, "decode_seconds": 2.0,
+                            "read_bytes_per_s": 4e9},
+                           {"prefill_seconds": 0.5, "decode_seconds": 4.0,
+                            "read_bytes_per_s": 2e9}]}
+    rep = mb.decode_report(model, single, 21, 1)
+    assert rep["read_bytes_per_s"] == 4e9 and rep["read_bytes_per_s_range"] == [2e9, 4e9]
+    assert abs(rep["bandwidth_fraction_single"] - mb.active_bytes(model) * 10.0 / 4e9) <= 1e-3
+    calls = []
+    timed = mb.beside_read_rate(lambda x: calls.append(x) or {"decode_seconds": 1.0}, 1)
+    out = timed(7)
+    assert calls == [7] and out["decode_seconds"] == 1.0 and out["read_bytes_per_s"] > 1e8
