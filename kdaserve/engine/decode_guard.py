@@ -31,7 +31,9 @@ A request that arrives while a step runs waits for that step first. So while the
 serving latency-sensitive work (any within the last `recent_seconds` of step time), a step of
 bulk alone is cut to what the fit says takes `arrival_seconds` (50 ms; a decode burst's
 BURST_SECONDS for prefill): on two CPU cores a 512-token scoring step of the K3 demo takes
-80-160 ms against 56-95 ms for a whole 16-token request unloaded. Until a step of at least
+80-160 ms against 56-95 ms for a whole 16-token request unloaded. Never below the tokens that
+cost `fixed_multiple` times the step's fixed cost: where that cost alone nears 50 ms (a
+model read from memory), a smaller chunk would pay it again and again for nothing. Until a step of at least
 `bulk_tokens` prefill tokens has been measured (the fit's per-token cost is its prior until
 then) such a step takes `bulk_tokens`. A long prompt alone on a quiet server takes the
 whole budget: its steps' fixed cost is paid once per chunk.
@@ -63,6 +65,11 @@ class DecodeGuard:
     # bulk alone aims to take at most `arrival_seconds` (by the fit), since a request that
     # arrives meanwhile waits for it (a decode burst's BURST_SECONDS, for prefill)
     arrival_seconds: float = 0.05
+    # ... but its tokens cost at least this many times the step's fixed cost (a + d): on a
+    # model whose weights are read from memory every step (a 32-token chunk already touches
+    # every expert) the fixed cost is most of 50 ms, and 32-token chunks ran a 2,048-token
+    # prompt after a batch at 0.47x its speed alone, without meeting the 50 ms either
+    fixed_multiple: float = 2.0
     recent_seconds: float = 10.0
     quiet: float = math.inf    # step seconds since the last step with latency-sensitive work
     # the last budget's (b, extra, earned, cap); None: nothing sensitive waited on its step
@@ -117,7 +124,9 @@ class DecodeGuard:
                 return None
             if not any(row[1] >= self.bulk_tokens for row in self.cost.samples):
                 return self.bulk_tokens       # the per-token cost is not measured yet
-            return max(self.min_chunk, int((self.arrival_seconds - a - d) / max(b, 1e-12)))
+            per = max(b, 1e-12)
+            tokens = max(self.arrival_seconds - a - d, self.fixed_multiple * (a + d)) / per
+            return max(self.min_chunk, int(tokens))
         self.quiet = 0.0
         plain = self._plain_seconds(sensitive)
         earned = (self.max_slowdown - 1.0) * plain

@@ -208,3 +208,23 @@ def test_a_long_prompt_after_a_short_request_comes_in_bounded_steps():
     got = run_step(s)
     assert s.guard.min_chunk <= got["long"] < 512
     assert cost(got["long"], 0) <= s.guard.arrival_seconds * 1.1
+
+
+def test_bulk_alone_is_never_cut_below_twice_the_steps_fixed_cost():
+    """A model read from memory every step: 35 ms before any token, 1.3 ms a token. The
+    50 ms bound would leave 11 tokens (min_chunk: 32, each step mostly fixed cost); the
+    chunk's tokens cost at least fixed_multiple times the fixed cost instead."""
+    def slow(prefill: int, rows: int) -> float:
+        return 2e-3 + 1e-4 * rows + (33e-3 + 1.3e-3 * prefill if prefill else 0.0)
+
+    g = DecodeGuard(2.0)
+    for i in range(60):
+        prefill = (0, 0, 512, 37, 0, 300)[i % 6]
+        g.observe(prefill, 1 + i % 3, slow(prefill, 1 + i % 3))
+        g.bulk_budget(1, 0)
+    n = g.bulk_budget(0, 0)
+    a, b, _, d = g.cost.coefficients()
+    assert n * b >= g.fixed_multiple * (a + d) - b        # by the fit (rounded down)
+    fixed = slow(1, 0) - 1.3e-3              # the fit gives the 2 ms a step to its rows
+    assert slow(n, 0) - fixed >= 0.9 * g.fixed_multiple * fixed
+    assert n < 80 and slow(n, 0) > g.arrival_seconds
