@@ -21,7 +21,7 @@ from kdaserve.engine.executor import Executor, ExecutorError
 from kdaserve.engine.executor.uniproc import UniProcExecutor
 from kdaserve.engine.lookahead import settle_results
 from kdaserve.engine.offload_setup import open_tiers
-from kdaserve.engine.prompt_sharing import PromptScores
+from kdaserve.engine.request_tracking import RequestTracker
 from kdaserve.engine.runner import ModelRunner
 from kdaserve.engine.runner_builder import (
     build_runner,
@@ -41,17 +41,6 @@ from kdaserve.request import Request, RequestStatus, SamplingParams, child_seed
 from kdaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kdaserve")
-
-
-@dataclass
-class _Tracked:
-    parent: str
-    index: int
-    detok: IncrementalDetokenizer | None
-    emitted_tokens: int = 0
-    stop_string: str | None = None
-    prompt_from: str | None = None  # whose prompt logprobs it takes (prompt_sharing.py)
-    prompt_k: int | None = None     # the top-k it asked for (scored itself if that one ends)
 
 
 @dataclass
@@ -143,10 +132,8 @@ class EngineCore:
             # engine/decode_burst.py says why (adaptive speculation: while its drafter sleeps)
             self.scheduler.max_burst = sched.num_scheduler_steps
         self.eos_ids = frozenset(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_id)
-        self._tracked: dict[str, _Tracked] = {}
-        self._children: dict[str, list[str]] = {}
-        self._scores = PromptScores()        # prompt logprobs scored once per prompt
         self.stats = EngineStats()
+        self.tracker = RequestTracker(self.scheduler, self.stats)
         logger.info("kdaserve cache: %s", self.plan.describe())
         freeze_startup_heap()
 
@@ -160,7 +147,7 @@ class EngineCore:
         media: the prompt's images (their placeholder runs already expanded in the ids).
         stream_text=False: the caller reads the text only once the request ends (the deltas
         before the last carry none; ids and logprobs still come each step)."""
-        if request_id in self._children:
+        if self.tracker.has_request(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
@@ -189,7 +176,7 @@ class EngineCore:
         key = ((tuple(prompt_token_ids), params.prompt_logprobs, cache_salt, tuple(extra_keys))
                if params.prompt_logprobs is not None and not media and params.kv_transfer is None
                else None)
-        leader = self._scores.leader(key) if key is not None else None
+        leader = self.tracker.scores.leader(key) if key is not None else None
         for i in range(params.n):
             child_params = params
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -217,14 +204,9 @@ class EngineCore:
                     self.tokenizer, prompt_token_ids, child_params.skip_special_tokens,
                     child_params.stop, child_params.include_stop_str_in_output,
                     defer=not stream_text)
-            self._tracked[cid] = _Tracked(request_id, i, detok,
-                                          prompt_from=leader if follows else None,
-                                          prompt_k=params.prompt_logprobs)
-            if follows:
-                self._scores.follow(cid, leader)
-            elif leader == cid:
-                self._scores.lead(cid, key)
-        self._children[request_id] = children
+            self.tracker.track(cid, request_id, i, detok, leader, follows,
+                               params.prompt_logprobs, key)
+        self.tracker.group(request_id, children)
 
     def hold_prefix(self, transfer_id: str, prompt_token_ids: list[int]) -> int:
         """Disaggregation's hit query on a decode instance: how many leading tokens of this
@@ -255,10 +237,7 @@ class EngineCore:
                     self._vision.merge_size)
 
     def abort(self, request_id: str) -> None:
-        for cid in self._children.pop(request_id, []):
-            self.scheduler.abort(cid)
-            self._tracked.pop(cid, None)
-            self._orphaned(self._scores.forget(cid))
+        self.tracker.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or (
@@ -335,11 +314,9 @@ class EngineCore:
         if len(ids) == 1:
             rid = ids[0]
             logger.error("request %s failed in an engine step; it ends with an error",
-                         self._tracked[rid].parent if rid in self._tracked else rid,
-                         exc_info=exc)
+                         self.tracker.parent(rid), exc_info=exc)
             self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
-            self.stats.failed += 1
-            return [self._final_delta(rid, "error", error=f"{type(exc).__name__}: {exc}")]
+            return [self.tracker.failed(rid, f"{type(exc).__name__}: {exc}")]
         logger.warning("an engine step failed (%s: %s); retrying its %d requests one at a "
                        "time", type(exc).__name__, exc, len(ids))
         for rid in ids:
@@ -384,37 +361,7 @@ class EngineCore:
                                                 req.num_prompt_tokens - seq.context_len)
         touched = (settle_results(self.scheduler, out, result) if dispatched
                    else self.scheduler.update(out, result))
-        deltas = []
-        unsent = self._send_caches()
-        for req in touched:
-            if req.request_id in unsent and req.request_id in self._tracked:
-                self.stats.failed += 1
-                deltas.append(self._final_delta(req.request_id, "error",
-                                                error=unsent[req.request_id]))
-                continue
-            why = result.grammar_errors.get(req.request_id)
-            if why is not None and req.request_id in self._tracked:
-                deltas.append(self._grammar_failed(req.request_id, why))
-                continue
-            try:
-                deltas.append(self._delta(req))
-            except Exception as exc:    # e.g. detokenizing: this request's alone
-                logger.error("request %s failed while producing its output", req.request_id,
-                             exc_info=exc)
-                if req.request_id in self.scheduler.requests:
-                    self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ABORTED)
-                self.stats.failed += 1
-                if req.request_id in self._tracked:
-                    deltas.append(self._final_delta(req.request_id, "error",
-                                                    error=f"{type(exc).__name__}: {exc}"))
-        # requests the scheduler ended on its own (too large for the cache) owe a final delta
-        deltas += [self._final_delta(rid, "length") for rid in self.scheduler.pop_ended()
-                   if rid in self._tracked]
-        for rid, why in self.scheduler.pop_failed().items():   # their cache never came
-            if rid in self._tracked:
-                self.stats.failed += 1
-                deltas.append(self._final_delta(rid, "error", error=why))
-        return deltas
+        return self.tracker.deltas(touched, self._send_caches(), result.grammar_errors)
 
     def _spec_time(self, out, result, seconds: float) -> None:
         st = self.stats
@@ -433,73 +380,3 @@ class EngineCore:
             return {}
         outcome = self.executor.run_cache_ops(sends)
         return {f.request_id: f.reason for f in outcome.failures if f.request_id is not None}
-
-    def _delta(self, req: Request) -> RequestDelta:
-        tr = self._tracked[req.request_id]
-        prompt_lps = None
-        if tr.emitted_tokens == 0 and req.sampling_params.prompt_logprobs is not None:
-            prompt_lps = req.prompt_logprobs or [None]
-            self._scores.scored(req.request_id, list(prompt_lps))   # for its followers
-        elif tr.emitted_tokens == 0 and tr.prompt_from is not None:
-            prompt_lps = self._scores.take(req.request_id)
-        known = req.num_known_outputs         # the rest are in flight (async scheduling)
-        new_ids = req.output_token_ids[tr.emitted_tokens:known]
-        new_lps = req.output_logprobs[tr.emitted_tokens:] if req.output_logprobs else None
-        tr.emitted_tokens = known
-        self.stats.generation_tokens += len(new_ids)
-        text = ""
-        if tr.detok is not None:
-            d = tr.detok.push(new_ids)
-            text = d.text
-            if d.stop_string is not None and not req.is_finished:
-                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
-                req.stop_reason = d.stop_string
-            if req.is_finished and d.stop_string is None:
-                text += tr.detok.flush()
-        finished = req.is_finished
-        reason = req.status.value if finished else None
-        if finished:
-            self._forget(req.request_id)
-            self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-        return RequestDelta(tr.parent, tr.index, new_ids, text, finished, reason,
-                            req.stop_reason if finished else None, new_lps,
-                            req.num_prompt_tokens, known,
-                            req.num_cached_tokens, prompt_logprobs=prompt_lps,
-                            spec_verifications=req.num_spec_verifications if finished else 0,
-                            spec_accepted_tokens=req.num_accepted_tokens if finished else 0)
-
-    def _grammar_failed(self, rid: str, why: str) -> RequestDelta:
-        # its last token was sampled under an EOS-only mask: never report it as a "stop"
-        if rid in self.scheduler.requests:
-            self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
-        self.stats.failed += 1
-        return self._final_delta(rid, "error", error=f"the output grammar failed: {why}")
-
-    def _final_delta(self, rid: str, reason: str, error: str | None = None) -> RequestDelta:
-        tr = self._tracked[rid]
-        text = ""
-        if tr.detok is not None and error is None:
-            text = tr.detok.flush()
-        self._forget(rid)
-        return RequestDelta(tr.parent, tr.index, [], text, True, reason, error=error)
-
-    def _forget(self, rid: str) -> None:
-        tr = self._tracked.pop(rid, None)
-        if tr is None:
-            return
-        self._orphaned(self._scores.forget(rid))
-        kids = self._children.get(tr.parent)
-        if kids is not None and all(k not in self._tracked for k in kids):
-            del self._children[tr.parent]
-
-    def _orphaned(self, followers: list[str]) -> None:
-        """Followers whose leader ended before scoring the prompt score it themselves (none
-        has started: they wait for the leader)."""
-        for rid in followers:
-            req, tr = self.scheduler.requests.get(rid), self._tracked.get(rid)
-            if req is None or tr is None:
-                continue
-            req.sampling_params = SamplingParams(**{**req.sampling_params.__dict__,
-                                                    "prompt_logprobs": tr.prompt_k})
-            req.prompt_leader = None
-            tr.prompt_from = None

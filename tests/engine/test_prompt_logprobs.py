@@ -180,4 +180,4 @@ def test_followers_of_an_aborted_leader_score_the_prompt_themselves(model_dir, r
         for i in range(1, len(PROMPT)):
             assert lps[i][PROMPT[i]] == pytest.approx(reference[i - 1][PROMPT[i]].item(),
                                                       abs=1e-4)
-    assert len(eng._scores) == 0                       # nothing kept for anyone
+    assert len(eng.tracker.scores) == 0                       # nothing kept for anyone
