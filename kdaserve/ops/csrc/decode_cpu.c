@@ -6,8 +6,8 @@
  * decode_blocks.h (and its *_block.h), compiled here for fp32 weights and cache (suffix
  * _f32) and for bf16 ones (_bf16: --dtype bfloat16). bf16 weights are widened to fp32 in
  * registers, so activations and sums stay fp32 (AVX-512 BF16 dot products, vdpbf16ps, would
- * round the activations to bf16 as well); the widening is a shift, and the weights read per
- * token halve.
+ * round the activations to bf16 as well; only the torch forms' rows, bf16 already, take them:
+ * pair_tiles.h); the widening is a shift, and the weights read per token halve.
  *
  * The arithmetic mirrors the torch reference of each block (kdaserve.model.kda / mla / moe,
  * kdaserve.ops.kda / mla), in fp32, with the same recurrence as kda_cpu.c: results agree with
