@@ -48,8 +48,24 @@ static inline idot_w idot_wb(const uint8_t *p, int bits) {
     const __m256i w = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
     return (idot_w){_mm256_sign_epi8(w, w), w};
 }
+/* AVX-512 VNNI (with VL) or AVX-VNNI: vpdpbusd sums the four byte products of each lane
+ * straight into int32, where maddubs + madd took two steps through int16 and a third to add
+ * the nibbles' halves; no int16 sum here saturates (|sum| < 2^15, below), so the lanes hold
+ * the same integers */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define IDOT_DPBUSD(s, w, a) _mm256_dpbusd_epi32(s, w, a)
+#elif defined(__AVXVNNI__)
+#define IDOT_DPBUSD(s, w, a) _mm256_dpbusd_avx_epi32(s, w, a)
+#endif
 static inline idot_i idot_lanes(idot_w w, const int8_t *qa, int bits) {
     const __m256i a0 = _mm256_loadu_si256((const __m256i *)(const void *)qa);
+#ifdef IDOT_DPBUSD
+    if (bits == 4) {
+        const __m256i a1 = _mm256_loadu_si256((const __m256i *)(const void *)(qa + 32));
+        return IDOT_DPBUSD(IDOT_DPBUSD(_mm256_setzero_si256(), w.lo, a0), w.hi, a1);
+    }
+    return IDOT_DPBUSD(_mm256_setzero_si256(), w.lo, _mm256_sign_epi8(a0, w.hi));
+#endif
     __m256i p16;
     if (bits == 4) {          /* nibbles 0..15 unsigned; two byte pairs of each: |sum| < 2^13 */
         const __m256i a1 = _mm256_loadu_si256((const __m256i *)(const void *)(qa + 32));
