@@ -184,9 +184,10 @@ def setup(args, peers: Path, extra: dict) -> tuple[str, str]:
 def decode_report(model: torch.nn.Module, single: dict[str, list[dict]], out: int,
                   threads: int) -> dict:
     """Decode alone, and kdaserve's as a fraction of the machine's read rate: the one measured
-    beside its best decode (beside_read_rate), or now where the runs carry none. Each side times its own single-stream runs' prefill (to the first token) and decode (the
-    out - 1 steps after it), best of the runs: the single stream's time less a prefill timed
-    in other runs moved with the machine (one run read 351 and the next 222 tok/s)."""
+    beside its best decode (beside_read_rate), or now where the runs carry none. Each side
+    times its own single-stream runs' prefill (to the first token) and decode (the out - 1
+    steps after it), best of the runs: the single stream's time less a prefill timed in other
+    runs moved with the machine (one run read 351 and the next 222 tok/s)."""
     active = active_bytes(model)
     res: dict = {"active_weight_bytes_per_token": active}
     rate = 0.0

@@ -33,9 +33,9 @@ bulk alone is cut to what the fit says takes `arrival_seconds` (50 ms; a decode 
 BURST_SECONDS for prefill): on two CPU cores a 512-token scoring step of the K3 demo takes
 80-160 ms against 56-95 ms for a whole 16-token request unloaded. Never below the tokens that
 cost `fixed_multiple` times the step's fixed cost: where that cost alone nears 50 ms (a
-model read from memory), a smaller chunk would pay it again and again for nothing. Until a step of at least
-`bulk_tokens` prefill tokens has been measured (the fit's per-token cost is its prior until
-then) such a step takes `bulk_tokens`. A long prompt alone on a quiet server takes the
+model read from memory), a smaller chunk would pay it again and again for nothing. Until a
+step of at least `bulk_tokens` prefill tokens has been measured (the fit's per-token cost is
+its prior until then) such a step takes `bulk_tokens`. A long prompt alone on a quiet server takes the
 whole budget: its steps' fixed cost is paid once per chunk.
 """
 
