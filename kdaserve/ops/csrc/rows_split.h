@@ -71,8 +71,9 @@ static inline void NAME(mshare)(int64_t n, int64_t unit, int64_t t, int64_t nt, 
 #define MSTREAM_HINT 2
 #endif
 #define MSTREAM_LINE ((int64_t)(64 / sizeof(WT)))
-/* the cursor (outer_tiles.h's tcursor, into L1) over the pass `ahead` rows on, for a pass of
- * len outputs: four lines a step, so that a pass's steps cover the pass ahead exactly */
+/* the cursor (outer_tiles.h's tcursor, into L2: MSTREAM_HINT) over the pass `ahead` rows on,
+ * for a pass of len outputs: four lines a step, so that a pass's steps cover the pass ahead
+ * exactly */
 static inline struct NAME(tcursor) NAME(mcursor_pass)(const WT *w, int64_t N, int64_t len,
                                                       int64_t ahead) {
     struct NAME(tcursor) c = {(const char *)(w + ahead * N), 0, (int64_t)sizeof(WT) * len,
