@@ -10,6 +10,8 @@ must not import torch (`kdaserve --help` stays fast).
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import typing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
@@ -28,6 +30,8 @@ from kdaserve.config import (
     SpeculativeConfig,
     json_flag,
 )
+
+logger = logging.getLogger("kdaserve")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("dspark", "ngram")
@@ -240,7 +244,9 @@ class EngineArgs:
             budget = int(budget * self.cache_memory)
         return EngineConfig(
             model=str(self.model) if self.model is not None else str(default_model_path()),
-            dtype=resolve_dtype(self.dtype, self.device), device=self.device, kda_chunk_size=self.kda_chunk_size,
+            dtype=resolve_dtype(self.dtype, self.device, packed_int_weights(
+                self.quantization, self.model or default_model_path())),
+            device=self.device, kda_chunk_size=self.kda_chunk_size,
             seed=self.seed, num_threads=self.num_threads, enforce_eager=self.enforce_eager,
             async_scheduling=self.async_scheduling, quantization=self.quantization,
             quantization_group_size=self.quantization_group_size,
@@ -286,12 +292,38 @@ def speculative_from_json(text: str) -> dict[str, Any]:
     return {SPECULATIVE_JSON_KEYS[k]: v for k, v in raw.items()}
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
+def resolve_dtype(dtype: str, device: str, packed: bool = False) -> str:
     """`auto`: bfloat16 on CUDA (the tensor cores' type, half the bytes a decode step reads),
-    float32 on CPU (the compiled CPU kernels' type; torch's bf16 CPU products are slow)."""
+    float32 on CPU (the compiled CPU kernels' type; torch's bf16 CPU products are slow).
+    `packed` (INT8/INT4 weights on load or in the checkpoint): on CPU the packed kernels take
+    float32 activations and keep the unquantized layers in float32 (the fused decode's _q
+    blocks), so an explicit bfloat16 (or float16) is taken as float32: in bfloat16 the model fell back to
+    the torch forward, which unpacks every weight each step (the memory-bound model: 8 tok/s
+    against 330, docs/quantization.md)."""
+    on_cpu = not str(device).startswith("cuda")
+    if dtype in ("bfloat16", "float16") and packed and on_cpu:
+        logger.warning("kdaserve: INT8/INT4 weights on CPU run with float32 activations; "
+                       "--dtype %s is taken as float32", dtype)
+        return "float32"
     if dtype != "auto":
         return dtype
-    return "bfloat16" if str(device).startswith("cuda") else "float32"
+    return "float32" if on_cpu else "bfloat16"
+
+
+def packed_int_weights(quantization: str | None, model: Any) -> bool:
+    """Whether the model will hold packed INT weights: --quantization int8/int4, or a
+    compressed-tensors pack-quantized checkpoint (its config.json says so)."""
+    if quantization in ("int8", "int4"):
+        return True
+    from pathlib import Path
+
+    from kdaserve.quant_config import is_pack_quantized
+
+    try:
+        raw = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False                 # the loader reports a missing or broken config
+    return isinstance(raw, dict) and is_pack_quantized(raw.get("quantization_config"))
 
 
 def _value_type(hint: Any) -> Callable[[str], Any]:

@@ -149,3 +149,28 @@ def test_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu():
     assert EngineArgs(device="cuda").to_engine_config().dtype == "bfloat16"
     assert EngineArgs(device="cuda:1").to_engine_config().dtype == "bfloat16"
     assert EngineArgs(device="cuda", dtype="float32").to_engine_config().dtype == "float32"
+
+
+def test_packed_int_weights_on_cpu_run_in_float32(monkeypatch, tmp_path, caplog):
+    """INT8/INT4 weights on CPU take the packed kernels' float32 activations: an explicit
+    bfloat16 (on load or a compressed-tensors checkpoint) becomes float32 with a warning;
+    unpacked models and CUDA keep what was asked for."""
+    import json
+
+    from kdaserve.engine.args import packed_int_weights, resolve_dtype
+
+    with caplog.at_level("WARNING", logger="kdaserve"):
+        cfg = _llm_config(monkeypatch, dtype="bfloat16", quantization="int4")
+    assert cfg.dtype == "float32"
+    assert "taken as float32" in caplog.text
+    assert _llm_config(monkeypatch, dtype="bfloat16").dtype == "bfloat16"
+    assert resolve_dtype("bfloat16", "cuda", packed=True) == "bfloat16"
+    assert resolve_dtype("auto", "cpu", packed=True) == "float32"
+    ct = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": ct}))
+    assert packed_int_weights(None, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "fp8"}}))
+    assert not packed_int_weights(None, tmp_path)
+    assert not packed_int_weights(None, tmp_path / "missing")
+    assert packed_int_weights("int8", tmp_path / "missing")
