@@ -10,8 +10,6 @@ must not import torch (`kdaserve --help` stays fast).
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import typing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
@@ -30,8 +28,7 @@ from kdaserve.config import (
     SpeculativeConfig,
     json_flag,
 )
-
-logger = logging.getLogger("kdaserve")
+from kdaserve.engine.dtypes import packed_int_weights, resolve_dtype
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("dspark", "ngram")
@@ -290,40 +287,6 @@ def speculative_from_json(text: str) -> dict[str, Any]:
     """--speculative-config's JSON as EngineArgs fields (vLLM's keys)."""
     raw = json_flag(text, "--speculative-config", sorted(SPECULATIVE_JSON_KEYS))
     return {SPECULATIVE_JSON_KEYS[k]: v for k, v in raw.items()}
-
-
-def resolve_dtype(dtype: str, device: str, packed: bool = False) -> str:
-    """`auto`: bfloat16 on CUDA (the tensor cores' type, half the bytes a decode step reads),
-    float32 on CPU (the compiled CPU kernels' type; torch's bf16 CPU products are slow).
-    `packed` (INT8/INT4 weights on load or in the checkpoint): on CPU the packed kernels take
-    float32 activations and keep the unquantized layers in float32 (the fused decode's _q
-    blocks), so an explicit bfloat16 (or float16) is taken as float32: in bfloat16 the model fell back to
-    the torch forward, which unpacks every weight each step (the memory-bound model: 8 tok/s
-    against 330, docs/quantization.md)."""
-    on_cpu = not str(device).startswith("cuda")
-    if dtype in ("bfloat16", "float16") and packed and on_cpu:
-        logger.warning("kdaserve: INT8/INT4 weights on CPU run with float32 activations; "
-                       "--dtype %s is taken as float32", dtype)
-        return "float32"
-    if dtype != "auto":
-        return dtype
-    return "float32" if on_cpu else "bfloat16"
-
-
-def packed_int_weights(quantization: str | None, model: Any) -> bool:
-    """Whether the model will hold packed INT weights: --quantization int8/int4, or a
-    compressed-tensors pack-quantized checkpoint (its config.json says so)."""
-    if quantization in ("int8", "int4"):
-        return True
-    from pathlib import Path
-
-    from kdaserve.quant_config import is_pack_quantized
-
-    try:
-        raw = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False                 # the loader reports a missing or broken config
-    return isinstance(raw, dict) and is_pack_quantized(raw.get("quantization_config"))
 
 
 def _value_type(hint: Any) -> Callable[[str], Any]:

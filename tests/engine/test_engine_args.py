@@ -157,7 +157,7 @@ def test_packed_int_weights_on_cpu_run_in_float32(monkeypatch, tmp_path, caplog)
     unpacked models and CUDA keep what was asked for."""
     import json
 
-    from kdaserve.engine.args import packed_int_weights, resolve_dtype
+    from kdaserve.engine.dtypes import packed_int_weights, resolve_dtype
 
     with caplog.at_level("WARNING", logger="kdaserve"):
         cfg = _llm_config(monkeypatch, dtype="bfloat16", quantization="int4")
