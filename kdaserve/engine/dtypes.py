@@ -38,6 +38,6 @@ def packed_int_weights(quantization: str | None, model: Any) -> bool:
         return True
     try:
         raw = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, TypeError, ValueError):
         return False                 # the loader reports a missing or broken config
     return isinstance(raw, dict) and is_pack_quantized(raw.get("quantization_config"))
