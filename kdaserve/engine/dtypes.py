@@ -23,7 +23,7 @@ def resolve_dtype(dtype: str, device: str, packed: bool = False) -> str:
     model: 8 tok/s against 330, docs/quantization.md)."""
     on_cpu = not str(device).startswith("cuda")
     if dtype in ("bfloat16", "float16") and packed and on_cpu:
-        logger.warning("kdaserve: INT8/INT4 weights on CPU run with float32 activations; "
+        logger.warning("kdaserve dtype: INT8/INT4 weights on CPU run with float32 activations; "
                        "--dtype %s is taken as float32", dtype)
         return "float32"
     if dtype != "auto":
