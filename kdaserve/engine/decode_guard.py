@@ -35,8 +35,8 @@ BURST_SECONDS for prefill): on two CPU cores a 512-token scoring step of the K3 
 cost `fixed_multiple` times the step's fixed cost: where that cost alone nears 50 ms (a
 model read from memory), a smaller chunk would pay it again and again for nothing. Until a
 step of at least `bulk_tokens` prefill tokens has been measured (the fit's per-token cost is
-its prior until then) such a step takes `bulk_tokens`. A long prompt alone on a quiet server takes the
-whole budget: its steps' fixed cost is paid once per chunk.
+its prior until then) such a step takes `bulk_tokens`. A long prompt alone on a quiet server
+takes the whole budget: its steps' fixed cost is paid once per chunk.
 """
 
 from __future__ import annotations

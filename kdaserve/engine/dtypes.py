@@ -3,9 +3,7 @@ ask of it on CPU (EngineArgs.to_engine_config's one call)."""
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
 from kdaserve.quant_config import is_pack_quantized
@@ -36,8 +34,10 @@ def packed_int_weights(quantization: str | None, model: Any) -> bool:
     compressed-tensors pack-quantized checkpoint (its config.json says so)."""
     if quantization in ("int8", "int4"):
         return True
+    from kdaserve.model.registry import read_config_json
+
     try:
-        raw = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, TypeError, ValueError):
+        raw = read_config_json(model)
+    except (OSError, TypeError, ValueError):   # ConfigError is a ValueError
         return False                 # the loader reports a missing or broken config
-    return isinstance(raw, dict) and is_pack_quantized(raw.get("quantization_config"))
+    return is_pack_quantized(raw.get("quantization_config"))

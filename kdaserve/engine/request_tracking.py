@@ -41,9 +41,6 @@ class RequestTracker:
         self._tracked: dict[str, _Tracked] = {}
         self._children: dict[str, list[str]] = {}
 
-    def __contains__(self, rid: str) -> bool:
-        return rid in self._tracked
-
     def has_request(self, request_id: str) -> bool:
         """A client request id in use (its completions still tracked)."""
         return request_id in self._children
