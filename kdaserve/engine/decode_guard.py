@@ -138,6 +138,21 @@ class DecodeGuard:
         self._last = (b, extra, earned, cap)
         return tokens if tokens >= self.min_chunk else 0
 
+    def step_budget(self, decoding: int, running: list[int], waiting: list[int],
+                    free_slots: int) -> int | None:
+        """bulk_budget() for a step being planned, from the work (tokens less prefix hits)
+        that its running prefills and its waiting prompts brought: None when none of them is
+        bulk (nothing to cut, no fit to solve: most steps). Short prompts count as waiting on
+        the step if they run or a free slot admits them."""
+        run = [self.is_bulk(w) for w in running]
+        wait = [self.is_bulk(w) for w in waiting]
+        if not any(run) and not any(wait):
+            if decoding or running or waiting:
+                self.saw_sensitive()
+            return None
+        short = run.count(False) + min(free_slots, wait.count(False))
+        return self.bulk_budget(decoding, short)
+
     def saw_sensitive(self) -> None:
         """A step with latency-sensitive work and no bulk to cut."""
         self.quiet = 0.0

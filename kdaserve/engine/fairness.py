@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from kdaserve.request import Request
+
+if TYPE_CHECKING:
+    from kdaserve.engine.scheduler import Scheduler
 
 
 def next_waiting(waiting: Iterable[Request], counts: Counter, policy: str) -> Request:
@@ -39,3 +43,16 @@ def fair_share_victim(running: Sequence[Request], waiting: Iterable[Request],
     if held < 2:
         return None
     return next(r for r in reversed(running) if r.group == group)
+
+
+def fair_share(sched: Scheduler) -> list[str]:
+    """Preempt for a waiting group that has no running sequence: the victim's id, if any."""
+    sched._fair_preempted = 0
+    victim = fair_share_victim(sched.running, sched.waiting, sched.config.max_num_seqs)
+    if victim is None:
+        return []
+    sched.running.remove(victim)
+    sched._preempt(victim)
+    sched.num_fair_preemptions += 1
+    sched._fair_preempted = 1
+    return [victim.request_id]
