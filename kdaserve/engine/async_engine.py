@@ -1,8 +1,9 @@
 """`AsyncEngine`: the server's client of the engine process (engine_process.py), in the
 server's event loop.
 
-Two PUSH/PULL pipes on ipc:// sockets in a private temp dir: commands flow to the child, results
-flow back, as the msgspec Structs of wire.py.
+The child and its pipes: engine_child.py. Here: each request's stream of deltas, the bounds on
+what waits for a first token, replies matched to their asks, and what the engine's death
+means for every request in flight.
 """
 
 from __future__ import annotations
@@ -10,20 +11,26 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from kdaserve.config import EngineConfig
-from kdaserve.engine.engine_process import engine_process_main
+from kdaserve.engine.engine_child import EngineChild
+from kdaserve.engine.engine_errors import (
+    EngineDeadError,
+    EngineError,
+    EngineStartupError,
+)
+from kdaserve.engine.waiting_bounds import (
+    DEFAULT_MAX_QUEUED_TOKENS,
+    DEFAULT_MAX_WAITING,
+    WaitingBounds,
+)
 from kdaserve.engine.wire import (AbortCmd, AddCmd, AddFailed, Command, DeltaBatch, EngineInfo,
                                   EngineStatsSnapshot, Fatal, Heartbeat, HoldCmd, HoldReply,
                                   Reply, ShutdownCmd, StartupFailed, StatsCmd, StatsReply)
@@ -33,30 +40,7 @@ from kdaserve.request import SamplingParams
 
 logger = logging.getLogger("kdaserve")
 
-DEFAULT_MAX_WAITING = 1024     # sequences accepted but without a first token yet
-DEFAULT_MAX_QUEUED_TOKENS = 1 << 20    # their prompt tokens
-_STATS_TIMEOUT_S = 30.0
-
-
-class EngineError(RuntimeError):
-    """The engine could not serve a request for a reason other than the request's input."""
-
-
-class EngineStartupError(EngineError):
-    """The engine process failed to load the model (the message is the child's error)."""
-
-
-class EngineDeadError(EngineError):
-    """The engine process is gone; no request can be served any more."""
-
-
-class QueueFullError(EngineError):
-    """Too many sequences (or prompt tokens) are waiting for their first token; try again
-    later."""
-
-
-class RequestTimeoutError(EngineError):
-    """The request ran past its server-side deadline and was aborted."""
+_REPLY_TIMEOUT_S = 30.0
 
 
 # ---- the client, in the server's event loop ---------------------------------------------------
@@ -80,21 +64,16 @@ class AsyncEngine:
                  max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS,
                  startup_timeout_s: float = 1800.0, log_level: int | None = None,
                  on_dead: Any = None) -> None:
-        if max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.config = config
-        self.max_waiting = max_waiting
-        self.max_queued_tokens = max_queued_tokens
+        self.bounds = WaitingBounds(max_waiting, max_queued_tokens)
         self.on_dead = on_dead
         self.last_heartbeat = time.monotonic()
-        self._queued_tokens = 0
         self.startup_timeout_s = startup_timeout_s
         self.log_level = log_level if log_level is not None else logger.getEffectiveLevel()
         self.info: EngineInfo | None = None
         self._streams: dict[str, _Stream] = {}
-        self._waiting: dict[str, tuple[int, int]] = {}   # request -> (sequences, tokens)
         # replies by token: stats snapshots and hit-query answers
-        self._stats_waiters: dict[int, asyncio.Future[Any]] = {}
+        self._waiters: dict[int, asyncio.Future[Any]] = {}
         self._tokens = itertools.count()
         self._decoder = msgspec.msgpack.Decoder(Reply)
         self._encoder = msgspec.msgpack.Encoder()
@@ -102,41 +81,18 @@ class AsyncEngine:
         self._fatal: str | None = None
         self._died = False                     # it ended without being asked to
         self._closing = False
-        self._proc: multiprocessing.process.BaseProcess | None = None
-        self._tmpdir: str | None = None
-        self._ctx: zmq.Context | None = None
-        self._cmd: zmq.Socket | None = None
-        self._out: zmq.asyncio.Socket | None = None
+        self._child = EngineChild()
         self._reader: asyncio.Task[None] | None = None
-        self._exited: asyncio.Future[None] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> EngineInfo:
         """Spawn the engine and wait until it has loaded the model."""
-        if self._proc is not None:
+        if self._child.proc is not None:
             raise RuntimeError("AsyncEngine.start() was already called")
-        loop = asyncio.get_running_loop()
-        self._tmpdir = tempfile.mkdtemp(prefix="kdaserve-")
-        cmd_addr, out_addr = f"ipc://{self._tmpdir}/cmd", f"ipc://{self._tmpdir}/out"
-        self._ctx = zmq.Context()
-        self._cmd = self._ctx.socket(zmq.PUSH)
-        self._cmd.setsockopt(zmq.SNDHWM, 0)
-        self._cmd.setsockopt(zmq.LINGER, 0)
-        self._cmd.bind(cmd_addr)
-        self._out = zmq.asyncio.Socket(self._ctx, zmq.PULL)
-        self._out.setsockopt(zmq.RCVHWM, 0)
-        self._out.setsockopt(zmq.LINGER, 0)
-        self._out.bind(out_addr)
-        mp = multiprocessing.get_context("spawn")
-        self._proc = mp.Process(
-            # a daemonic process may not start the workers of a parallel layout; those die
-            # with the engine process (PDEATHSIG), which exits when the server goes
-            target=engine_process_main, name="kdaserve-engine",
-            daemon=self.config.parallel.executor == "uni",
-            args=(self._encoder.encode(self.config), cmd_addr, out_addr, self.log_level))
-        self._proc.start()
-        self._exited = loop.create_future()
-        loop.add_reader(self._proc.sentinel, self._on_exit)
+        # a daemonic process may not start the workers of a parallel layout; those die with
+        # the engine process (PDEATHSIG), which exits when the server goes
+        self._child.spawn(self._encoder.encode(self.config), self.log_level,
+                          self.config.parallel.executor == "uni", self._on_exit)
         try:
             first = await self._first_reply()
         except BaseException:
@@ -149,50 +105,33 @@ class AsyncEngine:
             await self.shutdown()
             raise EngineStartupError(f"unexpected first message from the engine: {first!r}")
         self.info = first
-        self._reader = loop.create_task(self._read_loop(), name="kdaserve-engine-reader")
+        self._reader = asyncio.get_running_loop().create_task(
+            self._read_loop(), name="kdaserve-engine-reader")
         return first
 
     async def _first_reply(self) -> Reply:
-        assert self._out is not None and self._exited is not None
-        recv = asyncio.ensure_future(self._out.recv())
-        try:
-            done, _ = await asyncio.wait({recv, self._exited}, timeout=self.startup_timeout_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if recv not in done and self._exited in done:
-                # It may have said why just before exiting: give that message a moment.
-                done, _ = await asyncio.wait({recv}, timeout=1.0)
-            if recv not in done:
-                if self._exited.done():
-                    code = self._proc.exitcode if self._proc else None
-                    raise EngineStartupError(f"engine process exited during startup (code {code})")
-                raise EngineStartupError(
-                    f"engine did not become ready within {self.startup_timeout_s:.0f} s")
-            return self._decoder.decode(recv.result())
-        finally:
-            if not recv.done():
-                recv.cancel()
+        frame = await self._child.first_frame(self.startup_timeout_s)
+        if frame is None:
+            if self._child.exited is not None and self._child.exited.done():
+                code = self._child.proc.exitcode if self._child.proc else None
+                raise EngineStartupError(f"engine process exited during startup (code {code})")
+            raise EngineStartupError(
+                f"engine did not become ready within {self.startup_timeout_s:.0f} s")
+        return self._decoder.decode(frame)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine process and release sockets; pending requests get EngineDeadError."""
         if self._closing:
             return
         self._closing = True
-        proc = self._proc
-        if proc is not None and proc.is_alive():
+
+        def ask() -> None:
             try:
                 self._send(ShutdownCmd())
             except EngineError:
                 pass
-            await self._wait_exit(timeout_s)
-            if self._exited is not None and self._exited.done():
-                # the sentinel fires when the child closes its descriptors, a moment before
-                # its exit status exists: is_alive() then still says True
-                await asyncio.to_thread(proc.join, timeout_s)
-            if proc.is_alive():         # it ignores SIGTERM (see engine_process_main)
-                logger.warning("the engine did not stop within %.0f s; killing it", timeout_s)
-                proc.kill()
-                await self._wait_exit(timeout_s)
-        if proc is not None:
+        await self._child.stop(timeout_s, ask)
+        if self._child.proc is not None:
             self._on_exit()
         if self._reader is not None:
             self._reader.cancel()
@@ -200,34 +139,17 @@ class AsyncEngine:
                 await self._reader
             except (asyncio.CancelledError, Exception):
                 pass
-        for sock in (self._cmd, self._out):
-            if sock is not None:
-                sock.close(linger=0)
-        if self._ctx is not None:
-            self._ctx.term()
-        if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-
-    async def _wait_exit(self, timeout_s: float) -> None:
-        if self._exited is not None and not self._exited.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(self._exited), timeout_s)
-            except asyncio.TimeoutError:
-                pass
+        self._child.close()
 
     def _on_exit(self) -> None:
         """The child process ended (its sentinel became readable) or we are shutting down."""
-        assert self._proc is not None
-        if self._exited is not None and not self._exited.done():
-            asyncio.get_running_loop().remove_reader(self._proc.sentinel)
-            self._proc.join(0)
-            self._exited.set_result(None)
+        self._child.mark_exited()
         if self._dead is not None:
             return
         if self._closing:
             why = "the engine was shut down"
         else:
-            why = f"the engine process exited (code {self._proc.exitcode})"
+            why = f"the engine process exited (code {self._child.proc.exitcode})"
             if self._fatal:
                 why += f": {self._fatal}"
             if self.info is not None:     # during start() the caller gets the reason instead
@@ -236,7 +158,7 @@ class AsyncEngine:
         self._dead = why
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(why))
-        for fut in self._stats_waiters.values():
+        for fut in self._waiters.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(why))
         if not self._closing and self.info is not None and self.on_dead is not None:
@@ -260,15 +182,10 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Sequences accepted and still without a first token."""
-        return sum(n for n, _ in self._waiting.values())
+        return self.bounds.num_waiting
 
     def seconds_since_heartbeat(self) -> float:
         return time.monotonic() - self.last_heartbeat
-
-    def _unqueue(self, request_id: str) -> None:
-        entry = self._waiting.pop(request_id, None)
-        if entry is not None:
-            self._queued_tokens -= entry[1]
 
     # ---- messages ------------------------------------------------------------------------------
     def _check_alive(self) -> None:
@@ -278,17 +195,16 @@ class AsyncEngine:
             raise EngineError("the engine has not started")
 
     def _send(self, msg: Command) -> None:
-        assert self._cmd is not None
         try:
-            self._cmd.send(self._encoder.encode(msg), zmq.NOBLOCK)
+            self._child.send(self._encoder.encode(msg))
         except zmq.ZMQError as exc:   # no peer (it died) or the socket is closed
             raise EngineDeadError(self._dead or f"cannot reach the engine: {exc}") from None
 
     async def _read_loop(self) -> None:
-        assert self._out is not None
+        assert self._child.out is not None
         while True:
             try:
-                frame = await self._out.recv()
+                frame = await self._child.out.recv()
             except zmq.ZMQError:
                 return
             try:
@@ -307,7 +223,7 @@ class AsyncEngine:
                     continue
                 if not stream.started:
                     stream.started = True
-                    self._unqueue(delta.request_id)
+                    self.bounds.release(delta.request_id)
                 stream.queue.put_nowait(delta)
         elif isinstance(msg, AddFailed):
             stream = self._streams.get(msg.request_id)
@@ -315,7 +231,7 @@ class AsyncEngine:
                 exc = ValueError(msg.message) if msg.invalid_input else EngineError(msg.message)
                 stream.queue.put_nowait(exc)
         elif isinstance(msg, (StatsReply, HoldReply)):
-            fut = self._stats_waiters.get(msg.token)
+            fut = self._waiters.get(msg.token)
             if fut is not None and not fut.done():
                 fut.set_result(msg.stats if isinstance(msg, StatsReply) else msg)
         elif isinstance(msg, Fatal):
@@ -339,17 +255,8 @@ class AsyncEngine:
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        queued = self.num_waiting
-        tokens = len(prompt_token_ids) * params.n
-        if queued and (queued + params.n > self.max_waiting
-                       or self._queued_tokens + tokens > self.max_queued_tokens):
-            raise QueueFullError(
-                f"{queued} sequences ({self._queued_tokens} prompt tokens) are waiting for "
-                f"their first token (limits: {self.max_waiting} sequences, "
-                f"{self.max_queued_tokens} tokens); retry later")
+        self.bounds.admit(request_id, params.n, len(prompt_token_ids))
         stream = self._streams[request_id] = _Stream()
-        self._waiting[request_id] = (params.n, tokens)
-        self._queued_tokens += tokens
         remaining = params.n
         try:
             self._send(AddCmd(request_id, list(prompt_token_ids),
@@ -367,7 +274,7 @@ class AsyncEngine:
                 yield item
         finally:
             del self._streams[request_id]
-            self._unqueue(request_id)
+            self.bounds.release(request_id)
             if remaining and self._dead is None:
                 self._send(AbortCmd([request_id]))
 
@@ -382,30 +289,27 @@ class AsyncEngine:
 
     async def stats(self) -> dict[str, Any]:
         """A snapshot of the engine's counters (see EngineStatsSnapshot for the keys)."""
-        self._check_alive()
-        token = next(self._tokens)
-        fut: asyncio.Future[EngineStatsSnapshot] = asyncio.get_running_loop().create_future()
-        self._stats_waiters[token] = fut
-        try:
-            self._send(StatsCmd(token))
-            snapshot = await asyncio.wait_for(fut, _STATS_TIMEOUT_S)
-        finally:
-            self._stats_waiters.pop(token, None)
+        snapshot: EngineStatsSnapshot = await self._ask(StatsCmd)
         return msgspec.structs.asdict(snapshot)
 
     async def hold_prefix(self, transfer_id: str, prompt_token_ids: list[int]) -> int:
         """Disaggregation's hit query (EngineCore.hold_prefix): the leading tokens of the
         prompt this decode instance holds, pinned under `transfer_id`. ValueError when this
         is no decode instance."""
-        self._check_alive()
-        token = next(self._tokens)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._stats_waiters[token] = fut
-        try:
-            self._send(HoldCmd(token, transfer_id, list(prompt_token_ids)))
-            reply: HoldReply = await asyncio.wait_for(fut, _STATS_TIMEOUT_S)
-        finally:
-            self._stats_waiters.pop(token, None)
+        reply: HoldReply = await self._ask(
+            lambda token: HoldCmd(token, transfer_id, list(prompt_token_ids)))
         if reply.error:
             raise ValueError(reply.error)
         return reply.held_tokens
+
+    async def _ask(self, command: Callable[[int], Command]) -> Any:
+        """Send command(token) and wait for the reply carrying that token."""
+        self._check_alive()
+        token = next(self._tokens)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiters[token] = fut
+        try:
+            self._send(command(token))
+            return await asyncio.wait_for(fut, _REPLY_TIMEOUT_S)
+        finally:
+            self._waiters.pop(token, None)

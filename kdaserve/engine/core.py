@@ -14,7 +14,6 @@ from kdaserve.cache.manager import CacheManager
 from kdaserve.cache.ops import TakeSnapshot
 from kdaserve.cache.planner import CachePlan
 from kdaserve.config import EngineConfig
-from kdaserve.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.async_steps import StepPipeline
 from kdaserve.engine.core_setup import engine_cache_plan, load_engine_model
 from kdaserve.engine.executor import Executor, ExecutorError
@@ -28,16 +27,17 @@ from kdaserve.engine.runner_builder import (
     engine_chunk_size,
     has_tokenizer,
 )
+from kdaserve.engine import request_intake, step_accounting
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
 from kdaserve.engine.step_message import StepMessages
-from kdaserve.media import MediaItem, check_media
+from kdaserve.media import MediaItem
 from kdaserve.model.base import HybridForCausalLM
 from kdaserve.ops.cpu_isa import cpu_isa
 from kdaserve.ops.cpu_isa import requested as requested_isa
 from kdaserve.ops.host_memory import freeze_startup_heap, tune_host_allocator
 from kdaserve.outputs import RequestDelta, SchedulerOutput
-from kdaserve.request import Request, RequestStatus, SamplingParams, child_seed
+from kdaserve.request import RequestStatus, SamplingParams
 from kdaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kdaserve")
@@ -147,66 +147,9 @@ class EngineCore:
         media: the prompt's images (their placeholder runs already expanded in the ids).
         stream_text=False: the caller reads the text only once the request ends (the deltas
         before the last carry none; ids and logprobs still come each step)."""
-        if self.tracker.has_request(request_id):
-            raise ValueError(f"duplicate request id {request_id!r}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model directory has none")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
-        if media:
-            self._check_media(media, prompt_token_ids)
-            extra_keys = tuple(extra_keys) + tuple(m.placed_key() for m in media)
-        if params.guided is not None:    # compiled (and cached) now: a bad spec is a 400
-            self.executor.validate_guided(params.guided)
-        first_output: list[int] = []
-        drafts: list[int] = []
-        if params.kv_transfer is not None:
-            from kdaserve.disagg.handoff import check_request
-
-            first_output = check_request(params, self.config.kv_transfer, vocab,
-                                         len(prompt_token_ids))
-            if first_output and self.transfer is not None:   # an import: drafts came along?
-                drafts = self.transfer.arrived_drafts(params.kv_transfer.transfer_id)
-        children = []
-        # the request that scores the prompt for the others (the first of the n, or a live
-        # request scoring the same prompt: prompt_sharing.py); the rest wait and take it
-        key = ((tuple(prompt_token_ids), params.prompt_logprobs, cache_salt, tuple(extra_keys))
-               if params.prompt_logprobs is not None and not media and params.kv_transfer is None
-               else None)
-        leader = self.tracker.scores.leader(key) if key is not None else None
-        for i in range(params.n):
-            child_params = params
-            cid = request_id if params.n == 1 else f"{request_id}#{i}"
-            follows = leader is not None
-            if params.n > 1 or follows:
-                seed = (params.seed if params.n == 1 or params.seed is None
-                        else child_seed(params.seed, i))
-                shared = {"prompt_logprobs": None} if follows else {}
-                child_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed,
-                                                 **shared})
-            if params.prompt_logprobs is not None and leader is None:
-                leader = cid
-            req = Request(cid, list(prompt_token_ids), child_params, eos_token_ids=self.eos_ids,
-                          output_token_ids=list(first_output), spec_token_ids=list(drafts),
-                          priority=priority,
-                          arrival_time=arrival_time or time.monotonic(),
-                          cache_salt=cache_salt, extra_keys=tuple(extra_keys),
-                          media=tuple(media), group=group or request_id,
-                          prompt_leader=leader if follows else None)
-            self.scheduler.add_request(req)  # validates; the first failure raises before any
-            children.append(cid)
-            detok = None
-            if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(
-                    self.tokenizer, prompt_token_ids, child_params.skip_special_tokens,
-                    child_params.stop, child_params.include_stop_str_in_output,
-                    defer=not stream_text)
-            self.tracker.track(cid, request_id, i, detok, leader, follows,
-                               params.prompt_logprobs, key)
-        self.tracker.group(request_id, children)
+        request_intake.add_request(self, request_id, prompt_token_ids, params, priority,
+                                   arrival_time, cache_salt, extra_keys, group, media,
+                                   stream_text)
 
     def hold_prefix(self, transfer_id: str, prompt_token_ids: list[int]) -> int:
         """Disaggregation's hit query on a decode instance: how many leading tokens of this
@@ -229,12 +172,6 @@ class EngineCore:
     def vision_config(self):
         """The vision tower's config (every rank holds the tower whole), None without one."""
         return self._vision
-
-    def _check_media(self, media: Sequence[MediaItem], prompt: list[int]) -> None:
-        if self._vision is None:
-            raise ValueError("this model has no vision tower; images are not supported")
-        check_media(media, prompt, self.model_config.media_placeholder_token_id,
-                    self._vision.merge_size)
 
     def abort(self, request_id: str) -> None:
         self.tracker.abort(request_id)
@@ -333,43 +270,10 @@ class EngineCore:
                 ) -> list[RequestDelta]:
         """A step's result into the requests and their deltas. `dispatched`: async scheduling
         advanced the step's counts when it started (engine/lookahead.py)."""
-        requests = self.scheduler.requests
-        policy = self.scheduler.spec_policy
-        # what one of a burst's forwards took (engine/decode_burst.py); token rates take the
-        # whole burst's time
-        step_seconds = seconds / out.num_steps
-        if policy is not None and not out.is_empty:   # what steps cost: the policy's data
-            verifies = any(s.num_draft_tokens for s in out.sequences)
-            policy.cost.observe(out.num_tokens, len(result.drafts), step_seconds,
-                                verifies=verifies)
-            if all(len(s.token_ids) == 1 + s.num_draft_tokens for s in out.sequences):
-                policy.realized.observe(len(out.sequences), verifies,
-                                        sum(len(t) for t in result.sampled.values()), seconds)
-        if self.config.speculative is not None and not out.is_empty:
-            self._spec_time(out, result, seconds)
-        if (self.scheduler.max_burst > 1 and not out.is_empty      # read by bursts alone
-                and all(s.is_decode for s in out.sequences)):
-            self.scheduler.decode_seconds = step_seconds
-        if self.scheduler.guard is not None:
-            self.scheduler.guard.observe_step(out, step_seconds)
-        self.stats.steps += out.num_steps
-        self.stats.preemptions += len(out.preempted)
-        for seq in out.sequences:
-            req = requests.get(seq.request_id)
-            if req is not None and seq.context_len < req.num_prompt_tokens:
-                self.stats.prompt_tokens += min(len(seq.token_ids),
-                                                req.num_prompt_tokens - seq.context_len)
+        step_accounting.observe(self, out, result, seconds)
         touched = (settle_results(self.scheduler, out, result) if dispatched
                    else self.scheduler.update(out, result))
         return self.tracker.deltas(touched, self._send_caches(), result.grammar_errors)
-
-    def _spec_time(self, out, result, seconds: float) -> None:
-        st = self.stats
-        st.spec_draft_seconds += result.draft_seconds
-        if not out.drafting:
-            st.spec_dormant_seconds += seconds
-        elif any(s.num_draft_tokens for s in out.sequences):
-            st.spec_verify_seconds += max(0.0, seconds - result.draft_seconds)
 
     def _send_caches(self) -> dict[str, str]:
         """Push the caches of requests that just ended on a prefill instance, before the next

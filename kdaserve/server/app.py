@@ -13,7 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kdaserve.config import KVTransferConfig
-from kdaserve.engine.async_engine import AsyncEngine, EngineError
+from kdaserve.engine.async_engine import AsyncEngine
+from kdaserve.engine.engine_errors import EngineError
 from kdaserve.image_io import ImageLimits
 from kdaserve.server.errors import APIError, install_error_handlers
 from kdaserve.server.guards import ServerLimits

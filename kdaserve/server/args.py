@@ -9,18 +9,16 @@ import os
 
 from kdaserve import arg_types
 from kdaserve.engine.args import add_engine_arguments
+from kdaserve.engine.waiting_bounds import DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_WAITING
 from kdaserve.image_io import ImageLimits
 from kdaserve.server.reasoning import REASONING_FORMATS
 from kdaserve.server.tool_parsers import TOOL_PARSERS
 
 DEMO_MODEL_NAME = "kdaserve-demo"
 API_KEY_ENV = "KDASERVE_API_KEY"
-# The defaults of server/app.py (DEFAULT_MAX_BODY_BYTES) and engine/async_engine.py
-# (DEFAULT_MAX_WAITING, DEFAULT_MAX_QUEUED_TOKENS), repeated: importing those modules here would
-# load FastAPI, ZeroMQ and numpy for `--help` (tests/engine/test_engine_args.py checks they agree).
+# server/app.py's DEFAULT_MAX_BODY_BYTES, repeated: importing the app here would load FastAPI
+# and numpy for `--help` (tests/engine/test_engine_args.py checks they agree).
 DEFAULT_MAX_BODY_SIZE = "16MiB"
-DEFAULT_MAX_WAITING = 1024
-DEFAULT_MAX_QUEUED_TOKENS = 1 << 20
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,7 +18,8 @@ from kdaserve.arg_types import parse_size
 from kdaserve.assets import DEMO_MODEL_DIR, default_model_path
 from kdaserve.config import EngineConfig
 from kdaserve.engine.args import EngineArgs
-from kdaserve.engine.async_engine import AsyncEngine, EngineStartupError
+from kdaserve.engine.async_engine import AsyncEngine
+from kdaserve.engine.engine_errors import EngineStartupError
 from kdaserve.generation_defaults import generation_defaults
 from kdaserve.model.registry import load_config
 from kdaserve.request import SamplingParams

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kdaserve.disagg.connector import FAILED_PREFIX
-from kdaserve.engine.async_engine import (
+from kdaserve.engine.engine_errors import (
     EngineDeadError,
     EngineError,
     QueueFullError,

@@ -17,7 +17,8 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from kdaserve.engine.async_engine import AsyncEngine, RequestTimeoutError
+from kdaserve.engine.async_engine import AsyncEngine
+from kdaserve.engine.engine_errors import RequestTimeoutError
 from kdaserve.outputs import RequestDelta
 from kdaserve.request import SamplingParams
 from kdaserve.server.errors import ClientGone

@@ -22,7 +22,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kdaserve.engine.async_engine import AsyncEngine, EngineError
+from kdaserve.engine.async_engine import AsyncEngine
+from kdaserve.engine.engine_errors import EngineError
 from kdaserve.image_io import ImageLimits
 from kdaserve.request import SamplingParams
 from kdaserve.server.chat_plan import ChatPlan

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from dataclasses import asdict, fields
 
 import pytest
@@ -133,12 +135,18 @@ def test_engine_flags_on_a_group_skip_excluded_fields():
 
 def test_serve_defaults_repeated_without_imports_agree():
     from kdaserve.arg_types import parse_size
-    from kdaserve.engine.async_engine import DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_WAITING
     from kdaserve.server.app import DEFAULT_MAX_BODY_BYTES
 
     assert parse_size(server_args.DEFAULT_MAX_BODY_SIZE) == DEFAULT_MAX_BODY_BYTES
-    assert server_args.DEFAULT_MAX_WAITING == DEFAULT_MAX_WAITING
-    assert server_args.DEFAULT_MAX_QUEUED_TOKENS == DEFAULT_MAX_QUEUED_TOKENS
+
+
+def test_serve_parser_loads_neither_torch_nor_the_web_stack():
+    code = ("import argparse, sys; from kdaserve.server.args import add_serve_arguments; "
+            "add_serve_arguments(argparse.ArgumentParser()); print(sorted(m for m in "
+            "('fastapi', 'numpy', 'torch', 'uvicorn', 'zmq') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu():

@@ -10,12 +10,8 @@ import shutil
 import pytest
 
 from kdaserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from kdaserve.engine.async_engine import (
-    AsyncEngine,
-    EngineError,
-    EngineStartupError,
-    QueueFullError,
-)
+from kdaserve.engine.async_engine import AsyncEngine
+from kdaserve.engine.engine_errors import EngineError, EngineStartupError, QueueFullError
 from kdaserve.request import SamplingParams
 
 STATS_KEYS = {"num_running", "num_waiting", "cache_usage", "num_free_blocks", "num_free_slots",

@@ -86,10 +86,10 @@ def test_engine_sockets_are_private_ipc(tiny_model_dir):
         with one_omp_thread():
             await eng.start()
         try:
-            folder = Path(eng._tmpdir)
+            folder = Path(eng._child._tmpdir)
             mode = stat.S_IMODE(folder.stat().st_mode)
             endpoints = [s.getsockopt_string(zmq.LAST_ENDPOINT)
-                         for s in (eng._cmd, eng._out)]
+                         for s in (eng._child._cmd, eng._child.out)]
             return mode, endpoints, folder
         finally:
             await eng.shutdown()
