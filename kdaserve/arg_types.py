@@ -88,3 +88,17 @@ def offload_tiers(text: str) -> tuple[str, ...]:
 
 def offload_sizes(text: str) -> tuple[int, ...]:
     return tuple(parse_size(t) for t in text.split(","))
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_listen_arguments(p: argparse.ArgumentParser, default_port: int = 8000) -> None:
+    """--host, --port and --log-level, as every kdaserve HTTP service takes them (serve,
+    proxy)."""
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=port, default=default_port,
+                   help="port to listen on (default: %(default)s)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="log level (default: %(default)s)")

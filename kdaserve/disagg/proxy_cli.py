@@ -5,15 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 
+from kdaserve import arg_types
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    arg_types.add_listen_arguments(p)
     p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
                    help="prefill instances (kdaserve serve --role prefill), e.g. "
                    "http://127.0.0.1:8100")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL",
                    help="decode instances (kdaserve serve --role decode --kv-transfer-port P)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
     p.add_argument("--prefill-timeout", type=float, default=60.0,
                    help="seconds a prefill instance has to compute the prompt and push its "
                    "cache (default: 60); past it the client gets a 504")
@@ -23,8 +24,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hit-query-timeout", type=float, default=2.0,
                    help="seconds a decode instance has to say how much of a prompt it holds "
                    "(the hit query) before the whole prompt is sent (default: 2)")
-    p.add_argument("--log-level", default="info",
-                   choices=("critical", "error", "warning", "info", "debug"))
 
 
 def run(args: argparse.Namespace) -> int:

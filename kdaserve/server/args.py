@@ -23,10 +23,7 @@ DEFAULT_MAX_BODY_SIZE = "16MiB"
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=arg_types.port, default=8000,
-                   help="port to listen on (default: %(default)s)")
+    arg_types.add_listen_arguments(p)
     p.add_argument("--served-model-name", default=None,
                    help="model name clients send and see in /v1/models (default: "
                         f"{DEMO_MODEL_NAME!r} for the bundled model, else the directory name)")
@@ -92,6 +89,4 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "allowed unless it says additionalProperties false; by default they are "
                         "not, unless a request says \"strict\": false "
                         "(docs/structured-outputs.md)")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
-                   help="log level (default: %(default)s)")
     add_engine_arguments(p.add_argument_group("engine (the same settings as LLM(...))"))
