@@ -12,7 +12,7 @@ from typing import Any
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
-    from kdaserve.engine.args import add_engine_arguments
+    from kdaserve.engine.engine_flags import add_engine_arguments
 
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--max-tokens", type=int, default=64)

@@ -2,7 +2,7 @@
 
 `LLM(...)`, `kdaserve serve`, `kdaserve generate` and the benches all go through it, and
 `to_engine_config` is the only place that maps settings to `EngineConfig`, so the offline and
-the served engine cannot drift apart. `add_engine_arguments` makes the command-line flags from
+the served engine cannot drift apart. engine/engine_flags.py makes the command-line flags from
 the fields (`--field-name`; older spellings kept as aliases). Plain Python: building a parser
 must not import torch (`kdaserve --help` stays fast).
 """
@@ -10,9 +10,8 @@ must not import torch (`kdaserve --help` stays fast).
 from __future__ import annotations
 
 import argparse
-import typing
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import MISSING, dataclass, field, fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kdaserve import arg_types
@@ -287,41 +286,3 @@ def speculative_from_json(text: str) -> dict[str, Any]:
     """--speculative-config's JSON as EngineArgs fields (vLLM's keys)."""
     raw = json_flag(text, "--speculative-config", sorted(SPECULATIVE_JSON_KEYS))
     return {SPECULATIVE_JSON_KEYS[k]: v for k, v in raw.items()}
-
-
-def _value_type(hint: Any) -> Callable[[str], Any]:
-    """int, float or str from an annotation such as `int | None`."""
-    options = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    for kind in (int, float, str):
-        if kind in options:
-            return kind
-    raise TypeError(f"no command-line type for {hint!r}: give the field a `parse`")
-
-
-def flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-                         exclude: Iterable[str] = ()) -> None:
-    """One flag per EngineArgs field (`exclude`: fields a command spells its own way)."""
-    skip = set(exclude)
-    hints = typing.get_type_hints(EngineArgs)
-    for f in fields(EngineArgs):
-        if f.name in skip:
-            continue
-        meta = f.metadata
-        default = f.default if f.default is not MISSING else None
-        help_text = meta["help"]
-        if "default" not in help_text and default is not None:
-            shown = ("on" if default else "off") if isinstance(default, bool) else default
-            help_text += f" (default: {meta['shown'] or shown})"
-        names = (flag_name(f.name), *meta["aliases"])
-        if isinstance(default, bool):           # --flag and --no-flag
-            parser.add_argument(*names, dest=f.name, default=default, help=help_text,
-                                action=argparse.BooleanOptionalAction)
-            continue
-        parser.add_argument(*names, dest=f.name, default=default, help=help_text,
-                            type=meta["parse"] or _value_type(hints[f.name]),
-                            choices=meta["choices"], metavar=meta["metavar"])
-

@@ -8,7 +8,7 @@ import argparse
 import os
 
 from kdaserve import arg_types
-from kdaserve.engine.args import add_engine_arguments
+from kdaserve.engine.engine_flags import add_engine_arguments
 from kdaserve.engine.waiting_bounds import DEFAULT_MAX_QUEUED_TOKENS, DEFAULT_MAX_WAITING
 from kdaserve.image_io import ImageLimits
 from kdaserve.server.reasoning import REASONING_FORMATS

@@ -12,7 +12,8 @@ import pytest
 import kdaserve.engine.llm as llm_module
 from kdaserve.cli import build_parser
 from kdaserve.config import EngineConfig
-from kdaserve.engine.args import EngineArgs, add_engine_arguments, flag_name
+from kdaserve.engine.args import EngineArgs
+from kdaserve.engine.engine_flags import add_engine_arguments, flag_name
 from kdaserve.server import args as server_args
 from kdaserve.server.cli import add_serve_arguments
 
