@@ -13,7 +13,6 @@ rejected positions stay in the pages, past the request's computed length, and ar
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -28,7 +27,8 @@ from kdaserve.engine.decode_inputs import DecodeInputs
 from kdaserve.engine.encoder_cache import EncoderCache, embed_with_media
 from kdaserve.engine.prompt_logprob_scoring import score
 from kdaserve.engine.row_sampling import RowSampler
-from kdaserve.engine.spec.proposer import Proposal, ProposalInput, Proposer
+from kdaserve.engine.spec.drafting import propose_drafts
+from kdaserve.engine.spec.proposer import Proposer
 from kdaserve.engine.step_message import RunnerRequests
 from kdaserve.engine.step_plan import StepPlan, plan_step
 from kdaserve.engine.tier_transfer import Store
@@ -263,23 +263,14 @@ class ModelRunner:
             self.structured.advance(sampled)
         valid = self.settle(plan, ops, fwd.kept, sampled)
         drafts: dict[str, list[int]] = {}
-        began = time.perf_counter()
-        if self.proposer is not None and not drafting:     # the drafter sleeps
-            self.proposer.missed(seqs)
-        elif self.proposer is not None:
-            # a step in which nobody sampled (prompt chunks only) is draft context too
-            hidden = torch.cat(fwd.captured, -1) if fwd.captured else None
-            rows = {rid: self.sampler.row(requests[rid]) for rid in sampled}
-            props = self.proposer.propose(ProposalInput(
-                seqs, valid, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()},
-                requests, fwd.positions, fwd.cache_slots, hidden, rows, draft_limits))
-            drafts = self._keep_proposals(props)
+        draft_seconds = 0.0
+        if self.proposer is not None:
+            drafts, draft_seconds = propose_drafts(self, seqs, valid, sampled, fwd.captured,
+                                                   fwd.positions, fwd.cache_slots,
+                                                   draft_limits, drafting)
         for rid, toks in sampled.items():    # the next step may name them PENDING
             requests[rid].output_token_ids.extend(t.token_id for t in toks)
         errors = self.structured.take_failures() if masks is not None else {}
-        # host time: on a GPU the draft's kernels may still run (a wait here would cost more)
-        draft_seconds = (time.perf_counter() - began
-                         if drafting and self.proposer is not None else 0.0)
         return ModelRunnerOutput(sampled=sampled, drafts=drafts, prompt_logprobs=prompt_lps,
                                  grammar_errors=errors, draft_seconds=draft_seconds)
 
@@ -299,12 +290,3 @@ class ModelRunner:
         if self._fused is None or not self._fused.still_valid():
             self._fused = fused_decode.fused_decoder(self.model, self.cache) or False
         return self._fused or None
-
-    def _keep_proposals(self, props: dict[str, Proposal]) -> dict[str, list[int]]:
-        drafts = {}
-        for rid, p in props.items():
-            drafts[rid] = p.tokens
-            if self.structured is not None:   # drafts the grammar refuses cannot be accepted
-                drafts[rid] = self.structured.trim_drafts(rid, p.tokens)
-            self.sampler.keep_draft_probs(rid, p.probs)
-        return drafts
