@@ -39,30 +39,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kdaserve.engine.spec.acceptance import SharedAcceptance, best_drafts
 from kdaserve.engine.spec.step_cost import RealizedRates, StepCostModel
-
-
-@dataclass
-class SharedAcceptance:
-    """The engine-wide acceptance of one kind of decoding, where a new request's estimate
-    starts: decayed hits over decayed trials, plus `weight` trials at the prior. A handful of
-    verified blocks move it (the moving average it replaces, at a quarter of a request's rate,
-    needed ~30 trials to close half its gap to the truth), and the decay keeps it on the
-    recent text."""
-
-    prior: float
-    weight: float = 4.0
-    decay: float = 0.98
-    hits: float = 0.0
-    trials: float = 0.0
-
-    def add(self, hit: bool) -> None:
-        self.hits = self.hits * self.decay + float(hit)
-        self.trials = self.trials * self.decay + 1.0
-
-    @property
-    def value(self) -> float:
-        return (self.hits + self.prior * self.weight) / (self.trials + self.weight)
 
 
 @dataclass
@@ -152,7 +130,7 @@ class AdaptiveSpeculation:
             out, extra_tokens, extra_rows, extra_gain = {}, 0, 0, 0.0
             for rid, avail in candidates.items():
                 al = alphas[rid]
-                k = self._best_k(al, min(avail, self.max_drafts), ratio, b, c)
+                k = best_drafts(al, min(avail, self.max_drafts), ratio, b, c)
                 out[rid] = k
                 if k:
                     extra_gain += sum(al ** j for j in range(1, k + 1))
@@ -263,7 +241,7 @@ class AdaptiveSpeculation:
             return 0
         a, b, c, d = self.cost.coefficients()
         ratio = max(1.0, float(base_tokens)) / (a + b * base_tokens)
-        return self._best_k(self.shared_alpha(sampled), self.max_drafts, ratio, b, c + d)
+        return best_drafts(self.shared_alpha(sampled), self.max_drafts, ratio, b, c + d)
 
     def _probe(self, out: dict[str, int], candidates: dict[str, int], b: float, c: float,
                d: float, step_seconds: float) -> None:
@@ -313,13 +291,3 @@ class AdaptiveSpeculation:
                 "dormant": 1.0 if self.dormant else 0.0, "sleeps": self.sleeps,
                 "mean_acceptance_estimate": (sum(self.alpha.values()) / len(self.alpha)
                                              if self.alpha else self.shared_alpha())}
-
-    @staticmethod
-    def _best_k(alpha: float, avail: int, ratio: float, b: float, c: float) -> int:
-        best_k, best, gain = 0, 0.0, 0.0
-        for k in range(1, avail + 1):
-            gain += alpha ** k
-            value = gain - ratio * (c + b * k)
-            if value > best:
-                best_k, best = k, value
-        return best_k
