@@ -195,6 +195,30 @@ def test_the_drafter_sleeps_when_nothing_earns_a_draft_and_wakes_with_an_admissi
     assert not p.dormant                 # costs 10 ms: one row's drafts repay it, not 32's)
 
 
+def test_a_woken_drafter_takes_its_owed_trials_at_once_and_sleeps_again():
+    """The trials a sleep rests on come at once after a wake, from the request that woke it
+    even once its first block is measured: waiting on the probe budget for the second kept
+    the drafter awake (no decode bursts, states captured) for 50-140 steps of every wake."""
+    p = _costly_verify_policy()
+    p.sleep_after, p.wake_after = 8, 20
+    for _ in range(40):
+        p.record("old", 7, 0)
+    for _ in range(8 + 20):
+        p.plan({"old": 7}, 1)
+    assert p.dormant
+    p.admitted(2, "new")
+    assert not p.dormant
+    awake, proposed = 0, set()
+    while not p.dormant and awake < 100:
+        out = p.plan({"old": 7, "new": 7}, 2)
+        awake += 1
+        for rid in proposed & {r for r, k in out.items() if k}:   # proposed last step
+            p.record(rid, out[rid], 0)                            # verified now: useless
+        proposed = {r for r, k in out.items() if k}
+        assert not out["old"]                # measured useless before the wake: no trial
+    assert p.dormant and awake <= p.sleep_after + 2 * p.sleep_trials + 2
+
+
 def test_greedy_and_sampled_requests_start_from_their_own_kind_of_acceptance():
     """Greedy drafts standing say nothing about sampled ones: a new sampled request starts
     from the sampled prior (below greedy's), and each kind's estimate moves with its own

@@ -88,6 +88,7 @@ class AdaptiveSpeculation:
         self._earned_since_wake = True    # the first sleep waits wake_after
         self._trials_since_wake = 0       # verified blocks: the evidence a sleep rests on
         self._owed = self.sleep_trials    # probes due at once: the evidence for the next sleep
+        self._fresh: set[str] = set()     # admitted since the last wake (or the start)
         self._bucket_woken: dict[int, int] = {}   # batch-size bucket -> step of its last wake
 
     def shared_alpha(self, sampled: bool = False) -> float:
@@ -114,6 +115,7 @@ class AdaptiveSpeculation:
         self._idle.pop(request_id, None)
         self._probing.discard(request_id)
         self._sampled.discard(request_id)
+        self._fresh.discard(request_id)
 
     def _choose(self, alphas: dict[str, float], candidates: dict[str, int], base_tokens: int
                 ) -> tuple[dict[str, int], bool]:
@@ -211,6 +213,8 @@ class AdaptiveSpeculation:
         if request_id is not None and sampled:
             self._sampled.add(request_id)
         if not self.dormant:
+            if request_id is not None:
+                self._fresh.add(request_id)
             return
         bucket = max(1, rows).bit_length()
         moved = (bucket != self._sleep_bucket
@@ -224,6 +228,7 @@ class AdaptiveSpeculation:
             # drafter waiting for probe_share to earn them stays awake (capturing, proposing:
             # ~15% of a fused CPU step) for hundreds of steps
             self._owed = self.sleep_trials
+            self._fresh = {request_id} if request_id is not None else set()
 
     def _would_pay(self, rows: int, sampled: bool) -> bool:
         """A batch of `rows` requests at this kind's measured acceptance: would a plan draft?"""
@@ -264,10 +269,21 @@ class AdaptiveSpeculation:
             else:
                 self._idle[rid] = 0
         # an owed probe goes to a request with no acceptance of its own yet (the admission
-        # that woke the drafter): the others' was measured before
-        owed = bool(self._owed and (unmeasured or any(r not in self.alpha for r in idle)))
-        if owed:
-            idle = [r for r in idle + unmeasured if r not in self.alpha]
+        # that woke the drafter): the others' was measured before. Once none is left (the
+        # woken request's first block came) and only the owed trials keep the drafter from
+        # sleeping, to a request admitted since the wake: waiting on the budget for the last
+        # one kept the drafter awake (no decode bursts, states captured) for 50-140 steps of
+        # every wake, which cost a batch-1 Kimi Linear demo run 10-20% (docs/benchmarks.md,
+        # eighteenth session)
+        owed = False
+        if self._owed:
+            fresh = [r for r in idle + unmeasured if r not in self.alpha]
+            stuck = self.sleep_after is not None and self._streak >= self.sleep_after
+            waiting = fresh or ([r for r in candidates if r in self._fresh and out[r] == 0
+                                 and candidates[r] > 0] if stuck else [])
+            owed = bool(waiting)
+            if owed:
+                idle = waiting
         if not idle:
             return
         rid = max(idle, key=lambda r: self._idle[r])
