@@ -29,14 +29,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kdaserve.disagg.backends import Backend, BackendPool
-from kdaserve.server.errors import APIError, install_error_handlers
+from kdaserve.server.errors import APIError
 
 logger = logging.getLogger("kdaserve")
-_FORWARD_HEADERS = ("authorization",)
+FORWARD_HEADERS = ("authorization",)
 
 
 class Proxy:
@@ -59,7 +59,7 @@ class Proxy:
             raise APIError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
         stream = body.get("stream") is True
         if not _splittable(path, body):
             self.counts["whole"] += 1
@@ -163,7 +163,7 @@ class Proxy:
             logger.warning("proxy: %s", _message(r))
             raise _Retry(_message(r))
         if r.status_code != 200:
-            return _passthrough(r)
+            return passthrough(r)
         choice = r.json()["choices"][0]
         ids = choice.get("token_ids") or []
         if choice.get("finish_reason") != "length" or not ids:
@@ -197,7 +197,7 @@ class Proxy:
                 await r.aclose()
             if r.status_code == 503 and _code(r) == "kv_transfer_failed":
                 raise _Retry(_message(r))
-            return _passthrough(r)
+            return passthrough(r)
         return StreamingResponse(_relay(r, backend.url), status_code=200,
                                  media_type=r.headers.get("content-type"),
                                  headers={"Cache-Control": "no-cache"})
@@ -238,7 +238,7 @@ async def _relay(r: httpx.Response, url: str) -> AsyncIterator[bytes]:
         await r.aclose()
 
 
-def _passthrough(r: httpx.Response) -> Response:
+def passthrough(r: httpx.Response) -> Response:
     headers = {k: v for k, v in r.headers.items() if k.lower() == "retry-after"}
     return Response(r.content, status_code=r.status_code, headers=headers,
                     media_type=r.headers.get("content-type"))
@@ -276,36 +276,3 @@ def _splittable(path: str, body: dict[str, Any]) -> bool:
         if isinstance(p, list) and p and not isinstance(p[0], int) and len(p) != 1:
             return False                         # several prompts: several caches
     return True
-
-
-def build_proxy_app(proxy: Proxy) -> FastAPI:
-    app = FastAPI(title="kdaserve proxy", docs_url=None, redoc_url=None)
-    install_error_handlers(app)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy.handle("/v1/completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await proxy.handle("/v1/chat/completions", request)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        b = (await proxy.decodes.ranked())[0]
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
-        try:
-            return _passthrough(await proxy.client.get(f"{b.url}/v1/models", headers=headers))
-        except httpx.HTTPError as exc:
-            raise APIError(503, f"{b.url}: {exc}", code="backend_unavailable") from None
-
-    @app.get("/health")
-    async def health() -> Response:
-        return await proxy.health()
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        lines = [f"kdaserve_proxy_{k}_total {v}" for k, v in proxy.counts.items()]
-        return Response("\n".join(lines) + "\n", media_type="text/plain")
-
-    return app

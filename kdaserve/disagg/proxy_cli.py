@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kdaserve.disagg.proxy import Proxy, build_proxy_app
+    from kdaserve.disagg.proxy import Proxy
+    from kdaserve.disagg.proxy_app import build_proxy_app
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,45 @@
+"""The proxy's HTTP routes (`kdaserve proxy`, kdaserve/disagg/proxy.py): the two completion
+endpoints through the prefill/decode split, /v1/models from the least loaded decode
+instance, /health over both pools, and the proxy's counters on /metrics."""
+
+from __future__ import annotations
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from kdaserve.disagg.proxy import FORWARD_HEADERS, Proxy, passthrough
+from kdaserve.server.errors import APIError, install_error_handlers
+
+
+def build_proxy_app(proxy: Proxy) -> FastAPI:
+    app = FastAPI(title="kdaserve proxy", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.handle("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await proxy.handle("/v1/chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        b = (await proxy.decodes.ranked())[0]
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
+        try:
+            return passthrough(await proxy.client.get(f"{b.url}/v1/models", headers=headers))
+        except httpx.HTTPError as exc:
+            raise APIError(503, f"{b.url}: {exc}", code="backend_unavailable") from None
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await proxy.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        lines = [f"kdaserve_proxy_{k}_total {v}" for k, v in proxy.counts.items()]
+        return Response("\n".join(lines) + "\n", media_type="text/plain")
+
+    return app
