@@ -25,69 +25,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
+from kdaserve.bench.long_model import SHAPES, make_model_dir
 from kdaserve.ops.cpu_isa import cpu_isa
 
 CONTEXTS = (1024, 16384, 131072, 1048576)
 MLA_CONTEXTS = (1024, 16384, 131072)
-
-
-SHAPES = ("toy", "proportional")
-
-
-def bench_config(max_len: int = 1 << 20, shape: str = "toy") -> dict:
-    """A bench model's config.json: 4 layers, KDA ×3 then MLA.
-
-    toy: ~1 MB of weights, one MLA head: the 1M-token prefill ends in tens of minutes, but its
-    128k cache (25 MiB) is 25x its weights, so its decode step at 128k is almost only the
-    latent read. proportional: the same layer pattern with the released Kimi Linear's
-    proportion of cached latent bytes at 128k to weight bytes read per token (1 GiB of
-    latents at 128k against 6 GB of active bf16 weights, 0.18; here 40 MiB against 226 MB of
-    fp32 weights, 0.18), so TPOT(128k)/TPOT(1k) says what a user of the released model meets.
-    """
-    if shape == "proportional":
-        cfg = bench_config(max_len)
-        cfg.update({
-            "hidden_size": 512, "intermediate_size": 8192, "first_k_dense_replace": 4,
-            "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 64,
-            "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
-        })
-        cfg["linear_attn_config"] = dict(cfg["linear_attn_config"], num_heads=4, head_dim=128)
-        return cfg
-    if shape != "toy":
-        raise ValueError(f"unknown bench shape {shape!r}; one of {SHAPES}")
-    return {
-        "model_type": "kimi_linear", "vocab_size": 1024, "hidden_size": 128,
-        "intermediate_size": 256, "num_hidden_layers": 4, "rms_norm_eps": 1e-5,
-        "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4],
-                               "num_heads": 2, "head_dim": 32, "short_conv_kernel_size": 4},
-        "num_attention_heads": 1, "num_key_value_heads": 1, "kv_lora_rank": 32,
-        "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
-        "mla_use_nope": True, "num_experts": 8, "num_experts_per_token": 2,
-        "num_shared_experts": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1,
-        "routed_scaling_factor": 1.0, "model_max_length": max_len, "eos_token_id": 0,
-    }
-
-
-def make_model_dir(out: Path, base: str | None, all_mla: bool, seed: int = 0,
-                   shape: str = "toy") -> Path:
-    """A checkpoint to measure: `base` as is, or (no base) the bench config with random
-    weights; all_mla: the same architecture with every layer MLA, random weights."""
-    if base is not None and not all_mla:
-        return Path(base)
-    from kdaserve.model.loader import save_model
-    from kdaserve.model.random_init import init_random
-    from kdaserve.model.registry import build_model, load_config
-
-    cfg = load_config(base if base is not None else bench_config(shape=shape))
-    if all_mla:
-        cfg = replace(cfg, kda_layers=(), mla_layers=tuple(range(cfg.num_hidden_layers)))
-    model = init_random(build_model(cfg), seed=seed).eval()
-    path = out / ("all_mla" if all_mla else "hybrid")
-    save_model(model, path)
-    return path
 
 
 def _rss_mb() -> float:
@@ -314,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         if _lengths(args.mla_contexts):
             mla_dir = make_model_dir(Path(tmp), args.model, all_mla=True, shape=args.shape)
             all_mla = [_run_child(mla_dir, c, args) for c in _lengths(args.mla_contexts)]
-    result = {"model": args.model or f"bench {args.shape} hybrid (kdaserve.bench.long."
+    result = {"model": args.model or f"bench {args.shape} hybrid (kdaserve.bench.long_model."
                                       f"bench_config)",
               "cpu_isa": cpu_isa(), "threads": args.threads or None,
               "max_num_batched_tokens": args.max_num_batched_tokens,

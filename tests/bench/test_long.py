@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from kdaserve.bench.long import bench_config, summarize
+from kdaserve.bench.long import summarize
+from kdaserve.bench.long_model import bench_config
 from kdaserve.model.registry import load_config
 
 KEYS = ("tpot_ratio_128k_1k", "cache_bytes_ratio_vs_mla", "completed_1m", "peak_rss_1m_mb")

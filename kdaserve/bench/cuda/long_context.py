@@ -52,7 +52,7 @@ def long_one(model_dir: Path, context: int, device: torch.device, sizes: Sizes) 
 
 
 def long_context(device: torch.device, sizes: Sizes, deadline: float) -> dict:
-    from kdaserve.bench.long import make_model_dir
+    from kdaserve.bench.long_model import make_model_dir
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="kdaserve-bench-cuda-") as tmp:
@@ -68,7 +68,7 @@ def long_context(device: torch.device, sizes: Sizes, deadline: float) -> dict:
     tpot = {r["context"]: r.get("tpot_ms") for r in rows}
     lo, hi = sizes.long_contexts[0], sizes.long_contexts[-1]
     ratio = (round(tpot[hi] / tpot[lo], 3) if tpot.get(hi) and tpot.get(lo) else None)
-    return {"model": "bench tiny hybrid (kdaserve.bench.long.bench_config), fp32",
+    return {"model": "bench tiny hybrid (kdaserve.bench.long_model.bench_config), fp32",
             "decode_tokens": sizes.long_decode, "max_num_batched_tokens": sizes.long_chunk,
             f"tpot_ratio_{_k(hi)}_{_k(lo)}": ratio, "runs": rows}
 
