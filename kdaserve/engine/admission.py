@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 from kdaserve.cache.prefix_cache import PrefixHit
 from kdaserve.disagg import handoff
 from kdaserve.engine import decode_guard, prompt_logprobs
-from kdaserve.engine.spec import draft_plan
 from kdaserve.engine.fairness import next_waiting
 from kdaserve.engine.prompt_logprobs import wants_prompt_logprobs
+from kdaserve.engine.spec import draft_plan
 from kdaserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:

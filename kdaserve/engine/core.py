@@ -14,6 +14,7 @@ from kdaserve.cache.manager import CacheManager
 from kdaserve.cache.ops import TakeSnapshot
 from kdaserve.cache.planner import CachePlan
 from kdaserve.config import EngineConfig
+from kdaserve.engine import request_intake, step_accounting
 from kdaserve.engine.async_steps import StepPipeline
 from kdaserve.engine.core_setup import engine_cache_plan, load_engine_model
 from kdaserve.engine.executor import Executor, ExecutorError
@@ -27,7 +28,6 @@ from kdaserve.engine.runner_builder import (
     engine_chunk_size,
     has_tokenizer,
 )
-from kdaserve.engine import request_intake, step_accounting
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
 from kdaserve.engine.step_message import StepMessages

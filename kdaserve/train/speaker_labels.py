@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-
 _CONNECTIVES = frozenset({"and", "of", "the", "de", "le"})
 _NOT_SPEAKERS = frozenset({"ACT", "SCENE", "SONG"})
 _ORDINALS = {"1": "FIRST", "2": "SECOND", "3": "THIRD", "4": "FOURTH", "5": "FIFTH"}
