@@ -36,7 +36,7 @@ from kdaserve.disagg.backends import Backend, BackendPool
 from kdaserve.server.errors import APIError
 
 logger = logging.getLogger("kdaserve")
-FORWARD_HEADERS = ("authorization",)
+_FORWARD_HEADERS = ("authorization",)
 
 
 class Proxy:
@@ -59,7 +59,7 @@ class Proxy:
             raise APIError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         stream = body.get("stream") is True
         if not _splittable(path, body):
             self.counts["whole"] += 1
@@ -163,7 +163,7 @@ class Proxy:
             logger.warning("proxy: %s", _message(r))
             raise _Retry(_message(r))
         if r.status_code != 200:
-            return passthrough(r)
+            return _passthrough(r)
         choice = r.json()["choices"][0]
         ids = choice.get("token_ids") or []
         if choice.get("finish_reason") != "length" or not ids:
@@ -197,10 +197,19 @@ class Proxy:
                 await r.aclose()
             if r.status_code == 503 and _code(r) == "kv_transfer_failed":
                 raise _Retry(_message(r))
-            return passthrough(r)
+            return _passthrough(r)
         return StreamingResponse(_relay(r, backend.url), status_code=200,
                                  media_type=r.headers.get("content-type"),
                                  headers={"Cache-Control": "no-cache"})
+
+    async def models(self, request: Request) -> Response:
+        """/v1/models of the least loaded decode instance, passed through."""
+        b = (await self.decodes.ranked())[0]
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        try:
+            return _passthrough(await self.client.get(f"{b.url}/v1/models", headers=headers))
+        except httpx.HTTPError as exc:
+            raise APIError(503, f"{b.url}: {exc}", code="backend_unavailable") from None
 
     async def health(self) -> Response:
         ok = []
@@ -238,7 +247,7 @@ async def _relay(r: httpx.Response, url: str) -> AsyncIterator[bytes]:
         await r.aclose()
 
 
-def passthrough(r: httpx.Response) -> Response:
+def _passthrough(r: httpx.Response) -> Response:
     headers = {k: v for k, v in r.headers.items() if k.lower() == "retry-after"}
     return Response(r.content, status_code=r.status_code, headers=headers,
                     media_type=r.headers.get("content-type"))

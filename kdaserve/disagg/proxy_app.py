@@ -4,12 +4,11 @@ instance, /health over both pools, and the proxy's counters on /metrics."""
 
 from __future__ import annotations
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from kdaserve.disagg.proxy import FORWARD_HEADERS, Proxy, passthrough
-from kdaserve.server.errors import APIError, install_error_handlers
+from kdaserve.disagg.proxy import Proxy
+from kdaserve.server.errors import install_error_handlers
 
 
 def build_proxy_app(proxy: Proxy) -> FastAPI:
@@ -26,12 +25,7 @@ def build_proxy_app(proxy: Proxy) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        b = (await proxy.decodes.ranked())[0]
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
-        try:
-            return passthrough(await proxy.client.get(f"{b.url}/v1/models", headers=headers))
-        except httpx.HTTPError as exc:
-            raise APIError(503, f"{b.url}: {exc}", code="backend_unavailable") from None
+        return await proxy.models(request)
 
     @app.get("/health")
     async def health() -> Response:
