@@ -123,6 +123,9 @@ def complete(c: openai.OpenAI, prompt: str, stream: bool = False, max_tokens: in
 def test_greedy_output_equals_colocated(cluster):
     p, d1, d2, front, *_ = cluster
     colocated, proxied = client(d1), client(front)
+    # the proxy lists the decode instances' model as they do
+    assert [m.id for m in proxied.models.list().data] == [
+        m.id for m in colocated.models.list().data]
     prompts = [" ".join(WORDS[: n]) for n in (1, 3, 6, 10, 15)] + [" ".join(WORDS * 4)]
     for i, prompt in enumerate(prompts):
         want = complete(colocated, prompt)
