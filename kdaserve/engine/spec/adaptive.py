@@ -277,10 +277,10 @@ class AdaptiveSpeculation:
         # eighteenth session)
         owed = False
         if self._owed:
-            fresh = [r for r in idle + unmeasured if r not in self.alpha]
+            no_alpha = [r for r in idle + unmeasured if r not in self.alpha]
             stuck = self.sleep_after is not None and self._streak >= self.sleep_after
-            waiting = fresh or ([r for r in candidates if r in self._fresh and out[r] == 0
-                                 and candidates[r] > 0] if stuck else [])
+            waiting = no_alpha or ([r for r in candidates if r in self._fresh and out[r] == 0
+                                    and candidates[r] > 0] if stuck else [])
             owed = bool(waiting)
             if owed:
                 idle = waiting
