@@ -9,36 +9,48 @@ A component the cache manager (manager.py) holds: it sees the device pools and t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from kdaserve.cache.block_pool import Block, BlockPool
 from kdaserve.cache.offload import Offload
 from kdaserve.cache.ops import BLOCK, SNAPSHOT, CacheOp, OpFailure
 from kdaserve.cache.prefix_cache import PrefixHit, Snapshot, SnapshotPool
 
-# Device snapshots were dropped: the manager demotes the blocks of these hashes that lead to
-# no snapshot any more (on the device only, or on the device and in the tiers).
-Demote = Callable[[list[bytes]], None]
-
 
 class DeviceOffload:
-    def __init__(self, block_pool: BlockPool, snapshots: SnapshotPool, offload: Offload | None,
-                 demote: Demote, demote_device: Demote) -> None:
+    def __init__(self, block_pool: BlockPool, snapshots: SnapshotPool,
+                 offload: Offload | None) -> None:
         self.block_pool = block_pool
         self.snapshots = snapshots
         self.offload = offload
-        self._demote = demote
         self._promoted: dict[str, Snapshot] = {}     # this step: tier snapshots brought back
         if offload is not None:
-            self._wire(offload, demote_device)
+            self._wire(offload)
 
-    def _wire(self, off: Offload, demote_device: Demote) -> None:
+    def _wire(self, off: Offload) -> None:
         cached = lambda h: self.block_pool.lookup(h) is not None  # noqa: E731
         self.block_pool.on_evict = lambda b: off.store_block(b.block_id, b.block_hash)
         self.snapshots.on_evict = lambda s: off.store_snapshot(
             s.snapshot_id, s.prefix_hash, s.position, s.chain, s.hits, cached)
         off.device_leads = self.snapshots.leads_to_snapshot
-        off.on_orphans = demote_device
+        off.on_orphans = self.demote_device
+
+    # ---- which blocks go first ------------------------------------------------------------
+    def leads(self, block_hash: bytes) -> bool:
+        """The block leads to a snapshot somewhere (device or tier): it can still give a hit."""
+        if self.offload is not None:
+            return self.offload.leads(block_hash)
+        return self.snapshots.leads_to_snapshot(block_hash)
+
+    def demote(self, orphan_hashes: list[bytes]) -> None:
+        """Device snapshots were dropped: blocks that lead to none any more go first."""
+        self.demote_device(orphan_hashes)
+        if self.offload is not None:
+            self.offload.demote(orphan_hashes)
+
+    def demote_device(self, orphan_hashes: list[bytes]) -> None:
+        for h in orphan_hashes:
+            block = self.block_pool.lookup(h)
+            if block is not None and not self.leads(h):
+                self.block_pool.demote(block)
 
     def begin_step(self, step: int) -> None:
         self._promoted = {}
@@ -59,7 +71,7 @@ class DeviceOffload:
         for rid in failed:      # its snapshot never reached the device: never let a hit see it
             snap = self._promoted.pop(rid, None)
             if snap is not None and self.snapshots.by_id.get(snap.snapshot_id) is snap:
-                self._demote(self.snapshots.drop(snap))
+                self.demote(self.snapshots.drop(snap))
         return failed
 
     def flush(self, drop_device: bool, protect: set[int]) -> list[CacheOp]:
@@ -77,7 +89,7 @@ class DeviceOffload:
         if drop_device:
             for snap in list(self.snapshots.by_hash.values()):
                 if snap.snapshot_id not in protect:
-                    self._demote(self.snapshots.drop(snap))
+                    self.demote(self.snapshots.drop(snap))
             for block in list(self.block_pool.cached.values()):
                 if block.ref_cnt == 0:
                     self.block_pool.forget(block)
@@ -134,7 +146,7 @@ class DeviceOffload:
         loaded into), so the next hit on this prefix restores it from the device."""
         snap, orphans = self.snapshots.reserve(hit.block_hashes[-1], hit.num_tokens,
                                                hit.block_hashes, step, protect)
-        self._demote(orphans)
+        self.demote(orphans)
         if snap is not None:
             assert self.offload is not None
             protect.add(snap.snapshot_id)

@@ -47,6 +47,20 @@ class PrefixHolds:
         self.pool.touch(hold.blocks)
         self._holds[key] = hold
 
+    def pin(self, key: str, hit: PrefixHit | None, block_size: int, deadline: float) -> int:
+        """Hold the device blocks of `hit` (the hybrid one: MLA-cached up to a KDA snapshot)
+        under `key` until `deadline`, cut before its first block that only an offload tier
+        holds (a hold pins device blocks only); returns how many leading tokens they hold
+        (whole blocks; 0: none)."""
+        if hit is None or not hit.num_tokens:
+            return 0
+        n = min(hit.tier_blocks, default=len(hit.block_hashes))
+        blocks = [self.pool.lookup(h) for h in hit.block_hashes[:n]]
+        if not n or any(b is None for b in blocks):
+            return 0
+        self.add(key, Hold(blocks, list(hit.block_hashes[:n]), deadline))
+        return n * block_size
+
     def get(self, key: str) -> Hold | None:
         return self._holds.get(key)
 

@@ -12,22 +12,21 @@ from dataclasses import dataclass, field
 
 from kdaserve.cache.block_pool import Block, BlockPool
 from kdaserve.cache.device_offload import DeviceOffload
-from kdaserve.cache.holds import Hold, PrefixHolds
+from kdaserve.cache.holds import PrefixHolds
 from kdaserve.cache.offload import Offload
 from kdaserve.cache.ops import BLOCK, SNAPSHOT, CacheOp, OpFailure
 from kdaserve.cache.planner import CachePlan
-from kdaserve.cache.prefix_cache import PrefixHit, Snapshot, SnapshotPool, block_hashes, placement
+from kdaserve.cache.prefix_cache import (
+    CacheStats,
+    PrefixHit,
+    Snapshot,
+    SnapshotPool,
+    block_hashes,
+    find_prefix_hit,
+    placement,
+)
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.config import CacheConfig
-
-
-@dataclass
-class CacheStats:
-    queries: int = 0
-    hits: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    snapshots_taken: int = 0
 
 
 @dataclass
@@ -58,8 +57,7 @@ class CacheManager:
         self.step = 0
         self._protect: set[int] = set()
         self.offload = offload if enable_prefix_caching else None
-        self.tiers = DeviceOffload(self.block_pool, self.snapshots, self.offload, self._demote,
-                                   self._demote_device)
+        self.tiers = DeviceOffload(self.block_pool, self.snapshots, self.offload)
         self.prefix_holds = PrefixHolds(self.block_pool)     # disaggregation's hit query (holds.py)
 
     @classmethod
@@ -190,48 +188,21 @@ class CacheManager:
     # ---- prefix caching -------------------------------------------------------------------
     def find_hit(self, tokens: list[int], extra_keys: tuple = (),
                  cache_salt: str | None = None) -> PrefixHit | None:
-        """Longest prefix that is MLA-cached and ends at a ready snapshot (at least one token is
-        left to compute, for the logits), looking through the device pools and every offload
-        tier: the blocks and the snapshot may each sit anywhere."""
+        """The hybrid prefix hit of this prompt (prefix_cache.find_prefix_hit); None without
+        prefix caching."""
         if not self.prefix_caching:
             return None
         hashes = block_hashes(tokens, self.block_size, extra_keys, cache_salt)
-        off = self.offload
-        best = cached = 0
-        snap = None
-        tier_snap = False
-        tiered = []
-        for i in range((len(tokens) - 1) // self.block_size):
-            h = hashes[i]
-            if self.block_pool.lookup(h) is None:
-                if off is None or not off.holds(BLOCK, h):
-                    break
-                tiered.append(i)
-            cached = i + 1
-            s = self.snapshots.lookup(h, self.step)
-            if s is not None:
-                best, snap, tier_snap = i + 1, s, False
-            elif off is not None and off.holds(SNAPSHOT, h):
-                best, snap, tier_snap = i + 1, None, True
-        return PrefixHit(best * self.block_size, hashes[:best], snap, cached * self.block_size,
-                         len(tokens), frozenset(i for i in tiered if i < best), tier_snap)
+        return find_prefix_hit(tokens, hashes, self.block_size, self.block_pool, self.snapshots,
+                               self.offload, self.step)
 
     def hold(self, key: str, tokens: list[int], extra_keys: tuple, cache_salt: str | None,
              deadline: float) -> int:
         """Pin the device blocks of this prompt's prefix hit under `key` until `deadline`;
-        returns how many leading tokens they hold (whole blocks; 0: none). The hit is the
-        hybrid one (`find_hit`: MLA-cached up to a KDA snapshot), cut before its first block
-        that only an offload tier holds (a hold pins device blocks only)."""
+        returns how many leading tokens they hold (PrefixHolds.pin)."""
         self.prefix_holds.release(key)
-        hit = self.find_hit(tokens, extra_keys, cache_salt)
-        if hit is None or not hit.num_tokens:
-            return 0
-        n = min(hit.tier_blocks, default=len(hit.block_hashes))
-        blocks = [self.block_pool.lookup(h) for h in hit.block_hashes[:n]]
-        if not n or any(b is None for b in blocks):
-            return 0
-        self.prefix_holds.add(key, Hold(blocks, list(hit.block_hashes[:n]), deadline))
-        return n * self.block_size
+        return self.prefix_holds.pin(key, self.find_hit(tokens, extra_keys, cache_salt),
+                                     self.block_size, deadline)
 
     def held_hit(self, key: str, tokens: list[int], extra_keys: tuple = (),
                  cache_salt: str | None = None) -> PrefixHit | None:
@@ -266,7 +237,7 @@ class CacheManager:
         for p in positions:
             chain = hashes[: p // bs]
             snap, orphans = self.snapshots.reserve(chain[-1], p, chain, self.step, self._protect)
-            self._demote(orphans)
+            self.tiers.demote(orphans)
             if snap is None:
                 continue
             self._protect.add(snap.snapshot_id)
@@ -297,7 +268,7 @@ class CacheManager:
         for sid in snapshot_ids:
             snap = self.snapshots.by_id.get(sid)
             if snap is not None:
-                self._demote(self.snapshots.drop(snap))
+                self.tiers.demote(self.snapshots.drop(snap))
                 self.stats.snapshots_taken -= 1
 
     def _replace_decode_snapshot(self, held: _Holding, snap: Snapshot) -> None:
@@ -305,26 +276,8 @@ class CacheManager:
         old = held.decode_snapshot
         live = old is not None and self.snapshots.by_hash.get(old.prefix_hash) is old
         if live and old.snapshot_id not in self._protect and old.hits == 0:
-            self._demote(self.snapshots.drop(old))
+            self.tiers.demote(self.snapshots.drop(old))
         held.decode_snapshot = snap
-
-    def _leads(self, block_hash: bytes) -> bool:
-        """The block leads to a snapshot somewhere (device or tier): it can still give a hit."""
-        if self.offload is not None:
-            return self.offload.leads(block_hash)
-        return self.snapshots.leads_to_snapshot(block_hash)
-
-    def _demote(self, orphan_hashes: list[bytes]) -> None:
-        """Device snapshots were dropped: blocks that lead to none any more go first."""
-        self._demote_device(orphan_hashes)
-        if self.offload is not None:
-            self.offload.demote(orphan_hashes)
-
-    def _demote_device(self, orphan_hashes: list[bytes]) -> None:
-        for h in orphan_hashes:
-            block = self.block_pool.lookup(h)
-            if block is not None and not self._leads(h):
-                self.block_pool.demote(block)
 
     def free(self, request_id: str) -> None:
         held = self._held.pop(request_id, None)
@@ -335,7 +288,7 @@ class CacheManager:
         tail_first = list(reversed(held.blocks))
         self.block_pool.free(tail_first)
         for b in tail_first:
-            if b.block_hash is None or not self._leads(b.block_hash):
+            if b.block_hash is None or not self.tiers.leads(b.block_hash):
                 self.block_pool.demote(b)
         if held.slot is not None:
             self.state_pool.free(held.slot)

@@ -24,8 +24,15 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import xxhash
+
+from kdaserve.cache.ops import BLOCK, SNAPSHOT
+
+if TYPE_CHECKING:
+    from kdaserve.cache.block_pool import BlockPool
+    from kdaserve.cache.offload import Offload
 
 ROOT_HASH = b"kdaserve-prefix-root"
 
@@ -161,6 +168,17 @@ class SnapshotPool:
         return block_hash in self.downstream
 
 
+@dataclass
+class CacheStats:
+    """The prefix cache's counters (the /metrics hit rate, the startup report)."""
+
+    queries: int = 0
+    hits: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    snapshots_taken: int = 0
+
+
 @dataclass(frozen=True)
 class PrefixHit:
     num_tokens: int                 # tokens whose MLA blocks and KDA state are reused
@@ -172,6 +190,32 @@ class PrefixHit:
     # and whether the snapshot does (loaded straight into the slot; `snapshot` is then None)
     tier_blocks: frozenset[int] = frozenset()
     tier_snapshot: bool = False
+
+
+def find_prefix_hit(tokens: list[int], hashes: list[bytes], block_size: int, pool: BlockPool,
+                    snapshots: SnapshotPool, offload: Offload | None, step: int) -> PrefixHit:
+    """Longest prefix that is MLA-cached and ends at a ready snapshot (at least one token is
+    left to compute, for the logits), looking through the device pools and every offload
+    tier: the blocks and the snapshot may each sit anywhere. `hashes`: the prompt's chained
+    block hashes."""
+    best = cached = 0
+    snap = None
+    tier_snap = False
+    tiered = []
+    for i in range((len(tokens) - 1) // block_size):
+        h = hashes[i]
+        if pool.lookup(h) is None:
+            if offload is None or not offload.holds(BLOCK, h):
+                break
+            tiered.append(i)
+        cached = i + 1
+        s = snapshots.lookup(h, step)
+        if s is not None:
+            best, snap, tier_snap = i + 1, s, False
+        elif offload is not None and offload.holds(SNAPSHOT, h):
+            best, snap, tier_snap = i + 1, None, True
+    return PrefixHit(best * block_size, hashes[:best], snap, cached * block_size, len(tokens),
+                     frozenset(i for i in tiered if i < best), tier_snap)
 
 
 def placement(position_range: tuple[int, int], num_prompt: int, block_size: int,
