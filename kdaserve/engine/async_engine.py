@@ -1,19 +1,17 @@
 """`AsyncEngine`: the server's client of the engine process (engine_process.py), in the
 server's event loop.
 
-The child and its pipes: engine_child.py. Here: each request's stream of deltas, the bounds on
-what waits for a first token, replies matched to their asks, and what the engine's death
-means for every request in flight.
+The child and its pipes: engine_child.py; its replies routed to streams and asks:
+engine_replies.py. Here: the lifecycle, the bounds on what waits for a first token, requests
+and asks sent, and what the engine's death means for every request in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -26,14 +24,25 @@ from kdaserve.engine.engine_errors import (
     EngineError,
     EngineStartupError,
 )
+from kdaserve.engine.engine_replies import EngineReplies, Stream
 from kdaserve.engine.waiting_bounds import (
     DEFAULT_MAX_QUEUED_TOKENS,
     DEFAULT_MAX_WAITING,
     WaitingBounds,
 )
-from kdaserve.engine.wire import (AbortCmd, AddCmd, AddFailed, Command, DeltaBatch, EngineInfo,
-                                  EngineStatsSnapshot, Fatal, Heartbeat, HoldCmd, HoldReply,
-                                  Reply, ShutdownCmd, StartupFailed, StatsCmd, StatsReply)
+from kdaserve.engine.wire import (
+    AbortCmd,
+    AddCmd,
+    Command,
+    EngineInfo,
+    EngineStatsSnapshot,
+    HoldCmd,
+    HoldReply,
+    Reply,
+    ShutdownCmd,
+    StartupFailed,
+    StatsCmd,
+)
 from kdaserve.media import MediaItem, MediaWire
 from kdaserve.outputs import RequestDelta
 from kdaserve.request import SamplingParams
@@ -41,13 +50,6 @@ from kdaserve.request import SamplingParams
 logger = logging.getLogger("kdaserve")
 
 _REPLY_TIMEOUT_S = 30.0
-
-
-# ---- the client, in the server's event loop ---------------------------------------------------
-@dataclass
-class _Stream:
-    queue: asyncio.Queue[RequestDelta | BaseException] = field(default_factory=asyncio.Queue)
-    started: bool = False          # got its first delta (no longer counts as waiting)
 
 
 class AsyncEngine:
@@ -71,14 +73,10 @@ class AsyncEngine:
         self.startup_timeout_s = startup_timeout_s
         self.log_level = log_level if log_level is not None else logger.getEffectiveLevel()
         self.info: EngineInfo | None = None
-        self._streams: dict[str, _Stream] = {}
-        # replies by token: stats snapshots and hit-query answers
-        self._waiters: dict[int, asyncio.Future[Any]] = {}
-        self._tokens = itertools.count()
+        self._replies = EngineReplies(self.bounds)
         self._decoder = msgspec.msgpack.Decoder(Reply)
         self._encoder = msgspec.msgpack.Encoder()
         self._dead: str | None = None          # why the engine is gone, once it is
-        self._fatal: str | None = None
         self._died = False                     # it ended without being asked to
         self._closing = False
         self._child = EngineChild()
@@ -150,17 +148,13 @@ class AsyncEngine:
             why = "the engine was shut down"
         else:
             why = f"the engine process exited (code {self._child.proc.exitcode})"
-            if self._fatal:
-                why += f": {self._fatal}"
+            if self._replies.fatal:
+                why += f": {self._replies.fatal}"
             if self.info is not None:     # during start() the caller gets the reason instead
                 logger.error("%s", why)
             self._died = True
         self._dead = why
-        for stream in self._streams.values():
-            stream.queue.put_nowait(EngineDeadError(why))
-        for fut in self._waiters.values():
-            if not fut.done():
-                fut.set_exception(EngineDeadError(why))
+        self._replies.fail_all(EngineDeadError(why))
         if not self._closing and self.info is not None and self.on_dead is not None:
             self.on_dead(why)
 
@@ -213,33 +207,7 @@ class AsyncEngine:
                 logger.error("dropping an undecodable engine message: %s", exc)
                 continue
             self.last_heartbeat = time.monotonic()
-            self._dispatch(msg)
-
-    def _dispatch(self, msg: Reply) -> None:
-        if isinstance(msg, DeltaBatch):
-            for delta in msg.deltas:
-                stream = self._streams.get(delta.request_id)
-                if stream is None:      # aborted on our side; the engine has dropped it too
-                    continue
-                if not stream.started:
-                    stream.started = True
-                    self.bounds.release(delta.request_id)
-                stream.queue.put_nowait(delta)
-        elif isinstance(msg, AddFailed):
-            stream = self._streams.get(msg.request_id)
-            if stream is not None:
-                exc = ValueError(msg.message) if msg.invalid_input else EngineError(msg.message)
-                stream.queue.put_nowait(exc)
-        elif isinstance(msg, (StatsReply, HoldReply)):
-            fut = self._waiters.get(msg.token)
-            if fut is not None and not fut.done():
-                fut.set_result(msg.stats if isinstance(msg, StatsReply) else msg)
-        elif isinstance(msg, Fatal):
-            self._fatal = msg.message
-        elif isinstance(msg, Heartbeat):
-            pass
-        else:
-            logger.error("unexpected engine message %r", msg)
+            self._replies.dispatch(msg)
 
     # ---- requests --------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
@@ -253,10 +221,10 @@ class AsyncEngine:
         raises EngineError with its reason.
         """
         self._check_alive()
-        if request_id in self._streams:
+        if request_id in self._replies.streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.bounds.admit(request_id, params.n, len(prompt_token_ids))
-        stream = self._streams[request_id] = _Stream()
+        stream = self._replies.streams[request_id] = Stream()
         remaining = params.n
         try:
             self._send(AddCmd(request_id, list(prompt_token_ids),
@@ -273,7 +241,7 @@ class AsyncEngine:
                     raise EngineError(f"the engine failed this request: {item.error}")
                 yield item
         finally:
-            del self._streams[request_id]
+            del self._replies.streams[request_id]
             self.bounds.release(request_id)
             if remaining and self._dead is None:
                 self._send(AbortCmd([request_id]))
@@ -281,7 +249,7 @@ class AsyncEngine:
     async def abort(self, request_id: str, error: EngineError | None = None) -> None:
         """Stop a request; its `generate` iterator ends with `error` (default: an
         EngineError saying it was aborted) if still read."""
-        stream = self._streams.get(request_id)
+        stream = self._replies.streams.get(request_id)
         if stream is not None:
             stream.queue.put_nowait(error or EngineError(f"request {request_id!r} was aborted"))
         if self._dead is None and self.info is not None:
@@ -305,11 +273,9 @@ class AsyncEngine:
     async def _ask(self, command: Callable[[int], Command]) -> Any:
         """Send command(token) and wait for the reply carrying that token."""
         self._check_alive()
-        token = next(self._tokens)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiters[token] = fut
+        token, fut = self._replies.expect()
         try:
             self._send(command(token))
             return await asyncio.wait_for(fut, _REPLY_TIMEOUT_S)
         finally:
-            self._waiters.pop(token, None)
+            self._replies.forget(token)

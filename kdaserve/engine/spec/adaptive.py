@@ -18,15 +18,8 @@ second than plain ones at this batch size (`RealizedRates`). k = 0 turns specula
 a request. Requests that stopped speculating are probed with a block of drafts now and then,
 paid from a budget of at most `probe_share` of the predicted step time.
 
-An idle drafter still costs (capture, projection, the proposer), so after `sleep_after` plans
-in a row in which no request earned a draft, and once `sleep_trials` blocks were verified
-since it woke, the drafter sleeps (`dormant`): nothing is captured, projected, proposed or
-probed. Those trials are owed: at the start and after each wake they go at once to requests
-with no acceptance of their own, outside the budget. It wakes when a request is admitted
-after `wake_after` steps asleep (to notice text that changed), or at another batch-size bucket
-not woken for `wake_after` steps if the admitted request's kind's acceptance would pay there
-(a bucket changes what a verifying step costs, not what the drafts are worth). Each wake that
-finds nothing worth drafting doubles the wait (up to `max_wake_after`).
+An idle drafter sleeps, and wakes on admissions (spec/drafter_rest.py); the blocks owed after
+each wake go at once to requests with no acceptance of their own, outside the budget.
 
 The probing rate, documented: awake, at most `probe_share` of the predicted step time plus
 the owed `sleep_trials` blocks per wake; asleep, none. A wake costs about `sleep_after` awake
@@ -40,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kdaserve.engine.spec.acceptance import SharedAcceptance, best_drafts
+from kdaserve.engine.spec.drafter_rest import DrafterRest
 from kdaserve.engine.spec.step_cost import RealizedRates, StepCostModel
 
 
@@ -54,12 +48,9 @@ class AdaptiveSpeculation:
     ema: float = 0.2               # weight of each new trial in a request's acceptance
     probe_every: int = 16          # steps a request waits at least between probes
     probe_share: float = 0.03      # of the predicted step time, at most, spent on probes
-    # plans in a row without an earned draft before a sleep (None: never). Once the
-    # `sleep_trials` blocks are in, a plan's choice changes only with new evidence, which only
-    # budgeted probes bring: more plans would be capture and projection for nothing
-    sleep_after: int | None = 8
-    wake_after: int = 256          # steps asleep before an admission wakes the drafter
-    sleep_trials: int = 2          # verified blocks since waking, at least, before a sleep
+    sleep_after: int | None = 8    # the rest cycle's settings: spec/drafter_rest.py
+    wake_after: int = 256
+    sleep_trials: int = 2
     max_wake_after: int = 1 << 14
     cost: StepCostModel = field(default_factory=StepCostModel)
     realized: RealizedRates = field(default_factory=RealizedRates)
@@ -72,8 +63,6 @@ class AdaptiveSpeculation:
     drafts_planned: int = 0
     last_drafts: int = 0           # drafts the last plan verifies, over all requests
     last_speculating: int = 0      # requests the last plan gave k > 0
-    dormant: bool = False          # the drafter sleeps: no capture, no proposals, no probes
-    sleeps: int = 0
 
     def __post_init__(self) -> None:
         # by kind: False greedy, True sampled
@@ -81,15 +70,16 @@ class AdaptiveSpeculation:
                        True: SharedAcceptance(self.prior_sampled)}
         self._sampled: set[str] = set()    # requests that sample (temperature > 0)
         self._probing: set[str] = set()
-        self._streak = 0           # plans in a row in which nobody earned a draft
-        self._asleep = 0           # steps since the drafter fell asleep
-        self._sleep_bucket = 0
-        self._wait = self.wake_after
-        self._earned_since_wake = True    # the first sleep waits wake_after
-        self._trials_since_wake = 0       # verified blocks: the evidence a sleep rests on
-        self._owed = self.sleep_trials    # probes due at once: the evidence for the next sleep
-        self._fresh: set[str] = set()     # admitted since the last wake (or the start)
-        self._bucket_woken: dict[int, int] = {}   # batch-size bucket -> step of its last wake
+        self.rest = DrafterRest(self)
+
+    @property
+    def dormant(self) -> bool:
+        """The drafter sleeps: no capture, no proposals, no probes."""
+        return self.rest.dormant
+
+    @property
+    def sleeps(self) -> int:
+        return self.rest.sleeps
 
     def shared_alpha(self, sampled: bool = False) -> float:
         """Where a new request of that kind starts."""
@@ -102,7 +92,7 @@ class AdaptiveSpeculation:
         """A verification: `accepted` of `drafted` drafts stood (a prefix of them)."""
         shared = self.shared[request_id in self._sampled]
         a = self.alpha.get(request_id, shared.value)
-        self._trials_since_wake += drafted > 0
+        self.rest.trials_since_wake += drafted > 0
         trials = accepted + (1 if accepted < drafted else 0)
         for i in range(trials):
             hit = i < accepted
@@ -115,7 +105,7 @@ class AdaptiveSpeculation:
         self._idle.pop(request_id, None)
         self._probing.discard(request_id)
         self._sampled.discard(request_id)
-        self._fresh.discard(request_id)
+        self.rest.fresh.discard(request_id)
 
     def _choose(self, alphas: dict[str, float], candidates: dict[str, int], base_tokens: int
                 ) -> tuple[dict[str, int], bool]:
@@ -147,7 +137,7 @@ class AdaptiveSpeculation:
         """candidates: request -> drafts available (at most); base_tokens: the step's tokens
         without drafts. Returns request -> drafts to verify this step."""
         if self.dormant:
-            self._asleep += 1
+            self.rest.slept(1)
             self.steps += 1
             self.last_drafts = self.last_speculating = 0
             return dict.fromkeys(candidates, 0)
@@ -161,7 +151,7 @@ class AdaptiveSpeculation:
             # a plain step is timed so that the realized rates can be compared)
             out = dict.fromkeys(out, 0)
         if candidates:              # prefill-only steps say nothing about drafting
-            self._note_earned(any(out.values()), len(candidates))
+            self.rest.note_earned(any(out.values()), len(candidates), bool(self._probing))
         if self.dormant:            # fell asleep now: the plan it had is dropped too
             self.steps += 1
             self.last_drafts = self.last_speculating = 0
@@ -184,26 +174,8 @@ class AdaptiveSpeculation:
     def slept(self, steps: int) -> None:
         """`steps` more steps ran asleep after the one plan() saw (a multi-step decode burst,
         engine/decode_burst.py): the wake rules count steps, not plans."""
-        self._asleep += steps
+        self.rest.slept(steps)
         self.steps += steps
-
-    def _note_earned(self, earned: bool, rows: int) -> None:
-        if earned:
-            self._streak, self._earned_since_wake = 0, True
-            return
-        self._streak += 1
-        # asleep only on evidence: a few verified blocks (probes count) since waking, else a
-        # drafter whose first trials have not come yet would never get them
-        if self.sleep_after is not None and self._streak >= self.sleep_after \
-                and not self._probing and self._trials_since_wake >= self.sleep_trials:
-            self.dormant, self._asleep, self._streak = True, 0, 0
-            self._trials_since_wake = 0
-            self._sleep_bucket = max(1, rows).bit_length()
-            self.sleeps += 1
-            # a wake that found nothing: wait longer before the next
-            self._wait = (self.wake_after if self._earned_since_wake
-                          else min(2 * self._wait, self.max_wake_after))
-            self._earned_since_wake = False
 
     def admitted(self, rows: int, request_id: str | None = None, sampled: bool = False
                  ) -> None:
@@ -212,23 +184,7 @@ class AdaptiveSpeculation:
         or the batch size moved to another bucket where the measured acceptance could pay."""
         if request_id is not None and sampled:
             self._sampled.add(request_id)
-        if not self.dormant:
-            if request_id is not None:
-                self._fresh.add(request_id)
-            return
-        bucket = max(1, rows).bit_length()
-        moved = (bucket != self._sleep_bucket
-                 and self.steps - self._bucket_woken.get(bucket, -self.wake_after)
-                 >= self.wake_after
-                 and self._would_pay(rows, sampled))
-        if self._asleep >= self._wait or moved:
-            self.dormant, self._streak = False, 0
-            self._bucket_woken[bucket] = self.steps
-            # the probes the next sleep rests on come at once, outside the budget: a woken
-            # drafter waiting for probe_share to earn them stays awake (capturing, proposing:
-            # ~15% of a fused CPU step) for hundreds of steps
-            self._owed = self.sleep_trials
-            self._fresh = {request_id} if request_id is not None else set()
+        self.rest.admitted(rows, request_id, self.steps, lambda: self._would_pay(rows, sampled))
 
     def _would_pay(self, rows: int, sampled: bool) -> bool:
         """A batch of `rows` requests at this kind's measured acceptance: would a plan draft?"""
@@ -251,12 +207,13 @@ class AdaptiveSpeculation:
     def _probe(self, out: dict[str, int], candidates: dict[str, int], b: float, c: float,
                d: float, step_seconds: float) -> None:
         """A full block of drafts for the request idle the longest, when the budget affords
-        it (or the probe is owed: `_owed`): a verifying step's fixed cost dominates a probe,
+        it (or the probe is owed: DrafterRest.owed): a verifying step's fixed cost dominates a probe,
         so one draft would buy one trial where the block buys up to max_drafts (and its
         accepted tokens)."""
         self._credit = min(self._credit + self.probe_share * step_seconds, 1.0)
-        if self._trials_since_wake >= self.sleep_trials:     # the evidence came on its own
-            self._owed = 0
+        rest = self.rest
+        if rest.trials_since_wake >= self.sleep_trials:     # the evidence came on its own
+            rest.owed = 0
         idle, unmeasured = [], []
         for rid in candidates:
             if out[rid] == 0:
@@ -264,7 +221,7 @@ class AdaptiveSpeculation:
                 if candidates[rid] > 0:
                     if self._idle[rid] >= self.probe_every:
                         idle.append(rid)
-                    elif self._owed and rid not in self.alpha:
+                    elif rest.owed and rid not in self.alpha:
                         unmeasured.append(rid)
             else:
                 self._idle[rid] = 0
@@ -276,11 +233,10 @@ class AdaptiveSpeculation:
         # every wake, which cost a batch-1 Kimi Linear demo run 10-20% (docs/benchmarks.md,
         # eighteenth session)
         owed = False
-        if self._owed:
+        if rest.owed:
             no_alpha = [r for r in idle + unmeasured if r not in self.alpha]
-            stuck = self.sleep_after is not None and self._streak >= self.sleep_after
-            waiting = no_alpha or ([r for r in candidates if r in self._fresh and out[r] == 0
-                                    and candidates[r] > 0] if stuck else [])
+            waiting = no_alpha or ([r for r in candidates if r in rest.fresh and out[r] == 0
+                                    and candidates[r] > 0] if rest.stuck else [])
             owed = bool(waiting)
             if owed:
                 idle = waiting
@@ -290,7 +246,7 @@ class AdaptiveSpeculation:
         k = min(candidates[rid], self.max_drafts)
         cost = b * k + c + (0.0 if any(out.values()) else d)
         if owed:
-            self._owed -= 1
+            rest.owed -= 1
         elif self._credit >= cost:
             self._credit -= 2 * cost            # the proposal now, the verification next
         else:

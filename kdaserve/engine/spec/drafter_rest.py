@@ -1,0 +1,99 @@
+"""When the drafter sleeps and when it wakes (adaptive speculation's rest cycle).
+
+An idle drafter still costs (capture, projection, the proposer), so after `sleep_after` plans
+in a row in which no request earned a draft, and once `sleep_trials` blocks were verified
+since it woke, the drafter sleeps (`dormant`): nothing is captured, projected, proposed or
+probed. Those trials are owed (`owed`): at the start and after each wake the policy gives them
+at once to requests with no acceptance of their own, outside its probe budget. It wakes when
+a request is admitted after `wake_after` steps asleep (to notice text that changed), or at
+another batch-size bucket not woken for `wake_after` steps if the admitted request's kind's
+acceptance would pay there (a bucket changes what a verifying step costs, not what the
+drafts are worth). Each wake that finds nothing worth drafting doubles the wait (up to
+`max_wake_after`). A wake costs about `sleep_after` awake plans and `sleep_trials` probe
+blocks.
+
+Counts only: the policy (adaptive.py) says what each plan earned and who was admitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+
+class RestSettings(Protocol):
+    """The policy's settings (AdaptiveSpeculation's fields), read where they are used."""
+
+    # plans in a row without an earned draft before a sleep (None: never). Once the
+    # `sleep_trials` blocks are in, a plan's choice changes only with new evidence, which only
+    # budgeted probes bring: more plans would be capture and projection for nothing
+    sleep_after: int | None
+    wake_after: int                # steps asleep before an admission wakes the drafter
+    sleep_trials: int              # verified blocks since waking, at least, before a sleep
+    max_wake_after: int
+
+
+class DrafterRest:
+    def __init__(self, settings: RestSettings) -> None:
+        self.settings = settings
+        self.dormant = False              # the drafter sleeps: no capture, proposals, probes
+        self.sleeps = 0
+        self.streak = 0                   # plans in a row in which nobody earned a draft
+        self.trials_since_wake = 0        # verified blocks: the evidence a sleep rests on
+        self.fresh: set[str] = set()      # admitted since the last wake (or the start)
+        self.owed = settings.sleep_trials  # probes due at once: the evidence for the next sleep
+        self._asleep = 0                  # steps since the drafter fell asleep
+        self._sleep_bucket = 0
+        self._wait = settings.wake_after
+        self._earned_since_wake = True    # the first sleep waits wake_after
+        self._bucket_woken: dict[int, int] = {}   # batch-size bucket -> step of its last wake
+
+    @property
+    def stuck(self) -> bool:
+        """Enough plans in a row earned nothing for a sleep, evidence permitting."""
+        after = self.settings.sleep_after
+        return after is not None and self.streak >= after
+
+    def slept(self, steps: int) -> None:
+        self._asleep += steps
+
+    def note_earned(self, earned: bool, rows: int, probing: bool) -> None:
+        """A plan over `rows` requests gave some request a draft it earned, or none did."""
+        if earned:
+            self.streak, self._earned_since_wake = 0, True
+            return
+        self.streak += 1
+        # asleep only on evidence: a few verified blocks (probes count) since waking, else a
+        # drafter whose first trials have not come yet would never get them
+        cfg = self.settings
+        if self.stuck and not probing and self.trials_since_wake >= cfg.sleep_trials:
+            self.dormant, self._asleep, self.streak = True, 0, 0
+            self.trials_since_wake = 0
+            self._sleep_bucket = max(1, rows).bit_length()
+            self.sleeps += 1
+            # a wake that found nothing: wait longer before the next
+            self._wait = (cfg.wake_after if self._earned_since_wake
+                          else min(2 * self._wait, cfg.max_wake_after))
+            self._earned_since_wake = False
+
+    def admitted(self, rows: int, request_id: str | None, step: int,
+                 would_pay: Callable[[], bool]) -> None:
+        """A request was admitted into a batch of `rows` at plan `step`: wake if the drafter
+        slept long enough, or the batch moved to a bucket where `would_pay()` says drafting
+        could pay."""
+        if not self.dormant:
+            if request_id is not None:
+                self.fresh.add(request_id)
+            return
+        bucket, wake_after = max(1, rows).bit_length(), self.settings.wake_after
+        moved = (bucket != self._sleep_bucket
+                 and step - self._bucket_woken.get(bucket, -wake_after) >= wake_after
+                 and would_pay())
+        if self._asleep >= self._wait or moved:
+            self.dormant, self.streak = False, 0
+            self._bucket_woken[bucket] = step
+            # the probes the next sleep rests on come at once, outside the budget: a woken
+            # drafter waiting for probe_share to earn them stays awake (capturing, proposing:
+            # ~15% of a fused CPU step) for hundreds of steps
+            self.owed = self.settings.sleep_trials
+            self.fresh = {request_id} if request_id is not None else set()
