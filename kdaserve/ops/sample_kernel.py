@@ -70,3 +70,38 @@ def sample_rows_kernel() -> SampleRows | None:
         return out
 
     return run
+
+
+RowProbs = Callable[[torch.Tensor, Sequence[int], Sequence[float], Sequence[float]],
+                    torch.Tensor]
+
+
+@cache
+def row_probs_kernel() -> RowProbs | None:
+    """The compiled form of speculative decoding's distributions (csrc/sample_probs.h), or
+    None (no compiler, disabled, build failed)."""
+    fn = _c_function("sample_cpu.c", "row_probs_threads", [_I64, _I64, _I64] + [_PTR] * 6
+                     + [_I64])
+    if fn is None:
+        return None
+    split = _openmp_built("sample_cpu.c")
+
+    def run(x: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float],
+            min_p: Sequence[float]) -> torch.Tensor:
+        """x [S, V] fp32 (penalised, masked and divided by the temperature already); per row
+        top_k (V or more: off), top_p and min_p. Returns the probabilities [S, V]."""
+        S, V = x.shape
+        x = x.float().contiguous()
+        k_t = torch.tensor(top_k, dtype=torch.int64).clamp_(max=V)
+        p_t = torch.tensor(top_p, dtype=torch.float32)
+        m_t = torch.tensor(min_p, dtype=torch.float32)
+        out = torch.empty(S, V, dtype=torch.float32)
+        parts = min(torch.get_num_threads(), S) if split and S * V >= _PARALLEL_MIN else 1
+        stride = (V * (_CAND_BYTES + 4) + 63) // 64 * 64     # candidates, then V floats
+        scratch = torch.empty(parts, stride, dtype=torch.uint8)
+        scratch[:, V * _CAND_BYTES:].zero_()
+        fn(S, parts, V, _ptr(x), _ptr(k_t), _ptr(p_t), _ptr(m_t), _ptr(out), _ptr(scratch),
+           stride)
+        return out
+
+    return run

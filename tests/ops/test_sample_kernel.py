@@ -11,8 +11,9 @@ import pytest
 import torch
 from compiled_kernels import needs_kernels, require
 
-from kdaserve.engine.sampler import SamplingRow, sample
-from kdaserve.ops.sample_kernel import sample_rows_kernel
+from kdaserve.engine.sampler import SamplingRow, _filter, sample
+from kdaserve.engine.spec.rejection import target_probs
+from kdaserve.ops.sample_kernel import row_probs_kernel, sample_rows_kernel
 from kdaserve.request import SamplingParams
 
 pytestmark = needs_kernels
@@ -104,3 +105,66 @@ def test_rows_split_over_threads_sample_the_same_tokens():
     alone = [sample(logits[i:i + 1], _rows(B, V, 7, **kw)[i:i + 1])[0].token_id
              for i in range(B)]
     assert split == one == alone
+
+
+def _probs_torch(x: torch.Tensor, kw: dict) -> torch.Tensor:
+    """The torch form, a row at a time (batched, a top-p of 1.0 beside filtered rows drops
+    the last ~1e-7 of the mass to float rounding; alone it filters nothing, as the kernel)."""
+    params = SamplingParams(**{**kw, "temperature": 1.0})
+    return torch.cat([_filter(x[i:i + 1], [SamplingRow("r", params, [], [], None)]).softmax(-1)
+                      for i in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("V, scale", [(4096, 3.0), (4096, 12.0), (4096, 0.3), (100, 2.0),
+                                      (4096, 60.0)])
+def test_compiled_distributions_match_the_torch_form(V, scale):
+    """Speculative decoding's p and q (spec/rejection.py target_probs): the same tokens kept
+    (top-k, top-p, min-p, masked ones) and the same probabilities to float rounding; tokens
+    over 87 nats under the best weigh 0 (softmax: under 1e-37)."""
+    kernel = row_probs_kernel()
+    require(kernel, "csrc/sample_cpu.c")
+    for c, kw in enumerate(CASES):
+        if kw["temperature"] == 0:
+            continue
+        x = torch.randn(6, V, generator=torch.Generator().manual_seed(c)) * scale
+        x[1, : V // 4] = float("-inf")                       # a grammar's mask
+        ref = _probs_torch(x, kw)
+        got = kernel(x, [kw.get("top_k") or V] * 6, [kw.get("top_p", 1.0)] * 6,
+                     [kw.get("min_p", 0.0)] * 6)
+        # where one form keeps a token the other drops: only the tail that a top-p of 1.0
+        # loses to rounding once the mass sums to the total (in float in the torch form)
+        assert float((got * (ref == 0)).sum(-1).max()) < 1e-6, kw
+        assert float((ref * (got == 0)).sum(-1).max()) < 1e-6, kw
+        if kw.get("top_p", 1.0) < 1.0:
+            assert torch.equal(got > 1e-30, ref > 1e-30), kw
+        assert bool((got[1, : V // 4] == 0).all())           # the mask
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6), kw
+
+
+def test_compiled_distributions_ignore_their_batch_mates_and_threads():
+    V, B = 4096, 24
+    x = torch.randn(B, V, generator=torch.Generator().manual_seed(4)) * 3
+    kernel = row_probs_kernel()
+    require(kernel, "csrc/sample_cpu.c")
+    ks, ps, ms = [V] * B, [0.95, 0.5, 1.0] * (B // 3), [0.0, 0.0, 0.05] * (B // 3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        split = kernel(x, ks, ps, ms)
+        torch.set_num_threads(1)
+        one = kernel(x, ks, ps, ms)
+    finally:
+        torch.set_num_threads(before)
+    alone = torch.cat([kernel(x[i:i + 1], ks[i:i + 1], ps[i:i + 1], ms[i:i + 1])
+                       for i in range(B)])
+    assert torch.equal(split, one) and torch.equal(one, alone)
+
+
+def test_speculation_uses_the_compiled_distributions():
+    """target_probs takes the kernel on CPU and agrees with its torch form."""
+    V = 4096
+    x = torch.randn(4, V, generator=torch.Generator().manual_seed(8)) * 3
+    rows = _rows(4, V, 3, **CASES[2])
+    fast, ref = target_probs(x, rows), target_probs(x, rows, fast=False)
+    assert torch.equal(fast > 0, ref > 0)
+    assert torch.allclose(fast, ref, rtol=1e-5, atol=0)

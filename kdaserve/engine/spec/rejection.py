@@ -17,9 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kdaserve.engine.sampler import (Penalties, SamplingRow, _constrain, _filter,
-                                     _top_logprobs, draw_rows)
+from kdaserve.engine.sampler import (
+    Penalties,
+    SamplingRow,
+    _constrain,
+    _filter,
+    _top_logprobs,
+    draw_rows,
+)
 from kdaserve.engine.spec.block_verify import block_accept
+from kdaserve.ops.sample_kernel import row_probs_kernel
 from kdaserve.outputs import SampledToken
 
 
@@ -35,10 +42,19 @@ class VerifyRow:
     block: bool = False          # block verification (spec/block_verify.py), else token by token
 
 
-def target_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """The distribution each row samples from: [S, V] -> [S, V] (temperature > 0 rows only)."""
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
-    return _filter(logits / temps[:, None], rows).softmax(-1)
+def target_probs(logits: torch.Tensor, rows: list[SamplingRow], fast: bool = True
+                 ) -> torch.Tensor:
+    """The distribution each row samples from: [S, V] -> [S, V] (temperature > 0 rows only).
+    fast: compiled on CPU (ops/csrc/sample_probs.h); the torch form is its reference."""
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32,
+                         device=logits.device)
+    x = logits / temps[:, None]
+    kernel = row_probs_kernel() if fast and x.device.type == "cpu" else None
+    if kernel is not None:
+        V = x.shape[-1]
+        return kernel(x, [r.params.top_k or V for r in rows], [r.params.top_p for r in rows],
+                      [r.params.min_p for r in rows])
+    return _filter(x, rows).softmax(-1)
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:

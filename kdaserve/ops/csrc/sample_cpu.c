@@ -239,3 +239,5 @@ void sample_rows_threads(int64_t S, int64_t threads, int64_t V, const float *log
                         base + 8 * V + cand_bytes);
     }
 }
+
+#include "sample_probs.h"
