@@ -1,7 +1,8 @@
 """The device pools' side of the offload tiers: device evictions become stores, the operations
 are handed to the step, failures coming back drop entries, the device cache is flushed to the
-tiers, and a prefix hit whose blocks or snapshot sit in a tier gets loads into device blocks
-and its slot.
+tiers, a prefix hit whose blocks or snapshot sit in a tier gets loads into device blocks and
+its slot, and blocks that lead to no snapshot any more (device or tier) are demoted to be
+reused first.
 
 A component the cache manager (manager.py) holds: it sees the device pools and the tiers
 (offload.py), never a request's holding; the manager applies what it returns. Plain Python.

@@ -223,13 +223,9 @@ void sample_rows_threads(int64_t S, int64_t threads, int64_t V, const float *log
 #pragma omp parallel num_threads((int)(threads > 0 ? threads : 1)) if (threads > 1 && S > 1)
 #endif
     {
-        int64_t part = 0, parts = 1;
-#ifdef _OPENMP
-        part = omp_get_thread_num();
-        parts = omp_get_num_threads();
-#endif
-        const int64_t r0 = S * part / parts, r1 = S * (part + 1) / parts;
-        uint8_t *base = scratch + part * stride;
+        int64_t r0, r1;
+        thread_share(0, S, &r0, &r1);
+        uint8_t *base = scratch + thread_index() * stride;
         const size_t cand_bytes = sizeof(Cand) * (size_t)V;
         if (r0 < r1)
             sample_rows(r0, r1, V, logits, temps, top_k, top_p, min_p, u, rep, freq, pres,

@@ -49,15 +49,12 @@ void row_probs_threads(int64_t S, int64_t threads, int64_t V, const float *x,
 #pragma omp parallel num_threads((int)(threads > 0 ? threads : 1)) if (threads > 1 && S > 1)
 #endif
     {
-        int64_t part = 0, parts = 1;
-#ifdef _OPENMP
-        part = omp_get_thread_num();
-        parts = omp_get_num_threads();
-#endif
-        uint8_t *base = scratch + part * stride;
+        int64_t r0, r1;
+        thread_share(0, S, &r0, &r1);
+        uint8_t *base = scratch + thread_index() * stride;
         Cand *cand = (Cand *)(void *)base;
         float *w = (float *)(void *)(base + sizeof(Cand) * (size_t)V);
-        for (int64_t r = S * part / parts; r < S * (part + 1) / parts; ++r)
+        for (int64_t r = r0; r < r1; ++r)
             row_probs(x + r * V, V, top_k[r], top_p[r], min_p[r], out + r * V, cand, w);
     }
 }

@@ -43,6 +43,16 @@ static inline int64_t team_threads(void) {
         else { __VA_ARGS__ }                                                              \
     } while (0)
 
+/* The calling thread's number in its team (0 outside a region, or without OpenMP): which
+ * of the caller's per-thread scratch areas it takes. */
+static inline int64_t thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 /* The calling thread's even share [*lo, *hi) of [begin, end) inside a parallel region (all of
  * it outside one, or without OpenMP). */
 static inline void thread_share(int64_t begin, int64_t end, int64_t *lo, int64_t *hi) {
