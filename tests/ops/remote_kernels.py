@@ -203,6 +203,7 @@ def _cached_loaders():
             cpu_kernels.kda_recurrent_slots_kernel, cpu_kernels.kda_prepare_kernel,
             moe_kernel.moe_experts_kernel, moe_kernel.moe_experts_mxfp4_kernel,
             cpu_kernels.decode_block_kernels, sample_kernel.sample_rows_kernel,
+            sample_kernel.row_probs_kernel,
             cpu_linear._kernel, mla._paged_decode_kernel, registry._cpu_ops]
 
 

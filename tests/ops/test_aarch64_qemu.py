@@ -171,6 +171,7 @@ def test_sampling(on_target):
     test_sample_kernel.test_top_k_one_and_ties_keep_the_first_best()
     for V, scale in ((100, 2.0), (4096, 12.0)):
         test_sample_kernel.test_compiled_matches_the_torch_form(V, scale)
+        test_sample_kernel.test_compiled_distributions_match_the_torch_form(V, scale)
 
 
 @pytest.mark.parametrize("runner,gate,rows", [
