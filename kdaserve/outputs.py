@@ -114,6 +114,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     acceptance_length: float | None = None
     # speculation: mean tokens per verified block (accepted drafts + 1); None: none verified
+    spec_verifications: int = 0     # blocks of drafts verified for this completion
 
 
 @dataclass

@@ -11,7 +11,10 @@ random stream is consumed differently); the rejection sampler's exactness is a u
 `acceptance_length` is mean_accepted_tokens under the name the K3 recipe reports it by.
 `--rejection-sample-method both` runs a third engine that verifies by blocks
 (engine/spec/block_verify.py) on the same prompts and seeds, and reports its row beside the
-token rule's, with `block_vs_token_acceptance` (sampled: the ratio of acceptance lengths).
+token rule's, with `block_vs_token_acceptance` (sampled: the ratio of acceptance lengths) and
+`block_vs_token_acceptance_ci95`, its paired bootstrap interval over the requests
+(bench/spec_stats.py); each row's `request_blocks` lists its requests' (accepted drafts,
+verified blocks).
 `--input-lens 1024,16384,65536` adds, per mode, a batch-1 row `input<L>` whose prompts are L
 tokens long (bench/spec_prompts.py `long_prompt_ids`): the engines' max_model_len is raised to
 fit; a length past the model's own limit is reported as {"skipped": why}.
@@ -27,6 +30,7 @@ import torch
 
 from kdaserve.assets import default_model_path
 from kdaserve.bench.spec_prompts import long_prompt_ids, unseen_prompts
+from kdaserve.bench.spec_stats import Blocks, paired_ratio_ci
 from kdaserve.engine.llm import LLM
 from kdaserve.generation_defaults import generation_defaults
 from kdaserve.ops.cpu_isa import cpu_isa
@@ -34,14 +38,18 @@ from kdaserve.request import SamplingParams
 
 
 def _timed(llm: LLM, prompts: list[str], params: list[SamplingParams], batch: int
-           ) -> tuple[float, int, list[list[int]]]:
-    """Runs prompts in groups of `batch` concurrent requests; returns (seconds, tokens, ids)."""
+           ) -> tuple[float, int, list[list[int]], list[Blocks]]:
+    """Runs prompts in groups of `batch` concurrent requests; returns (seconds, tokens, ids,
+    each request's (accepted drafts, verified blocks))."""
     outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
         outs += llm.generate(prompts[i:i + batch], params[i:i + batch], use_tqdm=False)
     dt = time.perf_counter() - start
-    ids = [o.outputs[0].token_ids for o in outs]
-    return dt, sum(len(x) for x in ids), ids
+    comps = [o.outputs[0] for o in outs]
+    blocks = [(round((c.acceptance_length - 1.0) * c.spec_verifications)
+               if c.acceptance_length else 0, c.spec_verifications) for c in comps]
+    ids = [c.token_ids for c in comps]
+    return dt, sum(len(x) for x in ids), ids, blocks
 
 
 def _counters(llm: LLM) -> tuple[int, int, int]:
@@ -66,15 +74,15 @@ def measure(base: LLM, spec: LLM, prompts: list[str], params: list[SamplingParam
     before = _counters(spec)
     for _ in range(repeats):
         steps0 = base.engine.stats.steps
-        t, n, ids = _timed(base, prompts, params, batch)
+        t, n, ids, _ = _timed(base, prompts, params, batch)
         if best_base is None or t < best_base[0]:
             best_base = (t, n, ids, base.engine.stats.steps - steps0)
         steps0 = spec.engine.stats.steps
-        t, n, ids = _timed(spec, prompts, params, batch)
+        t, n, ids, blocks = _timed(spec, prompts, params, batch)
         if best_spec is None or t < best_spec[0]:
-            best_spec = (t, n, ids, spec.engine.stats.steps - steps0)
+            best_spec = (t, n, ids, spec.engine.stats.steps - steps0, blocks)
     t_base, n_base, ids_base, steps_base = best_base
-    t_spec, n_spec, ids_spec, steps_spec = best_spec
+    t_spec, n_spec, ids_spec, steps_spec, blocks_spec = best_spec
     drafted, accepted, rows = (a - b for a, b in zip(_counters(spec), before))
     base_rate, spec_rate = n_base / t_base, n_spec / t_spec
     out = {
@@ -87,6 +95,9 @@ def measure(base: LLM, spec: LLM, prompts: list[str], params: list[SamplingParam
         # what one engine step costs: sampled vs greedy, speculating vs not
         "baseline_step_ms": round(1000 * t_base / max(steps_base, 1), 3),
         "spec_step_ms": round(1000 * t_spec / max(steps_spec, 1), 3),
+        # each request's (accepted drafts, verified blocks) in the counted run, for the
+        # interval of block against token verification (spec_stats.py)
+        "request_blocks": blocks_spec,
     }
     if greedy:
         out["identical"] = ids_base == ids_spec
@@ -134,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
                 row["block"] = blk
                 row["block_vs_token_acceptance"] = round(
                     blk["acceptance_length"] / row["acceptance_length"], 3)
+                row["block_vs_token_acceptance_ci95"] = paired_ratio_ci(
+                    row["request_blocks"], blk["request_blocks"])
         for n_in in args.input_lens:
             row = rows[f"input{n_in}"] = _long_row(base, spec, n_in, mode, defaults, args)
             if "block" in specs and spec is not specs["block"] and "skipped" not in row:

@@ -132,6 +132,7 @@ class LLM:
                     if d.finished:
                         comp.finish_reason, comp.stop_reason = d.finish_reason, d.stop_reason
                         comp.acceptance_length = d.acceptance_length
+                        comp.spec_verifications = d.spec_verifications
                         if d.error is not None:       # the engine failed this request only
                             comp.stop_reason = d.error
                         pending[d.request_id] -= 1

@@ -54,6 +54,13 @@ def test_bench_spec_prints_greedy_and_sampled_rows(capsys):
         assert blk["spec_tokens"] == row["spec_tokens"] and blk["verifications"] > 0
         assert row["block_vs_token_acceptance"] == pytest.approx(
             blk["acceptance_length"] / row["acceptance_length"], abs=1e-3)
+        # one run (--repeats 1): the requests' own counts add up to the engine's counters
+        for r in (row, blk):
+            assert len(r["request_blocks"]) == 2
+            assert sum(a for a, _ in r["request_blocks"]) == r["accepted"]
+            assert sum(v for _, v in r["request_blocks"]) == r["verifications"]
+        lo, hi = row["block_vs_token_acceptance_ci95"]
+        assert lo - 1e-3 <= row["block_vs_token_acceptance"] <= hi + 1e-3
     assert out["greedy"]["batch1"]["block"]["identical"] is True
     for mode in ("greedy", "sampled"):          # long inputs: batch-1 rows, or a skip and why
         row = out[mode]["input40"]
