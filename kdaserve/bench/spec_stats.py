@@ -4,8 +4,9 @@ Both rules run the same prompts with the same seeds, so each request gives a pai
 (accepted drafts, verified blocks) counts, one per rule. The run's figure is a ratio of two
 pooled means (tokens per verified block, block rule over token rule); resampling the requests
 with their pairs kept (a paired bootstrap) shows how much of it the choice of prompts and
-seeds decides. With 16 prompts of 128 tokens the interval spans about +-5%, so a goal such as
-"block >= 1.1x token" is read from its lower end, not from the point alone.
+seeds decides. At 128 tokens a request the interval spans about +-8% over 16 requests and
++-3% over 128, so a goal such as "block >= 1.1x token" is judged by the interval, not by the
+point alone.
 """
 
 from __future__ import annotations
