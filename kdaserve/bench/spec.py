@@ -14,7 +14,9 @@ random stream is consumed differently); the rejection sampler's exactness is a u
 token rule's, with `block_vs_token_acceptance` (sampled: the ratio of acceptance lengths) and
 `block_vs_token_acceptance_ci95`, its paired bootstrap interval over the requests
 (bench/spec_stats.py); each row's `request_blocks` lists its requests' (accepted drafts,
-verified blocks).
+verified blocks) in the counted (fastest) run. The counters above add up every repeat; with
+fixed seeds and `--no-adaptive` each repeat verifies the same blocks, while the adaptive policy
+can verify differently from one repeat to the next.
 `--input-lens 1024,16384,65536` adds, per mode, a batch-1 row `input<L>` whose prompts are L
 tokens long (bench/spec_prompts.py `long_prompt_ids`): the engines' max_model_len is raised to
 fit; a length past the model's own limit is reported as {"skipped": why}.
