@@ -73,6 +73,8 @@ class DraftConfig:
     mask_token_id: int | None = None            # k3_dspark: mask = target embedding of this id
     rope_interleaved: bool = False
     rope_scaling: dict | None = None
+    # this project's drafts only: the block's inputs shifted by the request's temperature
+    temperature_conditioning: bool = False
 
     @property
     def qk_head_dim(self) -> int:
@@ -86,7 +88,8 @@ class DraftConfig:
         d = asdict(self)
         d["target_layer_ids"] = list(self.target_layer_ids)
         if self.layout == K3_MODEL_TYPE:
-            for k in ("layout", "extra", "rope_interleaved", "rope_scaling"):
+            for k in ("layout", "extra", "rope_interleaved", "rope_scaling",
+                      "temperature_conditioning"):
                 d.pop(k)
             rope = dict(self.rope_scaling or {"rope_type": "default"})
             rope["rope_theta"] = self.rope_theta
@@ -175,6 +178,10 @@ class DSparkDraft(nn.Module):
         else:   # the target's embedding of the mask token: set by bind_target
             self.register_buffer("mask_embedding", torch.full((hid,), float("nan")),
                                  persistent=False)
+        if cfg.temperature_conditioning:
+            # rows e0, e1: a request sampled at temperature T adds e0 + T e1 to its block's
+            # inputs (greedy: T 0), so one draft fits both greedy and sampled verification
+            self.temperature_embedding = nn.Parameter(torch.zeros(2, hid))
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(hid, cfg.rms_norm_eps)
         self.markov_in = embedding(cfg.vocab_size, cfg.markov_rank)
@@ -188,12 +195,19 @@ class DSparkDraft(nn.Module):
         return [layer.self_attn.latents(c, positions) for layer in self.layers]
 
     def block_hidden(self, first: torch.Tensor, positions: torch.Tensor,
-                     ctx: list[torch.Tensor], mask: torch.Tensor, block: int) -> torch.Tensor:
+                     ctx: list[torch.Tensor], mask: torch.Tensor, block: int,
+                     temperatures: torch.Tensor | None = None) -> torch.Tensor:
         """first [B,Q/block,H]: embeddings of each block's first token; the rest of every block
-        is mask embeddings. positions [B,Q]; ctx per layer [B,L,D]; mask [B,Q,L+Q]."""
+        is mask embeddings. positions [B,Q]; ctx per layer [B,L,D]; mask [B,Q,L+Q];
+        temperatures [B] each row's sampling temperature (0: greedy), read by a
+        temperature-conditioned draft only (None there: greedy)."""
         b, nb, hid = first.shape
         x = torch.cat([first[:, :, None], self.mask_embedding.to(first.dtype).expand(
             b, nb, block - 1, hid)], 2).reshape(b, nb * block, hid)
+        if self.config.temperature_conditioning:
+            e = self.temperature_embedding
+            t = (torch.zeros(b, device=x.device) if temperatures is None else temperatures)
+            x = x + (e[0] + t.to(e.dtype)[:, None] * e[1]).to(x.dtype)[:, None]
         for layer, lat in zip(self.layers, ctx):
             x = layer(x, positions, lat, mask)
         return self.norm(x)

@@ -64,7 +64,8 @@ class BlockLogits:
 
 
 def _block_logits(draft: nn.Module, embed, lm_head, data: dict[str, torch.Tensor],
-                  anchors: torch.Tensor, k: int) -> BlockLogits:
+                  anchors: torch.Tensor, k: int,
+                  temperatures: torch.Tensor | None = None) -> BlockLogits:
     ids, hidden, final = data["input_ids"], data["hidden"], data["final"]
     b, n = ids.shape
     pos = torch.arange(n).expand(b, n)
@@ -72,7 +73,8 @@ def _block_logits(draft: nn.Module, embed, lm_head, data: dict[str, torch.Tensor
     ctx = [x.view(b, n, -1) for x in lat]
     q_pos = (anchors[..., None] + torch.arange(k)).reshape(b, -1)              # [B,A*k]
     first = embed(ids.gather(1, anchors))                                      # [B,A,H]
-    h = draft.block_hidden(first, q_pos, ctx, training_mask(n, anchors, k), k)  # [B,A*k,H]
+    h = draft.block_hidden(first, q_pos, ctx, training_mask(n, anchors, k), k,
+                           temperatures)                                        # [B,A*k,H]
     prev = ids.gather(1, q_pos)                                                # teacher-forced
     z_d = lm_head(h).float() + draft.markov_bias(prev).float()
     with torch.no_grad():
@@ -89,6 +91,14 @@ def distill_loss(z: BlockLogits, temperatures: tuple[float, ...]) -> torch.Tenso
         logq = F.log_softmax(z.draft / t, -1)
         loss = loss + (logp.exp() * (logp - logq)).sum(-1).mean()
     return loss / len(temperatures)
+
+
+def conditioned_loss(z: BlockLogits, row_temps: torch.Tensor) -> torch.Tensor:
+    """Mean of KL(softmax(z_t/T_b) || softmax(z_d/T_b)), each row b at its own temperature."""
+    t = row_temps.to(z.draft)[:, None, None]
+    logp = F.log_softmax(z.target / t, -1)
+    logq = F.log_softmax(z.draft / t, -1)
+    return (logp.exp() * (logp - logq)).sum(-1).mean()
 
 
 @torch.no_grad()
@@ -108,6 +118,15 @@ def block_acceptance(z: BlockLogits, temperature: float) -> dict[str, float]:
             "sampled_first_draft": float(alpha[..., 0].mean())}
 
 
+def _generation_temperatures(meta: dict, total: int) -> torch.Tensor:
+    """[total] the temperature each sequence was continued at (extract-hidden's round robin)."""
+    temps = meta.get("temperatures") or []
+    if not meta.get("generated") or not temps:
+        raise ValueError("temperature conditioning needs continuations the target wrote at "
+                         "known temperatures (extract-hidden --generate N --temperatures ...)")
+    return torch.tensor([float(temps[i % len(temps)]) for i in range(total)])
+
+
 def _slice(data: dict[str, torch.Tensor], idx) -> dict[str, torch.Tensor]:
     return {k: v[idx] for k, v in data.items()}
 
@@ -116,7 +135,7 @@ def train_draft(model: str, hidden: str, out: str, *, steps: int = 2000, batch: 
                 anchors: int = 16, block: int = 8, lr: float = 2e-3, num_layers: int = 1,
                 heldout: float = 0.05, seed: int = 0, device: str = "cpu",
                 temperatures: tuple[float, ...] = DEFAULT_TEMPERATURES,
-                serving_temperature: float = 0.8) -> dict:
+                serving_temperature: float = 0.8, condition_temperature: bool = False) -> dict:
     torch.manual_seed(seed)
     target = load_model(model, dtype="float32", device=device)
     for p in target.parameters():
@@ -129,9 +148,12 @@ def train_draft(model: str, hidden: str, out: str, *, steps: int = 2000, batch: 
                       num_attention_heads=tc.num_attention_heads, kv_lora_rank=tc.kv_lora_rank,
                       qk_nope_head_dim=tc.qk_nope_head_dim, qk_rope_head_dim=tc.qk_rope_head_dim,
                       v_head_dim=tc.v_head_dim, intermediate_size=2 * tc.hidden_size,
-                      block_size=block, rope_theta=tc.rope_theta, rms_norm_eps=tc.rms_norm_eps)
+                      block_size=block, rope_theta=tc.rope_theta, rms_norm_eps=tc.rms_norm_eps,
+                      temperature_conditioning=condition_temperature)
     draft = build_draft(cfg).to(device)
     total = len(data["input_ids"])
+    if condition_temperature:
+        data["gen_t"] = _generation_temperatures(meta, total)
     n_eval = max(1, int(total * heldout))
     ev, tr = _slice(data, slice(0, n_eval)), _slice(data, slice(n_eval, total))
     n = data["input_ids"].shape[1]
@@ -146,8 +168,15 @@ def train_draft(model: str, hidden: str, out: str, *, steps: int = 2000, batch: 
     for step in bar:
         pick = torch.randint(0, total - n_eval, (batch,), generator=g)
         anc = torch.randint(max(1, lo - 1), n - block - 1, (batch, anchors), generator=g)
-        z = _block_logits(draft, embed, lm_head, _slice(tr, pick), anc, block)
-        loss = distill_loss(z, temperatures)
+        rows = _slice(tr, pick)
+        if condition_temperature:
+            # each sequence at the temperature it was written at (greedy ones at the lowest)
+            t = rows["gen_t"]
+            z = _block_logits(draft, embed, lm_head, rows, anc, block, t)
+            loss = conditioned_loss(z, torch.where(t > 0, t, min(temperatures)))
+        else:
+            z = _block_logits(draft, embed, lm_head, rows, anc, block)
+            loss = distill_loss(z, temperatures)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -163,6 +192,7 @@ def train_draft(model: str, hidden: str, out: str, *, steps: int = 2000, batch: 
                           serving_temperature, seed + 1)
     draft.save_pretrained(out)
     report = {"steps": steps, "train_loss": loss.item(), "loss": "kl_distillation",
+              "temperature_conditioning": condition_temperature,
               "temperatures": list(temperatures), "serving_temperature": serving_temperature,
               **{f"heldout_{k}": v for k, v in ev_report.items()},
               "block_size": block, "target_layer_ids": list(cfg.target_layer_ids),
@@ -181,12 +211,20 @@ def _evaluate(draft, embed, lm_head, ev: dict[str, torch.Tensor], n: int, lo: in
     num = len(ev["input_ids"])
     anc = torch.randint(max(1, lo - 1), n - block - 1, (num, anchors), generator=ge)
     sums: dict[str, float] = {}
+    conditioned = draft.config.temperature_conditioning
     for i in range(0, num, chunk):
-        z = _block_logits(draft, embed, lm_head, _slice(ev, slice(i, i + chunk)),
-                          anc[i:i + chunk], block)
-        w = len(z.draft) / num
-        for k, v in {"loss": float(distill_loss(z, temperatures)),
-                     **block_acceptance(z, serving_temperature)}.items():
+        part, a = _slice(ev, slice(i, i + chunk)), anc[i:i + chunk]
+        b = len(part["input_ids"])
+        # a conditioned draft is asked as it is served: greedy at T 0, sampled at the serving T
+        z = _block_logits(draft, embed, lm_head, part, a, block,
+                          torch.full((b,), serving_temperature) if conditioned else None)
+        acc = block_acceptance(z, serving_temperature)
+        if conditioned:
+            zg = block_acceptance(_block_logits(draft, embed, lm_head, part, a, block,
+                                                torch.zeros(b)), serving_temperature)
+            acc.update(mean_accepted=zg["mean_accepted"], acceptance_rate=zg["acceptance_rate"])
+        w = b / num
+        for k, v in {"loss": float(distill_loss(z, temperatures)), **acc}.items():
             sums[k] = sums.get(k, 0.0) + v * w
     return sums
 
@@ -205,6 +243,10 @@ def add_train_draft_arguments(p: argparse.ArgumentParser) -> None:
                    help="distillation temperatures (the KL loss is averaged over them)")
     p.add_argument("--serving-temperature", type=float, default=0.8,
                    help="temperature of the held-out sampled-acceptance estimate")
+    p.add_argument("--temperature-conditioning", action="store_true",
+                   help="the draft reads the request's temperature: each sequence is "
+                        "distilled at the temperature it was written at (greedy ones at the "
+                        "lowest of --temperatures)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -215,6 +257,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
                          steps=args.steps, batch=args.batch, block=args.block_size,
                          num_layers=args.layers, lr=args.lr, device=args.device,
                          temperatures=tuple(float(t) for t in args.temperatures.split(",")),
-                         serving_temperature=args.serving_temperature)
+                         serving_temperature=args.serving_temperature,
+                         condition_temperature=args.temperature_conditioning)
     print(json.dumps(report))
     return 0

@@ -14,13 +14,14 @@ from kdaserve.model.dspark import DraftConfig, DSparkDraft
 from kdaserve.model.registry import load_config
 
 
-def _random_draft(model_dir, out, block: int, seed: int = 0):
+def _random_draft(model_dir, out, block: int, seed: int = 0, conditioned: bool = False):
     cfg = load_config(model_dir)
     torch.manual_seed(seed)
     dc = DraftConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                      target_layer_ids=(0, cfg.num_hidden_layers - 1), block_size=block,
                      num_attention_heads=2, kv_lora_rank=8, qk_nope_head_dim=8,
-                     qk_rope_head_dim=4, v_head_dim=8, intermediate_size=32, markov_rank=4)
+                     qk_rope_head_dim=4, v_head_dim=8, intermediate_size=32, markov_rank=4,
+                     temperature_conditioning=conditioned)
     draft = DSparkDraft(dc)
     with torch.no_grad():
         for p in draft.parameters():
@@ -81,6 +82,29 @@ def test_seeded_sampling_runs_with_draft(hf_checkpoint, prompts, tmp_path):
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert all(len(o.outputs[0].token_ids) == 16 for o in a)
     assert llm.engine.cache.all_free()
+
+
+def test_a_temperature_conditioned_draft_reads_each_request_temperature(
+        hf_checkpoint, prompts, tmp_path, monkeypatch):
+    path, _ = hf_checkpoint
+    draft = _random_draft(path, tmp_path / "draft", block=4, conditioned=True)
+    llm = LLM(str(path), speculative_method="dspark", speculative_adaptive=False,
+              num_speculative_tokens=3, speculative_model=str(draft))
+    assert _greedy(llm, prompts) == _greedy(LLM(str(path)), prompts)
+    seen: list[list[float]] = []
+    block_hidden = DSparkDraft.block_hidden
+
+    def spy(self, first, positions, ctx, mask, block, temperatures=None):
+        seen.append(temperatures.tolist())
+        return block_hidden(self, first, positions, ctx, mask, block, temperatures)
+
+    monkeypatch.setattr(DSparkDraft, "block_hidden", spy)
+    params = [SamplingParams(temperature=t, max_tokens=8, seed=1, ignore_eos=True)
+              for t in (0.0, 0.5, 0.9)]
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], params, use_tqdm=False)
+    assert seen and sorted({t for step in seen for t in step}) == pytest.approx([0.0, 0.5, 0.9])
+    # the batch's first step drafts for all three, each row at its own request's temperature
+    assert sorted(seen[0]) == pytest.approx([0.0, 0.5, 0.9])
 
 
 def test_bundled_draft_identical_and_accepts():

@@ -120,10 +120,12 @@ class DSparkProposer:
                                      device=self.device)], -1)
         positions = ctx_len[:, None] + torch.arange(self.block, device=self.device)[None]
         first = self.target.model.embed_tokens(first_tok)[:, None]
-        h = self.draft.block_hidden(first, positions, ctx, mask, self.block)[:, :k]
+        rows = [inp.sampling[s.request_id] for _, s in drafting]
+        temps = (torch.tensor([r.params.temperature for r in rows], device=self.device)
+                 if self.draft.config.temperature_conditioning else None)
+        h = self.draft.block_hidden(first, positions, ctx, mask, self.block, temps)[:, :k]
         self.rows_drafted += B * self.block
         logits = self.target.lm_head(h).float()                                      # [B,k,V]
-        rows = [inp.sampling[s.request_id] for _, s in drafting]
         # the history the verifier will penalise with: outputs, this step's tokens, drafts
         hist = [SamplingRow(r.request_id, r.params, r.prompt_token_ids,
                             r.output_token_ids + inp.new_tokens[r.request_id], r.generator)
