@@ -73,8 +73,10 @@ class DraftConfig:
     mask_token_id: int | None = None            # k3_dspark: mask = target embedding of this id
     rope_interleaved: bool = False
     rope_scaling: dict | None = None
-    # this project's drafts only: the block's inputs shifted by the request's temperature
+    # this project's drafts only: the block's inputs shifted by the request's temperature,
+    # read up to the highest temperature the draft was trained at (hotter requests read that)
     temperature_conditioning: bool = False
+    max_conditioning_temperature: float = 1.0
 
     @property
     def qk_head_dim(self) -> int:
@@ -89,7 +91,7 @@ class DraftConfig:
         d["target_layer_ids"] = list(self.target_layer_ids)
         if self.layout == K3_MODEL_TYPE:
             for k in ("layout", "extra", "rope_interleaved", "rope_scaling",
-                      "temperature_conditioning"):
+                      "temperature_conditioning", "max_conditioning_temperature"):
                 d.pop(k)
             rope = dict(self.rope_scaling or {"rope_type": "default"})
             rope["rope_theta"] = self.rope_theta
@@ -206,7 +208,8 @@ class DSparkDraft(nn.Module):
             b, nb, block - 1, hid)], 2).reshape(b, nb * block, hid)
         if self.config.temperature_conditioning:
             e = self.temperature_embedding
-            t = (torch.zeros(b, device=x.device) if temperatures is None else temperatures)
+            t = (torch.zeros(b, device=x.device) if temperatures is None else
+                 temperatures.clamp(0.0, self.config.max_conditioning_temperature))
             x = x + (e[0] + t.to(e.dtype)[:, None] * e[1]).to(x.dtype)[:, None]
         for layer, lat in zip(self.layers, ctx):
             x = layer(x, positions, lat, mask)

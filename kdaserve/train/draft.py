@@ -149,7 +149,8 @@ def train_draft(model: str, hidden: str, out: str, *, steps: int = 2000, batch: 
                       qk_nope_head_dim=tc.qk_nope_head_dim, qk_rope_head_dim=tc.qk_rope_head_dim,
                       v_head_dim=tc.v_head_dim, intermediate_size=2 * tc.hidden_size,
                       block_size=block, rope_theta=tc.rope_theta, rms_norm_eps=tc.rms_norm_eps,
-                      temperature_conditioning=condition_temperature)
+                      temperature_conditioning=condition_temperature,
+                      max_conditioning_temperature=max(meta.get("temperatures") or [1.0]))
     draft = build_draft(cfg).to(device)
     total = len(data["input_ids"])
     if condition_temperature:

@@ -47,6 +47,13 @@ def test_each_row_reads_its_own_temperature():
     assert torch.equal(_block(d, None)[0], _block(d, torch.zeros(3))[0])
 
 
+def test_hotter_requests_read_the_hottest_trained_temperature():
+    d = _draft(True)
+    assert d.config.max_conditioning_temperature == 1.0
+    assert torch.equal(_block(d, torch.tensor([0.0, 1.0, 1.0])),
+                       _block(d, torch.tensor([0.0, 1.0, 1.7])))
+
+
 def test_an_unconditioned_draft_ignores_temperatures():
     d = _draft(False)
     assert not hasattr(d, "temperature_embedding")
