@@ -43,6 +43,18 @@ def test_a_conditioned_draft_trains_and_loads(tmp_path):
     text.write_text("ROMEO:\nBut soft, what light through yonder window breaks?\n" * 20)
     extract_hidden(str(kimi_linear_demo_path()), str(text), str(tmp_path / "hid"),
                    prompt_len=8, generate=16, max_seqs=8, batch=4)
+    # the link the training relies on: sequence i was written at temperature i mod 4, so
+    # sequence 4 (T 0) is the target's greedy continuation of its prompt
+    from kdaserve import LLM, SamplingParams
+    from kdaserve.train.draft import _load_shards
+
+    data, meta = _load_shards(tmp_path / "hid")
+    assert _generation_temperatures(meta, 8)[4] == 0.0
+    ids = data["input_ids"][4].tolist()
+    greedy = LLM(str(kimi_linear_demo_path())).generate(
+        [{"prompt_token_ids": ids[:8]}],
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert greedy[0].outputs[0].token_ids == ids[8:]
     report = train_draft(str(kimi_linear_demo_path()), str(tmp_path / "hid"),
                          str(tmp_path / "d"), steps=3, batch=2, anchors=2, block=4,
                          condition_temperature=True)
