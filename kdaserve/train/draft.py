@@ -85,12 +85,9 @@ def _block_logits(draft: nn.Module, embed, lm_head, data: dict[str, torch.Tensor
 
 def distill_loss(z: BlockLogits, temperatures: tuple[float, ...]) -> torch.Tensor:
     """Mean over temperatures of KL(softmax(z_t/T) || softmax(z_d/T)) per position."""
-    loss = z.draft.new_zeros(())
-    for t in temperatures:
-        logp = F.log_softmax(z.target / t, -1)
-        logq = F.log_softmax(z.draft / t, -1)
-        loss = loss + (logp.exp() * (logp - logq)).sum(-1).mean()
-    return loss / len(temperatures)
+    rows = z.draft.shape[0]
+    return sum(conditioned_loss(z, z.draft.new_full((rows,), t))
+               for t in temperatures) / len(temperatures)
 
 
 def conditioned_loss(z: BlockLogits, row_temps: torch.Tensor) -> torch.Tensor:
