@@ -11,6 +11,7 @@ from typing import Any, Union
 
 from tqdm.auto import tqdm
 
+from kdaserve.config import EngineConfig
 from kdaserve.engine.args import EngineArgs
 from kdaserve.engine.core import EngineCore
 from kdaserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -23,7 +24,8 @@ PromptType = Union[str, dict[str, Any], list[int]]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, *, shared_weights: LLM | None = None,
+                 **kwargs: Any) -> None:
         """`kwargs`: the fields of `EngineArgs` (engine/args.py, with their defaults), e.g.
         `max_model_len`, `cache_memory` (bytes), `enable_prefix_caching`; an unknown name is a
         TypeError. `offload`: "host", "disk" or "host,disk" (evicted prefix-cache entries go
@@ -33,14 +35,20 @@ class LLM:
         Under torchrun (docs/parallelism.md) every rank runs the script: on rank 0 this is
         the engine; on any other rank the constructor runs that rank's worker loop until rank
         0 shuts down and then ends the process (the rest of the script runs on rank 0 only).
-        `ray_address`: with distributed_executor="ray", the cluster to join."""
+        `ray_address`: with distributed_executor="ray", the cluster to join.
+        `shared_weights`: another in-process LLM of the same model whose weights this one
+        serves, the same bytes in memory (`kdaserve bench spec` compares engines on them: two
+        loads of the demo differed by 2-6% in speed from where their pages fell)."""
         self.config = EngineArgs.from_kwargs("LLM()", model=model, **kwargs).to_engine_config()
         path = self.config.model
         from kdaserve.engine.executor.torchrun import is_torchrun_worker, run_torchrun_rank
 
         if is_torchrun_worker(self.config.parallel):
             raise SystemExit(run_torchrun_rank(self.config))
-        self.engine = EngineCore(self.config, progress=True)
+        if shared_weights is not None:
+            _check_sharable(shared_weights.config, self.config)
+        self.engine = EngineCore(self.config, progress=True, model=(
+            shared_weights.engine.model if shared_weights is not None else None))
         self.tokenizer = self.engine.tokenizer
         self.vision = (VisionInput.for_model(path, self.tokenizer)
                        if self.engine.vision_config is not None else None)
@@ -171,3 +179,17 @@ class LLM:
                     "image": [load_image(url, self.image_limits) for _, _, url in refs]}
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _check_sharable(owner: EngineConfig, config: EngineConfig) -> None:
+    """A model is prepared for its first engine (dtype, quantization, MoE backend, device):
+    another engine may serve it only as prepared, in one process."""
+    keys = ("model", "dtype", "device", "quantization", "quantization_group_size")
+    diff = [k for k in keys if getattr(owner, k) != getattr(config, k)]
+    if owner.parallel.executor != "uni" or config.parallel.executor != "uni":
+        diff.append("distributed_executor")
+    if owner.parallel.moe_backend != config.parallel.moe_backend:
+        diff.append("moe_backend")
+    if diff:
+        raise ValueError(f"shared_weights: the engines differ in {', '.join(diff)}; an engine "
+                         f"serves another's weights only as that one prepared them")

@@ -249,10 +249,11 @@ class ModelRunner:
                              ForwardKept(fb) if fb.decode is not None else None)
 
     def finish(self, plan: StepPlan, fwd: ForwardResult, masks, ops: StepOps,
-               draft_limits: dict[str, int] | None, drafting: bool = True
-               ) -> ModelRunnerOutput:
+               draft_limits: dict[str, int] | None, drafting: bool = True,
+               propose: bool = True) -> ModelRunnerOutput:
         """Sample (verify drafts), settle speculation in the cache, propose the next drafts.
-        The cache operations' outcome is the caller's to attach (once per step)."""
+        The cache operations' outcome is the caller's to attach (once per step). propose
+        False: the proposer hears nothing (a burst's later forwards tell it themselves)."""
         requests, seqs = self.requests, plan.seqs
         logits = fwd.logits
         prompt_lps = (score(logits[plan.n_sample:], plan.prompt_rows) if plan.prompt_rows
@@ -264,7 +265,7 @@ class ModelRunner:
         valid = self.settle(plan, ops, fwd.kept, sampled)
         drafts: dict[str, list[int]] = {}
         draft_seconds = 0.0
-        if self.proposer is not None:
+        if self.proposer is not None and propose:
             drafts, draft_seconds = propose_drafts(self, seqs, valid, sampled, fwd.captured,
                                                    fwd.positions, fwd.cache_slots,
                                                    draft_limits, drafting)

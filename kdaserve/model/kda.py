@@ -77,6 +77,11 @@ class KimiDeltaAttention(nn.Module):
         its pointer no longer matches and the layer goes back to separate matmuls. k_major:
         that tensor is stored K-major (kdaserve/ops/cpu_linear.py). Returns the layers fused."""
         lins = self._input_linears()
+        if self._fused_ptrs and self._fused_ptrs == [
+                (lin.weight_packed if isinstance(lin, QuantLinear) else lin.weight).data_ptr()
+                for lin in lins]:
+            # fused already (a model handed to a second engine): fusing again would copy it
+            return [] if self._fused_q is not None else lins
         if all(isinstance(lin, QuantLinear) for lin in lins):
             # not a submodule: the layers keep their checkpoint names and their bytes
             object.__setattr__(self, "_fused_q", fuse_packed(lins))

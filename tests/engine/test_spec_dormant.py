@@ -100,6 +100,9 @@ def test_a_woken_drafter_drafts_a_request_it_slept_through_from_its_next_tokens(
     step()
     a = engine.scheduler.requests["a"]
     asleep_at = a.num_computed_tokens           # positions before it: written asleep or not
+    # as if a's blocks had held another request's projected context: every slot counts as
+    # context until a step that runs asleep writes it
+    proposer._valid.fill_(True)
     step()
     missed = a.num_computed_tokens              # a step ran asleep: slots it wrote are out
     assert missed > asleep_at
@@ -115,6 +118,11 @@ def test_a_woken_drafter_drafts_a_request_it_slept_through_from_its_next_tokens(
     bs, ids = engine.cache.block_size, engine.cache.block_ids("a")
     slot = ids[asleep_at // bs] * bs + asleep_at % bs
     assert not bool(proposer._valid[slot])      # a slot written asleep: out of the context
+    # the step asleep was a burst: its later forwards' slots are out too (Proposer.missed's
+    # offset), not only its first's
+    assert missed - asleep_at > 1
+    for pos in range(asleep_at, missed):
+        assert not bool(proposer._valid[ids[pos // bs] * bs + pos % bs]), pos
     now = a.num_computed_tokens - 1             # written by a step after the wake
     assert bool(proposer._valid[ids[now // bs] * bs + now % bs])
     while engine.has_unfinished():

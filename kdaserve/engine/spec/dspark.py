@@ -134,8 +134,9 @@ class DSparkProposer:
         return {rid: Proposal(p.tokens[:n], None if p.probs is None else p.probs[:n])
                 for (rid, p), n in zip(props.items(), limits)}
 
-    def missed(self, seqs) -> None:
-        """A step ran while the drafter slept: the slots it wrote hold no draft context now.
+    def missed(self, seqs, offset: int = 0) -> None:
+        """A step ran while the drafter slept: the slots it wrote hold no draft context now
+        (each row's tokens from position context_len + offset on: Proposer.missed).
 
         The draft's context is the target's hidden states at its layers, and the target's
         cache cannot give them back (MLA latents are a rank-reducing projection of one layer's
@@ -151,7 +152,7 @@ class DSparkProposer:
             self._pending, self._pending_rows = [], 0
         bs, slots = self.block_size, self._missed
         for s in seqs:
-            ids, p0, n = s.block_ids, s.context_len, len(s.token_ids)
+            ids, p0, n = s.block_ids, s.context_len + offset, len(s.token_ids)
             if n == 1:          # a decode row: most of a sleeping drafter's steps
                 slots.append(ids[p0 // bs] * bs + p0 % bs)
             else:

@@ -41,8 +41,10 @@ class Proposer(Protocol):
 
     def propose(self, inp: ProposalInput) -> dict[str, Proposal]: ...
 
-    def missed(self, seqs: list[ScheduledSequence]) -> None:
-        """A step ran without capture (the drafter sleeps): what it wrote is not context."""
+    def missed(self, seqs: list[ScheduledSequence], offset: int = 0) -> None:
+        """A step ran without capture (the drafter sleeps): what it wrote is not context.
+        offset: the rows' tokens sat that many positions past their context_len (a decode
+        burst's later forwards run the burst's first rows again, one position on)."""
 
 
 class NgramDrafts:
@@ -56,7 +58,7 @@ class NgramDrafts:
         self.num_tokens = num_tokens
         self.lookup = NgramProposer(num_tokens, ngram_min, ngram_max)
 
-    def missed(self, seqs: list[ScheduledSequence]) -> None:
+    def missed(self, seqs: list[ScheduledSequence], offset: int = 0) -> None:
         """Nothing to keep: the n-gram lookup reads the token ids, which are all there."""
 
     def propose(self, inp: ProposalInput) -> dict[str, Proposal]:
