@@ -186,3 +186,37 @@ def test_a_larger_sampled_batch_does_not_wake_a_drafter_its_acceptance_cannot_pa
     assert rows == (plain_rows[0], 0, 0, 0)                # plain's rows; nothing captured
     assert llm.engine.scheduler.num_draft_tokens == drafts
     assert got == want
+
+
+def test_requests_admitted_together_are_one_batch_to_the_wake_rule(hf_checkpoint, tmp_path):
+    """Greedy requests and a drafter asleep at batch 32, where drafting would not pay (as if
+    it paid below 8 rows only). 32 requests admitted in one step make a batch of 32, the
+    bucket it fell asleep at, and do not wake it, though the first of them alone would have
+    been a batch of 1: plain decoding's forward rows and tokens."""
+    path, hf = hf_checkpoint
+    draft = _random_draft(path, tmp_path / "draft", block=4)
+    warm, batch = _prompts(hf.config.vocab_size, 32, 9), _prompts(hf.config.vocab_size, 32, 10)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(llm, prompts) -> tuple[list[list[int]], tuple[int, int, int, int]]:
+        start = _rows(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], tuple(
+            e - s for e, s in zip(_rows(llm), start))
+
+    plain = LLM(str(path), max_num_seqs=32)
+    want, plain_rows = run(plain, batch)
+    llm = LLM(str(path), max_num_seqs=32, speculative_method="dspark",
+              num_speculative_tokens=4, speculative_model=str(draft))
+    policy = llm.engine.scheduler.spec_policy
+    policy.wake_after = policy.rest._wait = 10 ** 6      # only a batch-size move may wake it
+    policy._would_pay = lambda rows, sampled: rows < 8
+    run(llm, warm)
+    assert policy.dormant and policy.sleeps == 1
+    got, rows = run(llm, batch)
+    assert policy.dormant and policy.sleeps == 1           # never woken
+    assert rows == (plain_rows[0], 0, 0, 0)
+    assert got == want
+    # the rule itself still wakes it for a batch that moved to where drafting pays
+    llm.generate([{"prompt_token_ids": batch[0]}], sp, use_tqdm=False)
+    assert policy.sleeps == 2
