@@ -76,7 +76,8 @@ class _Best:
     """One engine's fastest run of each group of concurrent requests."""
 
     seconds: list[float]
-    runs: list[tuple[int, list[list[int]], list[Blocks], int] | None]   # tokens, ids, blocks, steps
+    # each group's counted run: tokens, ids, each request's blocks, engine steps
+    runs: list[tuple[int, list[list[int]], list[Blocks], int] | None]
     totals: list[float] = field(default_factory=list)     # each repeat's seconds, all groups
 
     @classmethod
@@ -101,9 +102,10 @@ def measure(base: LLM, spec: LLM, prompts: list[str], params: list[SamplingParam
             batch: int, greedy: bool, repeats: int = 4) -> dict:
     """Plain and speculative runs of each group of `batch` concurrent requests, alternated
     `repeats` times, each side first in every other repeat; each side's fastest run of each
-    group counts (the machine's noise only ever adds time). Alternating group by group, not whole rows, keeps the two sides of a
-    comparison a fraction of a second apart: this host's read rate and clock move over
-    seconds, and rows that verified nothing read 0.94-1.05 when whole rows alternated."""
+    group counts (the machine's noise only ever adds time). Alternating group by group, not
+    whole rows, keeps the two sides of a comparison a fraction of a second apart: this host's
+    read rate and clock move over seconds, and rows that verified nothing read 0.94-1.05
+    when whole rows alternated."""
     groups = [(prompts[i:i + batch], params[i:i + batch]) for i in range(0, len(prompts), batch)]
     best_base, best_spec = _Best.of(len(groups)), _Best.of(len(groups))
     before = _counters(spec)

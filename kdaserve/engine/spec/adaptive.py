@@ -207,8 +207,8 @@ class AdaptiveSpeculation:
     def _probe(self, out: dict[str, int], candidates: dict[str, int], b: float, c: float,
                d: float, step_seconds: float) -> None:
         """A full block of drafts for the request idle the longest, when the budget affords
-        it (or the probe is owed: DrafterRest.owed): a verifying step's fixed cost dominates a probe,
-        so one draft would buy one trial where the block buys up to max_drafts (and its
+        it (or the probe is owed: DrafterRest.owed): a verifying step's fixed cost dominates a
+        probe, so one draft would buy one trial where the block buys up to max_drafts (and its
         accepted tokens)."""
         self._credit = min(self._credit + self.probe_share * step_seconds, 1.0)
         rest = self.rest
