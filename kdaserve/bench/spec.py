@@ -1,9 +1,11 @@
 """`kdaserve bench spec`: decode speed with and without speculative decoding, side by side in
 one run, on prompts neither the model nor its draft trained on (bench/spec_prompts.py).
 
-Two decoding modes, as users call the server: greedy, and sampled with the model's generation
-defaults (temperature 0.8, top-p 0.95 and whatever else generation_config.json sets, e.g. the
-demo's repetition penalty), fixed seeds. Batch sizes 1, 8 and 32 (concurrent requests). For each:
+The plain side is the speculative engine itself with speculation switched off (`_plain`):
+the same weights, cache memory and code paths as an engine built without it, which two
+engines are not (docs/benchmarks.md). Two decoding modes, as users call the server: greedy,
+and sampled with the model's generation defaults (temperature 0.8, top-p 0.95 and whatever
+else generation_config.json sets, e.g. the demo's repetition penalty), fixed seeds. Batch sizes 1, 8 and 32 (concurrent requests). For each:
 `speedup` (spec tok/s ÷ plain tok/s), `acceptance_rate` (accepted ÷ proposed drafts),
 `mean_accepted_tokens` (tokens a verifying row yields: accepted drafts + 1), and for greedy
 `identical` (the outputs must be token-identical). Sampled outputs differ by construction (the
@@ -27,9 +29,11 @@ fit; a length past the model's own limit is reported as {"skipped": why}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +59,28 @@ def _timed(llm: LLM, prompts: list[str], params: list[SamplingParams]
                if c.acceptance_length else 0, c.spec_verifications) for c in comps]
     ids = [c.token_ids for c in comps]
     return dt, sum(len(x) for x in ids), ids, blocks
+
+
+@contextlib.contextmanager
+def _plain(llm: LLM) -> Iterator[LLM]:
+    """The speculative engine as a plain one: no speculation policy and no proposer, so it
+    schedules, bursts, captures and samples exactly as an engine built without speculation,
+    over the same weights and the same cache memory. Two engines differ by more than that:
+    two loads of one demo read 2-6% apart, and two engines sharing one model still read up
+    to 7% apart at batch 1 (docs/benchmarks.md). Between requests only; the drafter forgets
+    its context afterwards (the plain steps wrote slots it was not told of)."""
+    engine = llm.engine
+    if engine.has_unfinished():
+        raise RuntimeError("speculation is switched off between requests only")
+    sched, runner = engine.scheduler, engine.runner
+    policy, proposer = sched.spec_policy, runner.proposer
+    sched.spec_policy, runner.proposer = None, None
+    try:
+        yield llm
+    finally:
+        sched.spec_policy, runner.proposer = policy, proposer
+        if proposer is not None:
+            proposer.forget_context()
 
 
 def _counters(llm: LLM) -> tuple[int, int, int]:
@@ -84,10 +110,11 @@ class _Best:
     def of(cls, groups: int) -> _Best:
         return cls([float("inf")] * groups, [None] * groups)
 
-    def time(self, llm: LLM, g: int, prompts: list[str], params: list[SamplingParams]
-             ) -> float:
+    def time(self, llm: LLM, g: int, prompts: list[str], params: list[SamplingParams],
+             plain: bool = False) -> float:
         steps0 = llm.engine.stats.steps
-        t, n, ids, blocks = _timed(llm, prompts, params)
+        with _plain(llm) if plain else contextlib.nullcontext():
+            t, n, ids, blocks = _timed(llm, prompts, params)
         if t < self.seconds[g]:
             self.seconds[g], self.runs[g] = t, (n, ids, blocks, llm.engine.stats.steps - steps0)
         return t
@@ -102,13 +129,15 @@ def measure(base: LLM, spec: LLM, prompts: list[str], params: list[SamplingParam
             batch: int, greedy: bool, repeats: int = 4) -> dict:
     """Plain and speculative runs of each group of `batch` concurrent requests, alternated
     `repeats` times, each side first in every other repeat; each side's fastest run of each
-    group counts (the machine's noise only ever adds time). Alternating group by group, not
+    group counts (the machine's noise only ever adds time). `base` may be `spec` itself: its
+    plain runs then switch speculation off (`_plain`). Alternating group by group, not
     whole rows, keeps the two sides of a comparison a fraction of a second apart: this host's
     read rate and clock move over seconds, and rows that verified nothing read 0.94-1.05
     when whole rows alternated."""
     groups = [(prompts[i:i + batch], params[i:i + batch]) for i in range(0, len(prompts), batch)]
     best_base, best_spec = _Best.of(len(groups)), _Best.of(len(groups))
     before = _counters(spec)
+    same = base is spec
     for r in range(repeats):
         t_base = t_spec = 0.0
         for g, (ps, pa) in enumerate(groups):
@@ -116,7 +145,7 @@ def measure(base: LLM, spec: LLM, prompts: list[str], params: list[SamplingParam
             # on the same requests read 1-5% faster (A/A, docs/benchmarks.md)
             if r % 2:
                 t_spec += best_spec.time(spec, g, ps, pa)
-            t_base += best_base.time(base, g, ps, pa)
+            t_base += best_base.time(base, g, ps, pa, plain=same)
             if not r % 2:
                 t_spec += best_spec.time(spec, g, ps, pa)
         best_base.totals.append(t_base)
@@ -153,15 +182,14 @@ def run(args: argparse.Namespace) -> int:
     where = {"device": args.device, "dtype": args.dtype}
     if args.input_lens:         # room for the longest prompt, its completion and a block
         where["max_model_len"] = max(4096, max(args.input_lens) + args.max_tokens + args.k + 1)
-    base = LLM(model, enable_prefix_caching=False, **where)
     methods = ["token", "block"] if args.rejection_sample_method == "both" else [
         args.rejection_sample_method]
-    # the same weight bytes on both sides: two loads of the demo differed by 2-6% in speed
-    specs = {m: LLM(model, shared_weights=base, enable_prefix_caching=False,
-                    speculative_method=args.method,
-                    num_speculative_tokens=args.k, speculative_model=args.draft,
-                    speculative_adaptive=not args.no_adaptive,
-                    speculative_rejection_sample_method=m, **where) for m in methods}
+    specs: dict[str, LLM] = {}
+    for m in methods:       # one model in memory; each engine is its own plain baseline
+        specs[m] = LLM(model, shared_weights=specs.get("token"), enable_prefix_caching=False,
+                       speculative_method=args.method, num_speculative_tokens=args.k,
+                       speculative_model=args.draft, speculative_adaptive=not args.no_adaptive,
+                       speculative_rejection_sample_method=m, **where)
     spec = specs[methods[0]]
     prompts = unseen_prompts()
     defaults = generation_defaults(model)
@@ -173,20 +201,22 @@ def run(args: argparse.Namespace) -> int:
                     "dtype": args.dtype,
                     "prompts": "unseen (bench/spec_prompts.py)"}
     warm = [SamplingParams(temperature=0.0, max_tokens=8)]
-    for llm in (base, *specs.values()):
+    for llm in specs.values():
         _timed(llm, prompts[:1], warm)
+        with _plain(llm):
+            _timed(llm, prompts[:1], warm)
     for mode in args.modes:
         rows = {}
         for b in [1, *args.batches]:
             n = args.num_prompts if b == 1 else b
             many = (prompts * (n // len(prompts) + 1))[:n]
             params = _params(mode, defaults, n, args.max_tokens)
-            row = rows[f"batch{b}"] = measure(base, spec, many, params, b,
+            row = rows[f"batch{b}"] = measure(spec, spec, many, params, b,
                                               greedy=mode == "greedy", repeats=args.repeats)
             row["acceptance_length"] = row["mean_accepted_tokens"]
             if "block" in specs and spec is not specs["block"]:
-                blk = measure(base, specs["block"], many, params, b, greedy=mode == "greedy",
-                              repeats=args.repeats)
+                blk = measure(specs["block"], specs["block"], many, params, b,
+                              greedy=mode == "greedy", repeats=args.repeats)
                 blk["acceptance_length"] = blk["mean_accepted_tokens"]
                 row["block"] = blk
                 row["block_vs_token_acceptance"] = round(
@@ -194,9 +224,9 @@ def run(args: argparse.Namespace) -> int:
                 row["block_vs_token_acceptance_ci95"] = paired_ratio_ci(
                     row["request_blocks"], blk["request_blocks"])
         for n_in in args.input_lens:
-            row = rows[f"input{n_in}"] = _long_row(base, spec, n_in, mode, defaults, args)
+            row = rows[f"input{n_in}"] = _long_row(spec, n_in, mode, defaults, args)
             if "block" in specs and spec is not specs["block"] and "skipped" not in row:
-                row["block"] = _long_row(base, specs["block"], n_in, mode, defaults, args)
+                row["block"] = _long_row(specs["block"], n_in, mode, defaults, args)
         result[mode] = rows
         if mode == "sampled":
             result["sampling"] = {k: v for k, v in vars(_params(mode, defaults, 1, 1)[0]).items()
@@ -212,19 +242,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _long_row(base: LLM, spec: LLM, n_in: int, mode: str, defaults: dict,
-              args: argparse.Namespace) -> dict:
+def _long_row(spec: LLM, n_in: int, mode: str, defaults: dict, args: argparse.Namespace
+              ) -> dict:
     """Batch 1, `--num-prompts` requests whose prompts are n_in tokens long."""
-    limit = min(base.engine.config.scheduler.max_model_len,
-                base.engine.model.config.max_position_embeddings)
+    limit = min(spec.engine.config.scheduler.max_model_len,
+                spec.engine.model.config.max_position_embeddings)
     if n_in + args.max_tokens + args.k + 1 > limit:
         return {"input_len": n_in, "skipped": f"{n_in} prompt tokens + {args.max_tokens} "
                 f"generated + {args.k + 1} verified exceed the model's limit of {limit}"}
-    encode = base.tokenizer.encode
+    encode = spec.tokenizer.encode
     prompts = [{"prompt_token_ids": long_prompt_ids(encode, n_in, i)}
                for i in range(args.num_prompts)]
     params = _params(mode, defaults, args.num_prompts, args.max_tokens)
-    row = measure(base, spec, prompts, params, 1, greedy=mode == "greedy",
+    row = measure(spec, spec, prompts, params, 1, greedy=mode == "greedy",
                   repeats=args.repeats)
     row["input_len"] = n_in
     row["acceptance_length"] = row["mean_accepted_tokens"]

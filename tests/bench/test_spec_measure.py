@@ -24,11 +24,21 @@ class _Engine:
                  tokens: int = 4) -> None:
         self.name, self.clock, self.durations, self.tokens = name, clock, list(durations), tokens
         self.log = log
-        self.engine = SimpleNamespace(stats=SimpleNamespace(steps=0), scheduler=SimpleNamespace(
-            num_draft_tokens=0, num_accepted_tokens=0, num_verify_rows=0))
+        self.forgotten = 0
+        self.engine = SimpleNamespace(
+            stats=SimpleNamespace(steps=0), has_unfinished=lambda: False,
+            scheduler=SimpleNamespace(num_draft_tokens=0, num_accepted_tokens=0,
+                                      num_verify_rows=0, spec_policy="policy"),
+            runner=SimpleNamespace(proposer=SimpleNamespace(forget_context=self._forget)))
+
+    def _forget(self) -> None:
+        self.forgotten += 1
 
     def generate(self, prompts, params, use_tqdm=False):
-        self.log.append((self.name, *prompts))
+        # which engine ran: speculation off (no policy, no proposer) is the plain side
+        on = self.engine.scheduler.spec_policy is not None
+        assert on == (self.engine.runner.proposer is not None)
+        self.log.append((self.name if on else "plain", *prompts))
         self.clock.now += self.durations.pop(0)
         self.engine.stats.steps += self.tokens * len(prompts)
         out = SimpleNamespace(token_ids=list(range(self.tokens)), acceptance_length=None,
@@ -68,3 +78,60 @@ def test_one_batch_is_one_group(monkeypatch):
                    ("plain", "a", "b")]
     assert row["speedup"] == round(1.0 / 1.0, 3) and "identical" not in row
     assert row["baseline_spread"] == round(1.5 / 1.0 - 1.0, 3)
+
+
+def test_one_engine_is_its_own_plain_baseline(monkeypatch):
+    """measure(spec, spec): the plain runs are the same engine with its speculation policy
+    and proposer taken away, given back after each run, and the drafter told to forget its
+    context (the plain run wrote slots it never heard of)."""
+    clock = _Clock()
+    monkeypatch.setattr(spec_bench.time, "perf_counter", clock)
+    log: list = []
+    spec = _Engine("spec", clock, [2.0, 1.0, 1.0, 3.0], log)
+    row = spec_bench.measure(spec, spec, ["a", "b"], [None] * 2, 2, greedy=True, repeats=2)
+    assert log == [("plain", "a", "b"), ("spec", "a", "b"), ("spec", "a", "b"),
+                   ("plain", "a", "b")]
+    assert spec.forgotten == 2
+    assert spec.engine.scheduler.spec_policy == "policy"
+    assert spec.engine.runner.proposer is not None
+    # plain runs took 2.0 and 3.0 s, speculative ones 1.0 and 1.0
+    assert row["speedup"] == round(2.0 / 1.0, 3)
+
+
+def test_a_real_engine_without_speculation_decodes_as_a_plain_one(hf_checkpoint, tmp_path):
+    """`_plain` on a real speculative engine: nothing drafted, captured or verified, the
+    forward tokens and greedy output of an engine built without speculation; speculation back
+    on afterwards, drafting again, with the same output."""
+    import torch
+    from k3_models import write_random_draft
+
+    from kdaserve import LLM, SamplingParams
+
+    path, hf = hf_checkpoint
+    cfg = hf.config
+    draft = write_random_draft(tmp_path / "draft", cfg.hidden_size, cfg.vocab_size,
+                               (0, cfg.num_hidden_layers - 1), block=4)
+    g = torch.Generator().manual_seed(11)
+    prompts = [{"prompt_token_ids": torch.randint(3, cfg.vocab_size, (n,),
+                                                  generator=g).tolist()} for n in (5, 21)]
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    def run(llm):
+        n0 = llm.engine.runner.num_forward_tokens
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        return outs, llm.engine.runner.num_forward_tokens - n0
+
+    want, plain_rows = run(LLM(str(path), max_num_seqs=2, enable_prefix_caching=False))
+    spec = LLM(str(path), max_num_seqs=2, enable_prefix_caching=False, speculative_method="dspark",
+               num_speculative_tokens=3, speculative_adaptive=False,
+               speculative_model=str(draft))
+    sched, proposer = spec.engine.scheduler, spec.engine.runner.proposer
+    assert run(spec)[0] == want and bool(proposer._valid.any())    # context projected
+    with spec_bench._plain(spec):
+        drafted, captured = sched.num_draft_tokens, proposer.rows_captured
+        assert run(spec) == (want, plain_rows)
+        assert (sched.num_draft_tokens, proposer.rows_captured) == (drafted, captured)
+    assert spec.engine.runner.proposer is proposer
+    assert not bool(proposer._valid.any())        # told to forget what the plain run wrote
+    got, _ = run(spec)
+    assert got == want and sched.num_draft_tokens > drafted

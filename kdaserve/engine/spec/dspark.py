@@ -160,6 +160,12 @@ class DSparkProposer:
         if len(slots) >= self.MAX_MISSED:
             self._forget_missed()
 
+    def forget_context(self) -> None:
+        """Steps ran without the drafter (`kdaserve bench spec`'s plain runs): they wrote
+        slots it was never told of, so none holds context it can trust."""
+        self._pending, self._pending_rows, self._missed = [], 0, []
+        self._valid.fill_(False)
+
     def _forget_missed(self) -> None:
         """The slots written asleep leave the draft's context, in one call: kept as plain ints
         until a draft is next needed (a tensor and an index_fill per sleeping step cost ~1% of

@@ -46,6 +46,10 @@ class Proposer(Protocol):
         offset: the rows' tokens sat that many positions past their context_len (a decode
         burst's later forwards run the burst's first rows again, one position on)."""
 
+    def forget_context(self) -> None:
+        """Steps ran without the drafter at all (no request in flight now): no slot holds
+        context it can trust."""
+
 
 class NgramDrafts:
     """The n-gram proposer behind the Proposer interface."""
@@ -60,6 +64,9 @@ class NgramDrafts:
 
     def missed(self, seqs: list[ScheduledSequence], offset: int = 0) -> None:
         """Nothing to keep: the n-gram lookup reads the token ids, which are all there."""
+
+    def forget_context(self) -> None:
+        """Nothing kept: the n-gram lookup reads the token ids."""
 
     def propose(self, inp: ProposalInput) -> dict[str, Proposal]:
         out = {}
