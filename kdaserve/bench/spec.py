@@ -5,8 +5,8 @@ The plain side is the speculative engine itself with speculation switched off (`
 the same weights, cache memory and code paths as an engine built without it, which two
 engines are not (docs/benchmarks.md). Two decoding modes, as users call the server: greedy,
 and sampled with the model's generation defaults (temperature 0.8, top-p 0.95 and whatever
-else generation_config.json sets, e.g. the demo's repetition penalty), fixed seeds. Batch sizes 1, 8 and 32 (concurrent requests). For each:
-`speedup` (spec tok/s ÷ plain tok/s), `acceptance_rate` (accepted ÷ proposed drafts),
+else generation_config.json sets, e.g. the demo's repetition penalty), fixed seeds. Batch
+sizes 1, 8 and 32 (concurrent requests). For each: `speedup` (spec tok/s ÷ plain tok/s), `acceptance_rate` (accepted ÷ proposed drafts),
 `mean_accepted_tokens` (tokens a verifying row yields: accepted drafts + 1), and for greedy
 `identical` (the outputs must be token-identical). Sampled outputs differ by construction (the
 random stream is consumed differently); the rejection sampler's exactness is a unit test.
