@@ -1,18 +1,20 @@
 """`kdaserve bench spec`: decode speed with and without speculative decoding, side by side in
 one run, on prompts neither the model nor its draft trained on (bench/spec_prompts.py).
 
-The plain side is the speculative engine itself with speculation switched off (`_plain`):
-the same weights, cache memory and code paths as an engine built without it, which two
-engines are not (docs/benchmarks.md). Two decoding modes, as users call the server: greedy,
-and sampled with the model's generation defaults (temperature 0.8, top-p 0.95 and whatever
-else generation_config.json sets, e.g. the demo's repetition penalty), fixed seeds. Batch
-sizes 1, 8 and 32 (concurrent requests). For each: `speedup` (spec tok/s ÷ plain tok/s), `acceptance_rate` (accepted ÷ proposed drafts),
-`mean_accepted_tokens` (tokens a verifying row yields: accepted drafts + 1), and for greedy
-`identical` (the outputs must be token-identical). Sampled outputs differ by construction (the
-random stream is consumed differently); the rejection sampler's exactness is a unit test.
+The plain side is the speculative engine itself with speculation switched off (`_plain`): the
+same weights, cache memory and code paths as an engine built without it, which two engines are
+not (docs/benchmarks.md). Two decoding modes, as users call the server: greedy, and sampled
+with the model's generation defaults (temperature 0.8, top-p 0.95 and whatever else
+generation_config.json sets, e.g. the demo's repetition penalty), fixed seeds. Batch sizes 1, 8
+and 32 (concurrent requests). For each: `speedup` (spec tok/s ÷ plain tok/s), `acceptance_rate`
+(accepted ÷ proposed drafts), `mean_accepted_tokens` (tokens a verifying row yields: accepted
+drafts + 1), and for greedy `identical` (the outputs must be token-identical). Sampled outputs
+differ by construction (the random stream is consumed differently); the rejection sampler's
+exactness is a unit test.
 `acceptance_length` is mean_accepted_tokens under the name the K3 recipe reports it by.
-`--rejection-sample-method both` runs a third engine that verifies by blocks
-(engine/spec/block_verify.py) on the same prompts and seeds, and reports its row beside the
+`--rejection-sample-method both` runs a second engine, on the first one's weights, that
+verifies by blocks (engine/spec/block_verify.py) on the same prompts and seeds, and reports its
+row beside the
 token rule's, with `block_vs_token_acceptance` (sampled: the ratio of acceptance lengths) and
 `block_vs_token_acceptance_ci95`, its paired bootstrap interval over the requests
 (bench/spec_stats.py); each row's `request_blocks` lists its requests' (accepted drafts,
