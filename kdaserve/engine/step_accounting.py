@@ -27,7 +27,8 @@ def observe(core: EngineCore, out: SchedulerOutput, result: ModelRunnerOutput,
                             verifies=verifies)
         if all(len(s.token_ids) == 1 + s.num_draft_tokens for s in out.sequences):
             policy.realized.observe(len(out.sequences), verifies,
-                                    sum(len(t) for t in result.sampled.values()), seconds)
+                                    sum(len(t) for t in result.sampled.values()), seconds,
+                                    asleep=not out.drafting)
     if core.config.speculative is not None and not out.is_empty:
         _spec_time(core, out, result, seconds)
     if (core.scheduler.max_burst > 1 and not out.is_empty      # read by bursts alone

@@ -136,6 +136,31 @@ def test_realized_rates_overrule_a_cost_model_that_misjudges():
     assert not p.realized.speculation_loses(1)
 
 
+def test_speculation_must_beat_the_asleep_engine_not_only_awake_plain_steps():
+    """Awake plain steps (one forward a step, states captured) are slower than an asleep
+    engine's bursts. Verifying steps that beat the first and not the second lose: the
+    alternative to speculating is sleeping. The Kimi Linear demo at batch 1: 0.56 tokens a
+    ms verifying, 0.40 awake, 0.77 asleep."""
+    p = AdaptiveSpeculation(7)
+    batch = {"r": 7}
+    p.alpha["r"] = 0.99
+    for _ in range(p.realized.min_steps):
+        p.realized.observe(1, True, 56, 0.100)             # 560 tok/s verifying
+        p.realized.observe(1, False, 40, 0.100)            # 400 tok/s awake, plain
+    assert not p.realized.speculation_loses(1)
+    assert p.plan(batch, 1)["r"] > 0
+    for _ in range(p.realized.min_steps - 1):
+        p.realized.observe(1, False, 77, 0.100, asleep=True)
+    assert not p.realized.speculation_loses(1)             # too few asleep steps yet
+    p.realized.observe(1, False, 77, 0.100, asleep=True)   # 770 tok/s asleep
+    assert p.realized.speculation_loses(1)
+    assert p.plan(batch, 1)["r"] == 0
+    assert not p.realized.speculation_loses(32)            # per batch-size bucket
+    for _ in range(40):
+        p.realized.observe(1, True, 90, 0.100)             # until verifying beats both
+    assert not p.realized.speculation_loses(1)
+
+
 def test_a_plain_step_is_timed_when_speculation_never_stopped():
     """Verifying steps measured at a batch size, plain ones not: the plan verifies nothing
     until a few plain steps are timed there, then compares the two realized rates."""

@@ -113,36 +113,50 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
 
 @dataclass
 class RealizedRates:
-    """Tokens per second that decode steps actually delivered, with and without verifying
-    drafts, per batch-size bucket (powers of two): the check on the cost model, which is
-    linear and can misjudge a verifying step's cost where the forward is not (many rows of
-    k + 1 tokens). Decayed sums, so the figures follow the machine's current load."""
+    """Tokens per second that decode steps actually delivered, per batch-size bucket (powers
+    of two): steps that verified drafts, plain steps with the drafter awake, and plain steps
+    with it asleep. The check on the cost model, which is linear and can misjudge a verifying
+    step's cost where the forward is not (many rows of k + 1 tokens). Decayed sums, so the
+    figures follow the machine's current load.
+
+    Verifying steps are compared with the better of the two plain rates: the alternative to
+    speculating is sleeping, and an asleep engine runs decode bursts without capture. Against
+    the awake plain steps alone, speculation looked like a win where it lost: the Kimi Linear
+    demo at batch 1 delivered 0.56 tokens a ms verifying, 0.40 in awake plain steps and 0.77
+    asleep (docs/benchmarks.md)."""
 
     decay: float = 0.95
     min_steps: int = 8
-    sums: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
+    sums: dict[tuple[int, str], list[float]] = field(default_factory=dict)
 
-    def observe(self, rows: int, verifies: bool, produced: int, seconds: float) -> None:
+    def observe(self, rows: int, verifies: bool, produced: int, seconds: float,
+                asleep: bool = False) -> None:
         if rows <= 0 or seconds <= 0:
             return
-        acc = self.sums.setdefault((rows.bit_length(), verifies), [0.0, 0.0, 0])
+        kind = "verify" if verifies else "asleep" if asleep else "awake"
+        acc = self.sums.setdefault((rows.bit_length(), kind), [0.0, 0.0, 0])
         acc[0] = acc[0] * self.decay + produced
         acc[1] = acc[1] * self.decay + seconds
         acc[2] += 1
+
+    def _measured(self, rows: int, kind: str) -> list[float] | None:
+        acc = self.sums.get((max(1, rows).bit_length(), kind))
+        return acc if acc is not None and acc[2] >= self.min_steps else None
 
     def needs_plain(self, rows: int) -> bool:
         """Verifying steps have been measured here but plain ones not enough to compare: when
         speculation stays on from the first step (a request's first drafts are planned on the
         prior), nothing else would ever time a plain step of this batch size."""
-        b = max(1, rows).bit_length()
-        spec, plain = self.sums.get((b, True)), self.sums.get((b, False))
-        return (spec is not None and spec[2] >= self.min_steps
-                and (plain is None or plain[2] < self.min_steps))
+        return (self._measured(rows, "verify") is not None
+                and self._measured(rows, "awake") is None
+                and self._measured(rows, "asleep") is None)
 
     def speculation_loses(self, rows: int) -> bool:
-        """Verifying steps have delivered fewer tokens per second than plain ones here."""
-        b = max(1, rows).bit_length()
-        spec, plain = self.sums.get((b, True)), self.sums.get((b, False))
-        if spec is None or plain is None or min(spec[2], plain[2]) < self.min_steps:
+        """Verifying steps have delivered fewer tokens per second here than the better of
+        the plain ones."""
+        spec = self._measured(rows, "verify")
+        plain = [acc[0] / acc[1] for acc in (self._measured(rows, "awake"),
+                                            self._measured(rows, "asleep")) if acc is not None]
+        if spec is None or not plain:
             return False
-        return spec[0] / spec[1] < plain[0] / plain[1]
+        return spec[0] / spec[1] < max(plain)
