@@ -37,8 +37,9 @@ class LLM:
         0 shuts down and then ends the process (the rest of the script runs on rank 0 only).
         `ray_address`: with distributed_executor="ray", the cluster to join.
         `shared_weights`: another in-process LLM of the same model whose weights this one
-        serves, the same bytes in memory (`kdaserve bench spec` compares engines on them: two
-        loads of the demo differed by 2-6% in speed from where their pages fell)."""
+        serves, the same bytes in memory, not a second load (`kdaserve bench spec`'s token
+        and block engines: two loads of the demo differed by 2-6% in speed, from where their
+        pages fell)."""
         self.config = EngineArgs.from_kwargs("LLM()", model=model, **kwargs).to_engine_config()
         path = self.config.model
         from kdaserve.engine.executor.torchrun import is_torchrun_worker, run_torchrun_rank
