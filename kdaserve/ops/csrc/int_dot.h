@@ -127,8 +127,21 @@ static qacts qacts_make(const float *X, int64_t ldx, int64_t B, int64_t K, int64
     return a;
 }
 
-/* Y[r * ldy + n + o] for NO outputs from n and R rows (NO * R <= 4: the sums stay in
- * registers), each (row, output) computed as the header says whatever its tile mates. gu:
+/* Tiles of four outputs by two rows where 32 vector registers hold their 16 sums
+ * (AVX-512VL's ymm0-31; AVX2 and NEON have 16 and would spill them): a unit's weights,
+ * unpacked once, serve two rows and each row's codes four outputs. One thread, [1024 x 1024]
+ * INT4 in L2, 2 to 32 rows: 1.32-1.35x the multiply-adds a second of 2 x 2 tiles; INT8,
+ * whose units need no unpacking, even (docs/benchmarks.md, twenty-third session). */
+#ifndef IDOT_WIDE_TILES
+#if defined(IDOT_AVX2) && defined(__AVX512VL__)
+#define IDOT_WIDE_TILES 1
+#else
+#define IDOT_WIDE_TILES 0
+#endif
+#endif
+
+/* Y[r * ldy + n + o] for NO outputs from n and R rows (NO * R <= 4, or 8 with
+ * IDOT_WIDE_TILES: the sums stay in registers), each (row, output) computed as the header says whatever its tile mates. gu:
  * units per group (0: INT4 in groups of 32, each unit's lanes 0-3 and 4-7 in groups of
  * their own). */
 static inline __attribute__((always_inline)) void
@@ -137,15 +150,15 @@ idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, f
     const int64_t U = a->U, G = m->groups;
     const int32_t base = bits == 4 ? 8 : 0;   /* the unsigned nibbles' offset */
     const uint8_t *w0 = m->packed + n * m->row_bytes;
-    idot_f acc[4];
+    idot_f acc[8];
     for (int i = 0; i < NO * R; ++i) acc[i] = idot_zero();
     const int64_t steps = gu ? G : U;                  /* groups, or units of two groups */
     for (int64_t g = 0; g < steps; ++g) {
         const int64_t u0 = gu ? g * gu : g, u1 = gu ? ((g + 1) * gu < U ? (g + 1) * gu : U) : g + 1;
         const int64_t g0 = gu ? g : 2 * g, g1 = gu ? g : 2 * g + 1;
-        idot_f t[4];
+        idot_f t[8];
         for (int i = 0; i < NO * R; ++i) t[i] = idot_zero();
-        idot_i off[4];
+        idot_i off[8];
         for (int o = 0; zp && o < NO; ++o) {
             const int8_t *z = m->zero + (n + o) * G;
             off[o] = idot_offs(base + z[g0], base + z[g1]);
@@ -176,7 +189,8 @@ idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, f
 }
 
 /* Y[b, n] for rows [r0, r1) of `a`, outputs [n0, n1): a lone row four outputs at a time
- * (four independent sums), more rows two outputs by two rows */
+ * (four independent sums), more rows two outputs by two rows (four by two with
+ * IDOT_WIDE_TILES) */
 static inline __attribute__((always_inline)) void
 idot_rows_b(const qmat *m, const qacts *a, int64_t r0, int64_t r1, float *Y, int64_t ldy,
             int64_t n0, int64_t n1, int bits, int64_t gu, int zp) {
@@ -184,6 +198,12 @@ idot_rows_b(const qmat *m, const qacts *a, int64_t r0, int64_t r1, float *Y, int
     int64_t n = n0;
     if (r1 - r0 == 1)
         for (; n + 4 <= n1; n += 4) idot_tile(m, n, 4, a, r0, 1, Y, ldy, bits, gu, zp);
+    else if (IDOT_WIDE_TILES)
+        for (; n + 4 <= n1; n += 4) {
+            int64_t r = r0;
+            for (; r + 2 <= B; r += 2) idot_tile(m, n, 4, a, r, 2, Y, ldy, bits, gu, zp);
+            if (r < B) idot_tile(m, n, 4, a, r, 1, Y, ldy, bits, gu, zp);
+        }
     for (; n + 2 <= n1; n += 2) {
         int64_t r = r0;
         for (; r + 2 <= B; r += 2) idot_tile(m, n, 2, a, r, 2, Y, ldy, bits, gu, zp);
