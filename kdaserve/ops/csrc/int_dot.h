@@ -141,9 +141,9 @@ static qacts qacts_make(const float *X, int64_t ldx, int64_t B, int64_t K, int64
 #endif
 
 /* Y[r * ldy + n + o] for NO outputs from n and R rows (NO * R <= 4, or 8 with
- * IDOT_WIDE_TILES: the sums stay in registers), each (row, output) computed as the header says whatever its tile mates. gu:
- * units per group (0: INT4 in groups of 32, each unit's lanes 0-3 and 4-7 in groups of
- * their own). */
+ * IDOT_WIDE_TILES: the sums stay in registers), each (row, output) computed as the header
+ * says whatever its tile mates. gu: units per group (0: INT4 in groups of 32, each unit's
+ * lanes 0-3 and 4-7 in groups of their own). */
 static inline __attribute__((always_inline)) void
 idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, float *Y,
           int64_t ldy, int bits, int64_t gu, int zp) {
