@@ -10,9 +10,10 @@ products sum exactly in int32, then meet the block and group scales in fp32
 multiples of 32; otherwise, and with KDASERVE_INT_DOT=0, each pass decodes a few weight rows
 to fp32 exactly as the oracle dequantizes them and takes fp32 dot products. Either way each
 (row, output) sums in one fixed order: a row's output does not depend on the other rows of its
-call nor on the thread count. Many rows (a prefill) amortise a whole dequantized weight
-instead, so they take dequantize-then-matmul, whose product torch runs at its full speed.
-Everything else (other dtypes and devices, autograd) takes that too."""
+call nor on the thread count. Past `max_rows` rows (a long prefill's chunk: INT8 past 256,
+INT4 on x86 past 2048) a whole dequantized weight amortises over them, so they take
+dequantize-then-matmul, whose product torch runs at its full speed. Everything else (other
+dtypes and devices, autograd) takes that too."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from kdaserve.ops.cpu_kernels import (
     _ptr,
     parallel_rows,
 )
+from kdaserve.ops.cpu_isa import cpu_isa
 from kdaserve.ops.int_quant import int_dot_applies
 from kdaserve.ops.moe_kernel import activation_args
 
@@ -42,6 +44,12 @@ if TYPE_CHECKING:
 # rows about even)
 MAX_ROWS = 64
 MAX_INT_DOT_ROWS = 256
+# INT4 on x86 (AVX2, AVX-512): the integer dots take a prefill's chunk whole. They read an
+# eighth of an fp32 weight's bytes where the dequantized product first writes the fp32 weight;
+# on the Zen 4 EPYC, [2048 x 1024] at 256 / 512 / 1024 / 2048 rows, their time over the
+# dequantized product's: 0.35-0.39 / 0.60-0.61 / 0.70-0.72 / 0.75 (AVX-512 build), 0.99 (AVX2)
+# (docs/benchmarks.md, twenty-third session). INT8 is even from 512 rows on.
+MAX_INT4_DOT_ROWS = 2048
 
 
 
@@ -66,6 +74,8 @@ def available() -> bool:
 def max_rows(layer) -> int:
     """The most rows `layer`'s compiled product takes."""
     if int_dot() and int_dot_applies(layer.in_features, layer.group, layer.bits):
+        if layer.bits == 4 and cpu_isa() in ("avx2", "avx512"):
+            return MAX_INT4_DOT_ROWS
         return MAX_INT_DOT_ROWS
     return MAX_ROWS
 

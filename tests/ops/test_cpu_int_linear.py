@@ -13,6 +13,7 @@ from compiled_kernels import needs_kernels, require
 
 from kdaserve.model.quant_linear import QuantLinear, reference
 from kdaserve.ops import cpu_int_linear
+from kdaserve.ops.cpu_isa import cpu_isa
 from kdaserve.ops.cpu_int_linear import rows_product
 from kdaserve.ops.int_quant import dequantize, int_dot_applies, int_dot_oracle, quantize
 
@@ -114,17 +115,23 @@ def test_rows_do_not_depend_on_their_batch(bits, threads, k, int_dot, monkeypatc
     assert torch.equal(batch, alone) and torch.equal(batch, odd)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("int_dot", ["1", "0"])
-def test_many_rows_and_autograd_take_the_oracle(int_dot, monkeypatch) -> None:
+def test_many_rows_and_autograd_take_the_oracle(int_dot, bits, monkeypatch) -> None:
     monkeypatch.setenv("KDASERVE_INT_DOT", int_dot)
-    layer = _layer(8, 16, 32, 32, True)
-    limit = cpu_int_linear.MAX_INT_DOT_ROWS if int_dot == "1" else cpu_int_linear.MAX_ROWS
+    layer = _layer(bits, 16, 64, 64, True)      # a shape both integer dots take
+    assert int_dot_applies(64, 64, bits)
+    limit = cpu_int_linear.MAX_ROWS
+    if int_dot == "1":       # INT4's integer dots take a whole prefill chunk on x86
+        x86 = cpu_isa() in ("avx2", "avx512")
+        limit = cpu_int_linear.MAX_INT4_DOT_ROWS if bits == 4 and x86 else \
+            cpu_int_linear.MAX_INT_DOT_ROWS
     assert cpu_int_linear.max_rows(layer) == limit
-    assert cpu_int_linear.applies(torch.randn(limit, 32), layer)
-    x = torch.randn(limit + 1, 32)
+    assert cpu_int_linear.applies(torch.randn(limit, 64), layer)
+    x = torch.randn(limit + 1, 64)
     assert not cpu_int_linear.applies(x, layer)
     assert torch.equal(layer(x), reference(x, layer))
-    xg = torch.randn(2, 32, requires_grad=True)
+    xg = torch.randn(2, 64, requires_grad=True)
     assert not cpu_int_linear.applies(xg, layer)
     layer(xg).sum().backward()
     assert xg.grad is not None
