@@ -47,8 +47,9 @@ MAX_INT_DOT_ROWS = 256
 # INT4 on x86 (AVX2, AVX-512): the integer dots take a prefill's chunk whole. They read an
 # eighth of an fp32 weight's bytes where the dequantized product first writes the fp32 weight;
 # on the Zen 4 EPYC, [2048 x 1024] at 256 / 512 / 1024 / 2048 rows, their time over the
-# dequantized product's: 0.35-0.39 / 0.60-0.61 / 0.70-0.72 / 0.75 (AVX-512 build), 0.99 (AVX2)
-# (docs/benchmarks.md, twenty-third session). INT8 is even from 512 rows on.
+# dequantized product's: 0.39-0.61 / 0.51-0.61 / 0.62-0.74 / 0.75-0.77 (AVX-512 builds), 0.35 /
+# 0.60 / 0.72 / 0.99 (AVX2) (docs/benchmarks.md, twenty-third session). INT8's are even or
+# behind from about 1024 rows.
 MAX_INT4_DOT_ROWS = 2048
 
 
