@@ -57,14 +57,15 @@ static inline idot_w idot_wb(const uint8_t *p, int bits) {
 #elif defined(__AVXVNNI__)
 #define IDOT_DPBUSD(s, w, a) _mm256_dpbusd_avx_epi32(s, w, a)
 #endif
-static inline idot_i idot_lanes(idot_w w, const int8_t *qa, int bits) {
+/* start + the unit's lane sums (start: zero, or a row's offset correction, idot_start) */
+static inline idot_i idot_lanes(idot_i start, idot_w w, const int8_t *qa, int bits) {
     const __m256i a0 = _mm256_loadu_si256((const __m256i *)(const void *)qa);
 #ifdef IDOT_DPBUSD
     if (bits == 4) {
         const __m256i a1 = _mm256_loadu_si256((const __m256i *)(const void *)(qa + 32));
-        return IDOT_DPBUSD(IDOT_DPBUSD(_mm256_setzero_si256(), w.lo, a0), w.hi, a1);
+        return IDOT_DPBUSD(IDOT_DPBUSD(start, w.lo, a0), w.hi, a1);
     }
-    return IDOT_DPBUSD(_mm256_setzero_si256(), w.lo, _mm256_sign_epi8(a0, w.hi));
+    return IDOT_DPBUSD(start, w.lo, _mm256_sign_epi8(a0, w.hi));
 #endif
     __m256i p16;
     if (bits == 4) {          /* nibbles 0..15 unsigned; two byte pairs of each: |sum| < 2^13 */
@@ -73,7 +74,7 @@ static inline idot_i idot_lanes(idot_w w, const int8_t *qa, int bits) {
     } else {                  /* |q| <= 128 unsigned, its sign moved to the code */
         p16 = _mm256_maddubs_epi16(w.lo, _mm256_sign_epi8(a0, w.hi));
     }
-    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+    return _mm256_add_epi32(start, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
 }
 /* I - off * A: off0 in lanes 0-3, off1 in 4-7 (zero points), or 8 everywhere (INT4) */
 static inline idot_i idot_offs(int32_t off0, int32_t off1) {
@@ -86,6 +87,14 @@ static inline idot_i idot_correct(idot_i I, const int32_t *A, idot_i off) {
 static inline idot_i idot_correct8(idot_i I, const int32_t *A) {
     const __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)A);
     return _mm256_sub_epi32(I, _mm256_slli_epi32(a, 3));
+}
+static inline idot_i idot_izero(void) { return _mm256_setzero_si256(); }
+/* the correction as a start for the lanes' sums: -off * A, or -8 A (INT4's nibbles) */
+static inline idot_i idot_start(const int32_t *A, idot_i off) {
+    return idot_correct(_mm256_setzero_si256(), A, off);
+}
+static inline idot_i idot_start8(const int32_t *A) {
+    return idot_correct8(_mm256_setzero_si256(), A);
 }
 #elif defined(IDOT_NEON)
 /* eight lanes as two NEON registers; a unit's bytes 0-15 give lanes 0-3, 16-31 lanes 4-7 */
@@ -135,10 +144,10 @@ static inline int32x4_t idot_4s(int32x4_t s, int8x16_t w, int8x16_t a) {
     return vaddq_s32(s, vpaddq_s32(p0, p1));
 #endif
 }
-static inline idot_i idot_lanes(idot_w w, const int8_t *qa, int bits) {
+static inline idot_i idot_lanes(idot_i start, idot_w w, const int8_t *qa, int bits) {
     idot_i I;
     for (int h = 0; h < 2; ++h) {
-        I.v[h] = idot_4s(vdupq_n_s32(0), w.lo[h], vld1q_s8(qa + 16 * h));
+        I.v[h] = idot_4s(start.v[h], w.lo[h], vld1q_s8(qa + 16 * h));
         if (bits == 4) I.v[h] = idot_4s(I.v[h], w.hi[h], vld1q_s8(qa + 32 + 16 * h));
     }
     return I;
@@ -154,6 +163,11 @@ static inline idot_i idot_correct8(idot_i I, const int32_t *A) {
     for (int h = 0; h < 2; ++h) I.v[h] = vsubq_s32(I.v[h], vshlq_n_s32(vld1q_s32(A + 4 * h), 3));
     return I;
 }
+static inline idot_i idot_izero(void) { return (idot_i){{vdupq_n_s32(0), vdupq_n_s32(0)}}; }
+static inline idot_i idot_start(const int32_t *A, idot_i off) {
+    return idot_correct(idot_izero(), A, off);
+}
+static inline idot_i idot_start8(const int32_t *A) { return idot_correct8(idot_izero(), A); }
 #else
 /* portable C: the definition, lane by lane */
 typedef struct { float v[8]; } idot_f;
@@ -184,11 +198,11 @@ static inline idot_w idot_wb(const uint8_t *p, int bits) {
     (void)bits;
     return (idot_w){p};
 }
-static inline idot_i idot_lanes(idot_w w, const int8_t *qa, int bits) {
+static inline idot_i idot_lanes(idot_i start, idot_w w, const int8_t *qa, int bits) {
     const int cpl = bits == 4 ? 8 : 4;
     idot_i I;
     for (int l = 0; l < 8; ++l) {
-        int32_t s = 0;
+        int32_t s = start.v[l];
         for (int c = l * cpl; c < (l + 1) * cpl; ++c) {
             const int32_t q = bits == 4 ? (w.p[c / 2] >> (4 * (c & 1))) & 15 : w.p[c] - 128;
             s += q * qa[bits == 4 ? (c & 1) * 32 + c / 2 : c];
@@ -208,6 +222,11 @@ static inline idot_i idot_correct8(idot_i I, const int32_t *A) {
     for (int l = 0; l < 8; ++l) I.v[l] -= 8 * A[l];
     return I;
 }
+static inline idot_i idot_izero(void) { return (idot_i){{0}}; }
+static inline idot_i idot_start(const int32_t *A, idot_i off) {
+    return idot_correct(idot_izero(), A, off);
+}
+static inline idot_i idot_start8(const int32_t *A) { return idot_correct8(idot_izero(), A); }
 #endif
 
 #endif
