@@ -47,9 +47,9 @@ MAX_INT_DOT_ROWS = 256
 # INT4 on x86 (AVX2, AVX-512): the integer dots take a prefill's chunk whole. They read an
 # eighth of an fp32 weight's bytes where the dequantized product first writes the fp32 weight;
 # on the Zen 4 EPYC, [2048 x 1024] at 256 / 512 / 1024 / 2048 rows, their time over the
-# dequantized product's: 0.39-0.61 / 0.51-0.61 / 0.62-0.74 / 0.75-0.77 (AVX-512 builds), 0.35 /
-# 0.60 / 0.72 / 0.99 (AVX2) (docs/benchmarks.md, twenty-third session). INT8's are even or
-# behind from about 1024 rows.
+# dequantized product's: 0.26 / 0.42 / 0.55 / 0.66 (native), 0.43 / 0.62 / 0.78 / 1.00 (AVX2)
+# (docs/benchmarks.md, twenty-third session). INT8's win at 2048 rows only with VNNI built in
+# (0.81-0.95; 1.07 on x86-64-v4, 1.17 on AVX2), so INT8 keeps MAX_INT_DOT_ROWS.
 MAX_INT4_DOT_ROWS = 2048
 
 
