@@ -10,10 +10,10 @@ products sum exactly in int32, then meet the block and group scales in fp32
 multiples of 32; otherwise, and with KDASERVE_INT_DOT=0, each pass decodes a few weight rows
 to fp32 exactly as the oracle dequantizes them and takes fp32 dot products. Either way each
 (row, output) sums in one fixed order: a row's output does not depend on the other rows of its
-call nor on the thread count. Past `max_rows` rows (a long prefill's chunk: INT8 past 256,
-INT4 on x86 past 2048) a whole dequantized weight amortises over them, so they take
-dequantize-then-matmul, whose product torch runs at its full speed. Everything else (other
-dtypes and devices, autograd) takes that too."""
+call nor on the thread count. The integer dots take any number of rows (a prefill's chunk
+too); the fp32 decode up to MAX_ROWS, past which a whole dequantized weight amortises over
+them, so they take dequantize-then-matmul, whose product torch runs at its full speed.
+Everything else (other dtypes and devices, autograd) takes that too: it is the oracle."""
 
 from __future__ import annotations
 
@@ -31,28 +31,25 @@ from kdaserve.ops.cpu_kernels import (
     _ptr,
     parallel_rows,
 )
-from kdaserve.ops.cpu_isa import cpu_isa
 from kdaserve.ops.int_quant import int_dot_applies
 from kdaserve.ops.moe_kernel import activation_args
 
 if TYPE_CHECKING:
     from kdaserve.ops.activation import GLUActivation
 
-# rows up to which the compiled product beats the dequantized weight's (one dequantization of
-# N*K weights against N*K*rows multiply-adds): the fp32 decode, and the integer dots (on the
-# AVX2 EPYC of docs/benchmarks.md, [4096 x 1024] at 128 rows: 8-9 ms against 20-47; at 512
-# rows about even)
+# rows up to which the fp32 decode beats the dequantized weight's product (one dequantization
+# of N*K weights against N*K*rows multiply-adds; on the AVX2 EPYC of docs/benchmarks.md)
 MAX_ROWS = 64
-MAX_INT_DOT_ROWS = 256
-# INT4 on x86 (AVX2, AVX-512): the integer dots take a prefill's chunk whole. They read an
-# eighth of an fp32 weight's bytes where the dequantized product first writes the fp32 weight;
-# on the Zen 4 EPYC, [2048 x 1024] at 256 / 512 / 1024 / 2048 rows, their time over the
-# dequantized product's: 0.26 / 0.42 / 0.55 / 0.66 (native), 0.43 / 0.62 / 0.78 / 1.00 (AVX2)
-# (docs/benchmarks.md, twenty-third session). INT8's win at 2048 rows only with VNNI built in
-# (0.81-0.95; 1.07 on x86-64-v4, 1.17 on AVX2), so INT8 keeps MAX_INT_DOT_ROWS.
-MAX_INT4_DOT_ROWS = 2048
-
-
+# The integer dots take any number of rows. A row's result must not depend on how many rows
+# share its call (greedy tokens identical across batching and chunking), and the dequantized
+# product rounds otherwise: with a limit of 256 rows, a prompt of 300 tokens prefilled alone
+# and the same prompt in a batch gave different greedy tokens (INT4 and INT8, Kimi Linear
+# demo). They are also the faster up to a chunk's 2048 rows on the Zen 4 EPYC ([2048 x 1024],
+# their time over the dequantized product's at 256 / 2048 rows: INT4 0.26 / 0.66, INT8 0.48-0.75
+# / 0.81-1.07 with VNNI), except INT8 without VNNI (AVX2 1.17 at 2048 rows); docs/benchmarks.md,
+# twenty-third session. Calls go to the kernel INT_DOT_SLICE rows at a time, which bounds the
+# activation codes' memory and changes no row.
+INT_DOT_SLICE = 2048
 
 
 def int_dot() -> bool:
@@ -72,19 +69,18 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def max_rows(layer) -> int:
-    """The most rows `layer`'s compiled product takes."""
+def max_rows(layer) -> int | None:
+    """The most rows `layer`'s compiled product takes (None: any number)."""
     if int_dot() and int_dot_applies(layer.in_features, layer.group, layer.bits):
-        if layer.bits == 4 and cpu_isa() in ("avx2", "avx512"):
-            return MAX_INT4_DOT_ROWS
-        return MAX_INT_DOT_ROWS
+        return None
     return MAX_ROWS
 
 
 def applies(x: torch.Tensor, layer) -> bool:
     """Whether `layer`(x) takes the compiled product."""
+    limit = max_rows(layer)
     return (x.dtype == torch.float32 and x.device.type == "cpu"
-            and x.numel() <= max_rows(layer) * layer.in_features
+            and (limit is None or x.numel() <= limit * layer.in_features)
             and not (torch.is_grad_enabled() and x.requires_grad)
             and layer.weight_packed.device.type == "cpu" and _kernel() is not None)
 
@@ -108,10 +104,11 @@ def rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         if not t.is_contiguous():
             raise ValueError("packed weights must be contiguous")
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    if rows.shape[0]:
-        _kernel()(rows.shape[0], n, k, rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+    for r0 in range(0, rows.shape[0], INT_DOT_SLICE):
+        part = rows[r0:r0 + INT_DOT_SLICE]
+        _kernel()(part.shape[0], n, k, part.data_ptr(), rows.stride(0), packed.data_ptr(),
                   packed.shape[-1], scale.data_ptr(), None if zero is None else zero.data_ptr(),
-                  scale.shape[-1], min(group, k), bits, out.data_ptr(), n,
+                  scale.shape[-1], min(group, k), bits, out[r0:].data_ptr(), n,
                   torch.get_num_threads(), int(int_dot() if act8 is None else act8))
     return out.view(*x.shape[:-1], n)
 

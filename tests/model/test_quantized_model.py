@@ -166,3 +166,24 @@ def test_ignore_names_the_dense_mlp_either_way() -> None:
         q = quantize_model(random_model(cfg), WeightQuant(8, 32, ignore=(name,)))
         mlp = q.model.layers[0].mlp
         assert type(mlp.down_proj) is nn.Linear and isinstance(mlp.up_proj, QuantLinear)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_greedy_tokens_do_not_depend_on_the_batch(scheme) -> None:
+    """With the default integer dots, the quantized Kimi Linear demo's greedy tokens are the
+    same for a prompt alone and in a batch whose chunk holds more than 256 rows. Its products
+    once switched to the dequantized weight's past 256 rows, whose rounding differs, and two of
+    these prompts then changed tokens (cpu_int_linear.max_rows). The tiny random models of
+    these tests are too flat to show it."""
+    from kdaserve import LLM, SamplingParams
+    from kdaserve.assets import kimi_linear_demo_path
+
+    llm = LLM(model=str(kimi_linear_demo_path()), quantization=scheme, max_num_seqs=8,
+              num_threads=2, enable_prefix_caching=False)
+    g = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(4, 1000, (n,), generator=g).tolist()}
+               for n in (5, 40, 300, 700, 9, 1200)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert together == alone

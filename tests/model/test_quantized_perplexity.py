@@ -57,8 +57,6 @@ def test_held_out_perplexity_of_the_quantized_demo(held_out_windows, monkeypatch
             with monkeypatch.context() as m:
                 m.setenv("KDASERVE_INT_DOT", "1" if mode == "int-dot" else "0")
                 m.setattr(cpu_int_linear, "MAX_ROWS", 1 << 30)    # the prefill's rows too
-                m.setattr(cpu_int_linear, "MAX_INT_DOT_ROWS", 1 << 30)
-                m.setattr(cpu_int_linear, "MAX_INT4_DOT_ROWS", 1 << 30)
                 ppl = _perplexity(model, held_out_windows)
             results[f"{scheme} {mode}"] = (group, ppl, ppl / base - 1.0, bound)
     print(f"\nheld-out perplexity ({WINDOWS} x {LENGTH} tokens): fp32 {base:.3f}")

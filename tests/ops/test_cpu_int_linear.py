@@ -13,7 +13,6 @@ from compiled_kernels import needs_kernels, require
 
 from kdaserve.model.quant_linear import QuantLinear, reference
 from kdaserve.ops import cpu_int_linear
-from kdaserve.ops.cpu_isa import cpu_isa
 from kdaserve.ops.cpu_int_linear import rows_product
 from kdaserve.ops.int_quant import dequantize, int_dot_applies, int_dot_oracle, quantize
 
@@ -116,21 +115,34 @@ def test_rows_do_not_depend_on_their_batch(bits, threads, k, int_dot, monkeypatc
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("int_dot", ["1", "0"])
-def test_many_rows_and_autograd_take_the_oracle(int_dot, bits, monkeypatch) -> None:
-    monkeypatch.setenv("KDASERVE_INT_DOT", int_dot)
-    layer = _layer(bits, 16, 64, 64, True)      # a shape both integer dots take
-    assert int_dot_applies(64, 64, bits)
+def test_integer_dots_take_any_number_of_rows(bits, monkeypatch) -> None:
+    """A prefill's chunk too, in slices (INT_DOT_SLICE) that change no row: a row's result
+    does not depend on how many rows share its call, however many."""
+    monkeypatch.setenv("KDASERVE_INT_DOT", "1")
+    monkeypatch.setattr(cpu_int_linear, "INT_DOT_SLICE", 16)
+    layer = _layer(bits, 16, 64, 64, True)      # a shape the integer dots take
+    assert int_dot_applies(64, 64, bits) and cpu_int_linear.max_rows(layer) is None
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(bits))
+    assert cpu_int_linear.applies(x, layer)
+    with torch.no_grad():
+        many = layer(x)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(many, alone)
+    assert torch.equal(many, int_dot_oracle(x, layer.weight_packed, layer.weight_scale,
+                                            layer.weight_zero_point, bits, 64, 64))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_many_rows_of_the_fp32_decode_and_autograd_take_the_oracle(bits, monkeypatch) -> None:
+    monkeypatch.setenv("KDASERVE_INT_DOT", "0")
+    layer = _layer(bits, 16, 64, 64, True)
     limit = cpu_int_linear.MAX_ROWS
-    if int_dot == "1":       # INT4's integer dots take a whole prefill chunk on x86
-        x86 = cpu_isa() in ("avx2", "avx512")
-        limit = cpu_int_linear.MAX_INT4_DOT_ROWS if bits == 4 and x86 else \
-            cpu_int_linear.MAX_INT_DOT_ROWS
     assert cpu_int_linear.max_rows(layer) == limit
     assert cpu_int_linear.applies(torch.randn(limit, 64), layer)
     x = torch.randn(limit + 1, 64)
     assert not cpu_int_linear.applies(x, layer)
     assert torch.equal(layer(x), reference(x, layer))
+    monkeypatch.setenv("KDASERVE_INT_DOT", "1")
     xg = torch.randn(2, 64, requires_grad=True)
     assert not cpu_int_linear.applies(xg, layer)
     layer(xg).sum().backward()
