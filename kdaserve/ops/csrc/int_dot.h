@@ -204,32 +204,28 @@ idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, f
         for (int r = 0; r < R; ++r) Y[(r0 + r) * ldy + n + o] = idot_sum(acc[o * R + r]);
 }
 
+/* Y[b, n + o] for NO outputs from n and rows [r0, r1): two rows a tile, an odd last one alone */
+static inline __attribute__((always_inline)) void
+idot_col(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int64_t r1, float *Y,
+         int64_t ldy, int bits, int64_t gu, int zp) {
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) idot_tile(m, n, NO, a, r, 2, Y, ldy, bits, gu, zp);
+    if (r < r1) idot_tile(m, n, NO, a, r, 1, Y, ldy, bits, gu, zp);
+}
+
 /* Y[b, n] for rows [r0, r1) of `a`, outputs [n0, n1): a lone row four outputs at a time
  * (four independent sums), more rows two outputs by two rows (four by two with
  * IDOT_WIDE_TILES) */
 static inline __attribute__((always_inline)) void
 idot_rows_b(const qmat *m, const qacts *a, int64_t r0, int64_t r1, float *Y, int64_t ldy,
             int64_t n0, int64_t n1, int bits, int64_t gu, int zp) {
-    const int64_t B = r1;
     int64_t n = n0;
     if (r1 - r0 == 1)
         for (; n + 4 <= n1; n += 4) idot_tile(m, n, 4, a, r0, 1, Y, ldy, bits, gu, zp);
     else if (IDOT_WIDE_TILES)
-        for (; n + 4 <= n1; n += 4) {
-            int64_t r = r0;
-            for (; r + 2 <= B; r += 2) idot_tile(m, n, 4, a, r, 2, Y, ldy, bits, gu, zp);
-            if (r < B) idot_tile(m, n, 4, a, r, 1, Y, ldy, bits, gu, zp);
-        }
-    for (; n + 2 <= n1; n += 2) {
-        int64_t r = r0;
-        for (; r + 2 <= B; r += 2) idot_tile(m, n, 2, a, r, 2, Y, ldy, bits, gu, zp);
-        if (r < B) idot_tile(m, n, 2, a, r, 1, Y, ldy, bits, gu, zp);
-    }
-    if (n < n1) {
-        int64_t r = r0;
-        for (; r + 2 <= B; r += 2) idot_tile(m, n, 1, a, r, 2, Y, ldy, bits, gu, zp);
-        if (r < B) idot_tile(m, n, 1, a, r, 1, Y, ldy, bits, gu, zp);
-    }
+        for (; n + 4 <= n1; n += 4) idot_col(m, n, 4, a, r0, r1, Y, ldy, bits, gu, zp);
+    for (; n + 2 <= n1; n += 2) idot_col(m, n, 2, a, r0, r1, Y, ldy, bits, gu, zp);
+    if (n < n1) idot_col(m, n, 1, a, r0, r1, Y, ldy, bits, gu, zp);
 }
 
 /* rows a block at a time, so that their codes stay in the L1 cache while the outputs pass */
