@@ -14,15 +14,14 @@ exactness is a unit test.
 `acceptance_length` is mean_accepted_tokens under the name the K3 recipe reports it by.
 `--rejection-sample-method both` runs a second engine, on the first one's weights, that
 verifies by blocks (engine/spec/block_verify.py) on the same prompts and seeds, and reports its
-row beside the
-token rule's, with `block_vs_token_acceptance` (sampled: the ratio of acceptance lengths) and
-`block_vs_token_acceptance_ci95`, its paired bootstrap interval over the requests
+row beside the token rule's, with `block_vs_token_acceptance` (sampled: the ratio of acceptance
+lengths) and `block_vs_token_acceptance_ci95`, its paired bootstrap interval over the requests
 (bench/spec_stats.py); each row's `request_blocks` lists its requests' (accepted drafts,
-verified blocks) in the counted (fastest) runs. `baseline_spread` is how far the plain
-engine's median repeat lies from its counted time: the resolution of `speedup` on this host
-at that moment. The counters above add up every repeat; with
-fixed seeds and `--no-adaptive` each repeat verifies the same blocks, while the adaptive policy
-can verify differently from one repeat to the next.
+verified blocks) in the counted (fastest) runs.
+`baseline_spread` is how far the plain engine's median repeat lies from its counted time: the
+resolution of `speedup` on this host at that moment. The counters above add up every repeat;
+with fixed seeds and `--no-adaptive` each repeat verifies the same blocks, while the adaptive
+policy can verify differently from one repeat to the next.
 `--input-lens 1024,16384,65536` adds, per mode, a batch-1 row `input<L>` whose prompts are L
 tokens long (bench/spec_prompts.py `long_prompt_ids`): the engines' max_model_len is raised to
 fit; a length past the model's own limit is reported as {"skipped": why}.
