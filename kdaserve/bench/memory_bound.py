@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kdaserve.assets import kimi_linear_demo_path
-from kdaserve.bench.llamacpp import gguf_kind
+from kdaserve.bench.llamacpp import gguf_kind, setup_peers
 
 # the scales tried, smallest first: hidden size (heads of 64), experts of hidden / 2
 _HIDDEN = (512, 768, 1024, 1536, 2048, 3072)
@@ -170,6 +170,8 @@ def setup(args, peers: Path, extra: dict) -> tuple[str, str]:
     """The memory-bound run's model and GGUF kind; sets its dtype (bf16, or fp32 around
     the packed layers of --quantization) and fills `extra` with the shape's figures."""
     model = ensure_model(peers)
+    if args.setup_peers:         # llama.cpp itself and its bf16 GGUF of the model
+        setup_peers(peers, str(model), "bfloat16")
     if (peers / "llamacpp-venv" / "bin" / "python").is_file():
         ensure_gguf(peers, model, args.quantization)
     args.dtype = "float32" if args.quantization else "bfloat16"

@@ -204,6 +204,54 @@ idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, f
         for (int r = 0; r < R; ++r) Y[(r0 + r) * ldy + n + o] = idot_sum(acc[o * R + r]);
 }
 
+/* A lone row's tile of four outputs from n where groups hold whole units (gu > 0): idot_tile's
+ * integers and fused multiply-adds in the same order, with the tile's pointers set once and
+ * the unit loop unrolled by two. idot_tile's general form (any NO and R, both group forms)
+ * kept the loop busy with its addresses. One thread, [1024 x 1024] in groups of 128, hot:
+ * INT4 1.22-1.29x, INT8 1.25x on AVX-512 (INT4 1.26x, INT8 1.12x on AVX2); cold, a pool of
+ * 256 such matrices in shuffled order: INT4 1.18x, INT8 even (docs/benchmarks.md,
+ * twenty-fourth session). IDOT_ROW4=0 keeps idot_tile (for A/B runs). */
+#ifndef IDOT_ROW4
+#define IDOT_ROW4 1
+#endif
+static inline __attribute__((always_inline)) void
+idot_row4(const qmat *m, int64_t n, const qacts *a, int64_t r, float *Y, int bits, int64_t gu,
+          int zp) {
+    const int64_t U = a->U, G = m->groups, rb = m->row_bytes, unit = idot_unit(bits);
+    const int8_t *q = a->q + r * a->K;
+    const int32_t *A = a->A + r * U * 8, base = bits == 4 ? 8 : 0;
+    const float *d = a->d + r * U * 8, *s = m->scale + n * G;
+    const uint8_t *w = m->packed + n * rb;
+    const int8_t *z = zp ? m->zero + n * G : NULL;
+    idot_f acc[4];
+    for (int o = 0; o < 4; ++o) acc[o] = idot_zero();
+    for (int64_t g = 0; g < G; ++g) {
+        const int64_t u1 = (g + 1) * gu < U ? (g + 1) * gu : U;
+        idot_f t[4];
+        idot_i off[4];
+        for (int o = 0; o < 4; ++o) {
+            t[o] = idot_zero();
+            if (zp) off[o] = idot_offs(base + z[o * G + g], base + z[o * G + g]);
+        }
+        _Pragma("GCC unroll 2")
+        for (int64_t u = g * gu; u < u1; ++u) {
+            for (int c = 0; IDOT_AHEAD && c < 128; c += 64)
+                __builtin_prefetch(w + IDOT_AHEAD + u * 128 + c);
+            const int8_t *qa = q + u * unit;
+            const idot_f dv = idot_ldf(d + u * 8);
+            for (int o = 0; o < 4; ++o) {
+                idot_i I = idot_lanes(idot_izero(), idot_wb(w + o * rb + u * 32, bits), qa, bits);
+                if (zp) I = idot_correct(I, A + u * 8, off[o]);
+                else if (bits == 4) I = idot_correct8(I, A + u * 8);
+                t[o] = idot_fma(I, dv, t[o]);
+            }
+        }
+        for (int o = 0; o < 4; ++o)
+            acc[o] = idot_fmaf(t[o], idot_f2(s[o * G + g], s[o * G + g]), acc[o]);
+    }
+    for (int o = 0; o < 4; ++o) Y[n + o] = idot_sum(acc[o]);
+}
+
 /* Y[b, n + o] for NO outputs from n and rows [r0, r1): two rows a tile, an odd last one alone */
 static inline __attribute__((always_inline)) void
 idot_col(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int64_t r1, float *Y,
@@ -220,7 +268,9 @@ static inline __attribute__((always_inline)) void
 idot_rows_b(const qmat *m, const qacts *a, int64_t r0, int64_t r1, float *Y, int64_t ldy,
             int64_t n0, int64_t n1, int bits, int64_t gu, int zp) {
     int64_t n = n0;
-    if (r1 - r0 == 1)
+    if (r1 - r0 == 1 && gu && IDOT_ROW4)
+        for (; n + 4 <= n1; n += 4) idot_row4(m, n, a, r0, Y + r0 * ldy, bits, gu, zp);
+    else if (r1 - r0 == 1)
         for (; n + 4 <= n1; n += 4) idot_tile(m, n, 4, a, r0, 1, Y, ldy, bits, gu, zp);
     else if (IDOT_WIDE_TILES)
         for (; n + 4 <= n1; n += 4) idot_col(m, n, 4, a, r0, r1, Y, ldy, bits, gu, zp);
