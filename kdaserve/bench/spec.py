@@ -41,7 +41,7 @@ import torch
 
 from kdaserve.assets import default_model_path
 from kdaserve.bench.spec_prompts import long_prompt_ids, unseen_prompts
-from kdaserve.bench.spec_stats import Blocks, paired_ratio_ci
+from kdaserve.bench.spec_stats import Blocks, paired_ratio_ci, paired_speed_ci
 from kdaserve.engine.llm import LLM
 from kdaserve.generation_defaults import generation_defaults
 from kdaserve.ops.cpu_isa import cpu_isa
@@ -106,19 +106,23 @@ class _Best:
     # each group's counted run: tokens, ids, each request's blocks, engine steps
     runs: list[tuple[int, list[list[int]], list[Blocks], int] | None]
     totals: list[float] = field(default_factory=list)     # each repeat's seconds, all groups
+    tokens: list[int] = field(default_factory=list)       # each repeat's tokens, all groups
 
     @classmethod
     def of(cls, groups: int) -> _Best:
         return cls([float("inf")] * groups, [None] * groups)
 
     def time(self, llm: LLM, g: int, prompts: list[str], params: list[SamplingParams],
-             plain: bool = False) -> float:
+             plain: bool = False) -> tuple[float, int]:
         steps0 = llm.engine.stats.steps
         with _plain(llm) if plain else contextlib.nullcontext():
             t, n, ids, blocks = _timed(llm, prompts, params)
         if t < self.seconds[g]:
             self.seconds[g], self.runs[g] = t, (n, ids, blocks, llm.engine.stats.steps - steps0)
-        return t
+        return t, n
+
+    def repeats(self) -> list[tuple[float, int]]:
+        return list(zip(self.totals, self.tokens))
 
     def counted(self) -> tuple[float, int, list[list[int]], list[Blocks], int]:
         runs = [r for r in self.runs if r is not None]
@@ -140,17 +144,20 @@ def measure(base: LLM, spec: LLM, prompts: list[str], params: list[SamplingParam
     before = _counters(spec)
     same = base is spec
     for r in range(repeats):
-        t_base = t_spec = 0.0
+        run_base, run_spec = [0.0, 0], [0.0, 0]
         for g, (ps, pa) in enumerate(groups):
             # who goes first alternates: of two identical plain engines, the one run second
             # on the same requests read 1-5% faster (A/A, docs/benchmarks.md)
-            if r % 2:
-                t_spec += best_spec.time(spec, g, ps, pa)
-            t_base += best_base.time(base, g, ps, pa, plain=same)
-            if not r % 2:
-                t_spec += best_spec.time(spec, g, ps, pa)
-        best_base.totals.append(t_base)
-        best_spec.totals.append(t_spec)
+            for side in (("spec", "base") if r % 2 else ("base", "spec")):
+                t, n = (best_spec.time(spec, g, ps, pa) if side == "spec" else
+                        best_base.time(base, g, ps, pa, plain=same))
+                acc = run_spec if side == "spec" else run_base
+                acc[0] += t
+                acc[1] += n
+        best_base.totals.append(run_base[0])
+        best_base.tokens.append(run_base[1])
+        best_spec.totals.append(run_spec[0])
+        best_spec.tokens.append(run_spec[1])
     t_base, n_base, ids_base, _, steps_base = best_base.counted()
     t_spec, n_spec, ids_spec, blocks_spec, steps_spec = best_spec.counted()
     drafted, accepted, rows = (a - b for a, b in zip(_counters(spec), before))
@@ -161,6 +168,10 @@ def measure(base: LLM, spec: LLM, prompts: list[str], params: list[SamplingParam
         # the plain engine against itself: its median repeat over the counted figure. A
         # speedup within this of 1 is the host's noise, not the drafter's
         "baseline_spread": round(statistics.median(best_base.totals) / t_base - 1.0, 3),
+        # repeat by repeat (the two sides back to back): the geometric mean ratio and its 95%
+        # interval. "Never a net loss" is shown where the interval's low end is >= 0.97
+        **dict(zip(("spec_vs_plain_paired", "spec_vs_plain_ci95_low", "spec_vs_plain_ci95_high"),
+                   paired_speed_ci(best_base.repeats(), best_spec.repeats()))),
         "mean_accepted_tokens": round((accepted + rows) / rows, 3) if rows else 1.0,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
         "drafted": drafted, "accepted": accepted, "verifications": rows,

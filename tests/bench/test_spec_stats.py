@@ -1,10 +1,13 @@
-"""The paired bootstrap interval of block against token acceptance (bench/spec_stats.py)."""
+"""The paired bootstrap interval of block against token acceptance, and the repeat-by-repeat
+interval of speculative against plain speed (bench/spec_stats.py)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from kdaserve.bench.spec_stats import acceptance_length, paired_ratio_ci
+from kdaserve.bench.spec_stats import acceptance_length, paired_ratio_ci, paired_speed_ci
 
 
 def test_acceptance_length_pools_the_requests():
@@ -42,3 +45,33 @@ def test_mismatched_sides_are_refused():
         paired_ratio_ci([(1, 1)], [(1, 1), (2, 1)])
     with pytest.raises(ValueError):
         paired_ratio_ci([], [])
+
+
+def test_speed_pairs_give_the_geometric_mean_and_a_t_interval():
+    # tokens a second: spec / plain = 1.1, 0.9, 1.0 on three repeats (times and tokens differ)
+    base = [(2.0, 100), (1.0, 100), (4.0, 200)]
+    spec = [(1.0, 55), (1.0, 90), (2.0, 100)]
+    mean, lo, hi = paired_speed_ci(base, spec)
+    logs = [math.log(1.1), math.log(0.9), 0.0]
+    m = sum(logs) / 3
+    sd = math.sqrt(sum((x - m) ** 2 for x in logs) / 2)
+    assert mean == round(math.exp(m), 3)
+    assert (lo, hi) == (round(math.exp(m - 4.303 * sd / math.sqrt(3)), 3),
+                        round(math.exp(m + 4.303 * sd / math.sqrt(3)), 3))
+    assert lo < 0.97 < 1.03 < hi       # three scattered pairs show nothing either way
+
+
+def test_speed_interval_narrows_with_repeats_and_sits_on_a_constant_ratio():
+    base = [(1.0 + 0.1 * (i % 3), 100) for i in range(12)]
+    spec = [(t / 1.02, n) for t, n in base]           # 2% faster in every pair
+    assert paired_speed_ci(base, spec) == (1.02, 1.02, 1.02)
+    noisy = [(t * (1.0 + 0.03 * (-1) ** i), n) for i, (t, n) in enumerate(spec)]
+    _, lo3, hi3 = paired_speed_ci(base[:4], noisy[:4])
+    _, lo12, hi12 = paired_speed_ci(base, noisy)
+    assert lo3 < lo12 < 1.02 < hi12 < hi3
+
+
+def test_speed_pairs_are_checked():
+    assert paired_speed_ci([(1.0, 10)], [(0.5, 10)]) == (2.0, None, None)
+    with pytest.raises(ValueError):
+        paired_speed_ci([(1.0, 10)], [])
