@@ -89,10 +89,11 @@ def _counters(llm: LLM) -> tuple[int, int, int]:
     return s.num_draft_tokens, s.num_accepted_tokens, s.num_verify_rows
 
 
-def _params(mode: str, defaults: dict, n: int, max_tokens: int) -> list[SamplingParams]:
+def _params(mode: str, defaults: dict, n: int, max_tokens: int, temperature: float = 0.8,
+            top_p: float = 0.95) -> list[SamplingParams]:
     if mode == "greedy":
         return [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * n
-    fields = {"temperature": 0.8, "top_p": 0.95, **{
+    fields = {"temperature": temperature, "top_p": top_p, **{
         k: v for k, v in defaults.items() if k in ("top_k", "min_p", "repetition_penalty")}}
     return [SamplingParams(**fields, max_tokens=max_tokens, ignore_eos=True, seed=1000 + i)
             for i in range(n)]
@@ -113,13 +114,19 @@ class _Best:
         return cls([float("inf")] * groups, [None] * groups)
 
     def time(self, llm: LLM, g: int, prompts: list[str], params: list[SamplingParams],
-             plain: bool = False) -> tuple[float, int]:
+             plain: bool = False) -> None:
+        """Runs group g once, into the current repeat's totals (`new_repeat`)."""
         steps0 = llm.engine.stats.steps
         with _plain(llm) if plain else contextlib.nullcontext():
             t, n, ids, blocks = _timed(llm, prompts, params)
         if t < self.seconds[g]:
             self.seconds[g], self.runs[g] = t, (n, ids, blocks, llm.engine.stats.steps - steps0)
-        return t, n
+        self.totals[-1] += t
+        self.tokens[-1] += n
+
+    def new_repeat(self) -> None:
+        self.totals.append(0.0)
+        self.tokens.append(0)
 
     def repeats(self) -> list[tuple[float, int]]:
         return list(zip(self.totals, self.tokens))
@@ -143,21 +150,15 @@ def measure(base: LLM, spec: LLM, prompts: list[str], params: list[SamplingParam
     best_base, best_spec = _Best.of(len(groups)), _Best.of(len(groups))
     before = _counters(spec)
     same = base is spec
+    sides = ((best_base, base, same), (best_spec, spec, False))
     for r in range(repeats):
-        run_base, run_spec = [0.0, 0], [0.0, 0]
+        best_base.new_repeat()
+        best_spec.new_repeat()
         for g, (ps, pa) in enumerate(groups):
             # who goes first alternates: of two identical plain engines, the one run second
             # on the same requests read 1-5% faster (A/A, docs/benchmarks.md)
-            for side in (("spec", "base") if r % 2 else ("base", "spec")):
-                t, n = (best_spec.time(spec, g, ps, pa) if side == "spec" else
-                        best_base.time(base, g, ps, pa, plain=same))
-                acc = run_spec if side == "spec" else run_base
-                acc[0] += t
-                acc[1] += n
-        best_base.totals.append(run_base[0])
-        best_base.tokens.append(run_base[1])
-        best_spec.totals.append(run_spec[0])
-        best_spec.tokens.append(run_spec[1])
+            for best, llm, plain in (sides[::-1] if r % 2 else sides):
+                best.time(llm, g, ps, pa, plain=plain)
     t_base, n_base, ids_base, _, steps_base = best_base.counted()
     t_spec, n_spec, ids_spec, blocks_spec, steps_spec = best_spec.counted()
     drafted, accepted, rows = (a - b for a, b in zip(_counters(spec), before))
@@ -222,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
         for b in [1, *args.batches]:
             n = args.num_prompts if b == 1 else b
             many = (prompts * (n // len(prompts) + 1))[:n]
-            params = _params(mode, defaults, n, args.max_tokens)
+            params = _params(mode, defaults, n, args.max_tokens, args.temperature,
+                             args.top_p)
             row = rows[f"batch{b}"] = measure(spec, spec, many, params, b,
                                               greedy=mode == "greedy", repeats=args.repeats)
             row["acceptance_length"] = row["mean_accepted_tokens"]
@@ -241,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
                 row["block"] = _long_row(specs["block"], n_in, mode, defaults, args)
         result[mode] = rows
         if mode == "sampled":
-            result["sampling"] = {k: v for k, v in vars(_params(mode, defaults, 1, 1)[0]).items()
+            result["sampling"] = {k: v for k, v in vars(_params(
+                mode, defaults, 1, 1, args.temperature, args.top_p)[0]).items()
                                   if k in ("temperature", "top_p", "top_k", "min_p",
                                            "repetition_penalty")}
     for mode, prefix in (("greedy", ""), ("sampled", "sampled_")):
@@ -265,7 +268,8 @@ def _long_row(spec: LLM, n_in: int, mode: str, defaults: dict, args: argparse.Na
     encode = spec.tokenizer.encode
     prompts = [{"prompt_token_ids": long_prompt_ids(encode, n_in, i)}
                for i in range(args.num_prompts)]
-    params = _params(mode, defaults, args.num_prompts, args.max_tokens)
+    params = _params(mode, defaults, args.num_prompts, args.max_tokens, args.temperature,
+                     args.top_p)
     row = measure(spec, spec, prompts, params, 1, greedy=mode == "greedy",
                   repeats=args.repeats)
     row["input_len"] = n_in
@@ -295,6 +299,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, nargs="*", default=[8, 32])
     p.add_argument("--modes", nargs="+", choices=("greedy", "sampled"),
                    default=["greedy", "sampled"])
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="the sampled rows' temperature (top_k, min_p and repetition_penalty "
+                   "come from the model's generation_config.json)")
+    p.add_argument("--top-p", type=float, default=0.95, help="the sampled rows' top_p")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu or cuda (both engines)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

@@ -37,6 +37,9 @@ def test_bench_spec_prints_greedy_and_sampled_rows(capsys):
             slack = 0.05 / row["spec_tok_s"] + 0.05 / row["baseline_tok_s"] + 1e-2
             assert row["speedup"] == pytest.approx(row["spec_tok_s"] / row["baseline_tok_s"],
                                                    rel=slack)
+            # one repeat: its paired ratio is the row's, and there is no spread for an interval
+            assert row["spec_vs_plain_paired"] == pytest.approx(row["speedup"], rel=slack)
+            assert row["spec_vs_plain_ci95_low"] is None is row["spec_vs_plain_ci95_high"]
     for key, mode, batch in (("speedup", "greedy", "batch1"),
                              ("sampled_speedup", "sampled", "batch1"),
                              ("batch32_speedup", "greedy", "batch32"),
@@ -103,3 +106,15 @@ def test_unseen_prompts_are_not_in_the_training_split():
         assert line in reserved and line not in text, line
     for p in MODERN_PROSE:
         assert p not in text, p
+
+
+def test_the_sampled_rows_take_the_temperature_and_top_p_asked_for():
+    from kdaserve.bench.spec import _params
+
+    greedy = _params("greedy", {"top_k": 5}, 2, 4, 1.0, 1.0)
+    assert [p.temperature for p in greedy] == [0.0, 0.0]
+    sampled = _params("sampled", {"top_k": 5, "seed": 7}, 3, 4, 1.0, 1.0)
+    assert [(p.temperature, p.top_p, p.top_k) for p in sampled] == [(1.0, 1.0, 5)] * 3
+    assert [p.seed for p in sampled] == [1000, 1001, 1002]    # fixed seeds, one a request
+    assert (_params("sampled", {}, 1, 4)[0].temperature, _params("sampled", {}, 1, 4)[0].top_p
+            ) == (0.8, 0.95)
