@@ -70,8 +70,8 @@ def paired_speed_ci(base: Sequence[Run], spec: Sequence[Run]
     mean = statistics.fmean(logs)
     if len(logs) == 1:          # no spread to go by
         return round(math.exp(mean), 3), None, None
-    half = _T975[min(len(logs) - 1, len(_T975)) - 1] * statistics.stdev(logs) / math.sqrt(len(logs))
-    if len(logs) - 1 > len(_T975):
-        half = 2.0 * statistics.stdev(logs) / math.sqrt(len(logs))
+    df = len(logs) - 1
+    half = ((_T975[df - 1] if df <= len(_T975) else 2.0) * statistics.stdev(logs)
+            / math.sqrt(len(logs)))
     return (round(math.exp(mean), 3), round(math.exp(mean - half), 3),
             round(math.exp(mean + half), 3))

@@ -69,6 +69,8 @@ def test_speed_interval_narrows_with_repeats_and_sits_on_a_constant_ratio():
     _, lo3, hi3 = paired_speed_ci(base[:4], noisy[:4])
     _, lo12, hi12 = paired_speed_ci(base, noisy)
     assert lo3 < lo12 < 1.02 < hi12 < hi3
+    _, lo40, hi40 = paired_speed_ci(base * 4 + base[:-8], noisy * 4 + noisy[:-8])  # 40: t ~ 2
+    assert lo12 < lo40 < 1.02 < hi40 < hi12
 
 
 def test_speed_pairs_are_checked():

@@ -219,7 +219,8 @@ idot_row4(const qmat *m, int64_t n, const qacts *a, int64_t r, float *Y, int bit
           int zp) {
     const int64_t U = a->U, G = m->groups, rb = m->row_bytes, unit = idot_unit(bits);
     const int8_t *q = a->q + r * a->K;
-    const int32_t *A = a->A + r * U * 8, base = bits == 4 ? 8 : 0;
+    const int32_t *A = a->A + r * U * 8;
+    const int32_t base = bits == 4 ? 8 : 0;       /* the unsigned nibbles' offset */
     const float *d = a->d + r * U * 8, *s = m->scale + n * G;
     const uint8_t *w = m->packed + n * rb;
     const int8_t *z = zp ? m->zero + n * G : NULL;
