@@ -208,9 +208,10 @@ idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, f
  * integers and fused multiply-adds in the same order, with the tile's pointers set once and
  * the unit loop unrolled by two. idot_tile's general form (any NO and R, both group forms)
  * kept the loop busy with its addresses. One thread, [1024 x 1024] in groups of 128, hot:
- * INT4 1.22-1.29x, INT8 1.25x on AVX-512 (INT4 1.26x, INT8 1.12x on AVX2); cold, a pool of
- * 256 such matrices in shuffled order: INT4 1.18x, INT8 even (docs/benchmarks.md,
- * twenty-fourth session). IDOT_ROW4=0 keeps idot_tile (for A/B runs). */
+ * INT4 1.26-1.28x, INT8 1.23-1.25x on AVX-512, where a control running the same code read
+ * 1.09 (INT4 1.26x, INT8 1.12x on AVX2); cold, a pool of 256 such matrices in shuffled order:
+ * INT4 1.15-1.18x, INT8 even (docs/benchmarks.md, twenty-fourth session). IDOT_ROW4=0 keeps
+ * idot_tile (for A/B runs). */
 #ifndef IDOT_ROW4
 #define IDOT_ROW4 1
 #endif
