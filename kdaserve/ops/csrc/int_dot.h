@@ -158,7 +158,7 @@ idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, f
         const int64_t g0 = gu ? g : 2 * g, g1 = gu ? g : 2 * g + 1;
         idot_f t[8];
         for (int i = 0; i < NO * R; ++i) t[i] = idot_zero();
-        idot_i off[8];
+        idot_i off[4];                     /* one an output (NO <= 4) */
         for (int o = 0; zp && o < NO; ++o) {
             const int8_t *z = m->zero + (n + o) * G;
             off[o] = idot_offs(base + z[g0], base + z[g1]);
