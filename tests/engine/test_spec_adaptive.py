@@ -12,7 +12,7 @@ import torch
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.engine.spec.adaptive import AdaptiveSpeculation
-from kdaserve.engine.spec.step_cost import StepCostModel
+from kdaserve.engine.spec.step_cost import RealizedRates, StepCostModel
 from test_spec_dspark import _random_draft
 
 
@@ -159,6 +159,32 @@ def test_speculation_must_beat_the_asleep_engine_not_only_awake_plain_steps():
     for _ in range(40):
         p.realized.observe(1, True, 90, 0.100)             # until verifying beats both
     assert not p.realized.speculation_loses(1)
+
+
+def test_verifying_steps_are_set_against_the_plain_rate_of_their_moment():
+    """The host slows after the verifying steps were timed: their old rate beats the plain
+    rate of the slow moment, but each lost to the plain rate of its own, and speculation stays
+    off. Where they beat the plain rate of their moment, the two comparisons agree."""
+    p = AdaptiveSpeculation(7)
+    r = p.realized
+    for _ in range(r.min_steps):
+        r.observe(1, False, 80, 0.100, asleep=True)         # fast moment: 800 tok/s asleep
+    for _ in range(r.min_steps):
+        r.observe(1, True, 70, 0.100)                       # 700 tok/s verifying: 0.875x
+    for _ in range(60):
+        r.observe(1, False, 40, 0.100, asleep=True)         # slow moment: 400 tok/s asleep
+    spec = r.sums[(1, "verify")]
+    assert spec[0] / spec[1] > 400.0                        # as rates, verifying would win
+    assert r.speculation_loses(1)
+    p.alpha["r"] = 0.99                  # drafts that would pay by the cost model's prior
+    assert p.plan({"r": 7}, 1)["r"] == 0
+    q = RealizedRates()
+    for _ in range(q.min_steps):
+        q.observe(1, False, 40, 0.100, asleep=True)         # 400 tok/s asleep
+    for _ in range(q.min_steps):
+        q.observe(1, True, 60, 0.100)                       # 600 tok/s verifying: 1.5x
+    assert not q.speculation_loses(1)
+    assert q.against[1][0] > q.against[1][1]
 
 
 def test_a_plain_step_is_timed_when_speculation_never_stopped():

@@ -123,17 +123,32 @@ class RealizedRates:
     speculating is sleeping, and an asleep engine runs decode bursts without capture. Against
     the awake plain steps alone, speculation looked like a win where it lost: the Kimi Linear
     demo at batch 1 delivered 0.56 tokens a ms verifying, 0.40 in awake plain steps and 0.77
-    asleep (docs/benchmarks.md)."""
+    asleep (docs/benchmarks.md).
+
+    Each kind's rate follows its own last steps, and a host's speed moves by a third over
+    seconds, so a verifying rate measured minutes ago in a fast moment can beat a plain rate
+    measured in a slow one: the Kimi Linear demo then verified ~17 steps a wake at 0.9x.
+    Verifying steps are therefore also set against the better plain rate of their own moment
+    (`against`: the tokens they produced over the tokens plain steps would have produced in
+    their seconds), and speculation loses where either comparison says so."""
 
     decay: float = 0.95
     min_steps: int = 8
     sums: dict[tuple[int, str], list[float]] = field(default_factory=dict)
+    # per bucket: decayed tokens verifying steps produced, the tokens the plain rate of each
+    # one's moment would have produced in its seconds, and how many steps
+    against: dict[int, list[float]] = field(default_factory=dict)
 
     def observe(self, rows: int, verifies: bool, produced: int, seconds: float,
                 asleep: bool = False) -> None:
         if rows <= 0 or seconds <= 0:
             return
         kind = "verify" if verifies else "asleep" if asleep else "awake"
+        if verifies and (plain := self._plain_rate(rows)) is not None:
+            rel = self.against.setdefault(rows.bit_length(), [0.0, 0.0, 0])
+            rel[0] = rel[0] * self.decay + produced
+            rel[1] = rel[1] * self.decay + seconds * plain
+            rel[2] += 1
         acc = self.sums.setdefault((rows.bit_length(), kind), [0.0, 0.0, 0])
         acc[0] = acc[0] * self.decay + produced
         acc[1] = acc[1] * self.decay + seconds
@@ -151,12 +166,20 @@ class RealizedRates:
                 and self._measured(rows, "awake") is None
                 and self._measured(rows, "asleep") is None)
 
-    def speculation_loses(self, rows: int) -> bool:
-        """Verifying steps have delivered fewer tokens per second here than the better of
-        the plain ones."""
-        spec = self._measured(rows, "verify")
+    def _plain_rate(self, rows: int) -> float | None:
+        """The better of the two plain rates measured here (None: neither yet)."""
         plain = [acc[0] / acc[1] for acc in (self._measured(rows, "awake"),
                                             self._measured(rows, "asleep")) if acc is not None]
-        if spec is None or not plain:
+        return max(plain) if plain else None
+
+    def speculation_loses(self, rows: int) -> bool:
+        """Verifying steps have delivered fewer tokens per second here than the better of
+        the plain ones: as rates (the plain steps' own last ones), or against the plain
+        rate of each verifying step's moment."""
+        rel = self.against.get(max(1, rows).bit_length())
+        if rel is not None and rel[2] >= self.min_steps and rel[0] < rel[1]:
+            return True
+        spec, plain = self._measured(rows, "verify"), self._plain_rate(rows)
+        if spec is None or plain is None:
             return False
-        return spec[0] / spec[1] < max(plain)
+        return spec[0] / spec[1] < plain
