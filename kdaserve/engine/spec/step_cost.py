@@ -127,7 +127,8 @@ class RealizedRates:
 
     Each kind's rate follows its own last steps, and a host's speed moves by a third over
     seconds, so a verifying rate measured minutes ago in a fast moment can beat a plain rate
-    measured in a slow one: the Kimi Linear demo then verified ~17 steps a wake at 0.9x.
+    measured in a slow one: the Kimi Linear demo then verified 16-18 blocks at 14 of 18 wakes,
+    at 0.9x the asleep rate.
     Verifying steps are therefore also set against the better plain rate of their own moment
     (`against`: the tokens they produced over the tokens plain steps would have produced in
     their seconds), and speculation loses where either comparison says so."""
