@@ -163,9 +163,7 @@ class RealizedRates:
         """Verifying steps have been measured here but plain ones not enough to compare: when
         speculation stays on from the first step (a request's first drafts are planned on the
         prior), nothing else would ever time a plain step of this batch size."""
-        return (self._measured(rows, "verify") is not None
-                and self._measured(rows, "awake") is None
-                and self._measured(rows, "asleep") is None)
+        return self._measured(rows, "verify") is not None and self._plain_rate(rows) is None
 
     def _plain_rate(self, rows: int) -> float | None:
         """The better of the two plain rates measured here (None: neither yet)."""
