@@ -89,8 +89,13 @@ def _counters(llm: LLM) -> tuple[int, int, int]:
     return s.num_draft_tokens, s.num_accepted_tokens, s.num_verify_rows
 
 
-def _params(mode: str, defaults: dict, n: int, max_tokens: int, temperature: float = 0.8,
-            top_p: float = 0.95) -> list[SamplingParams]:
+# the sampled rows' defaults: the demos' generation_config.json
+SAMPLED_TEMPERATURE, SAMPLED_TOP_P = 0.8, 0.95
+
+
+def _params(mode: str, defaults: dict, n: int, max_tokens: int,
+            temperature: float = SAMPLED_TEMPERATURE, top_p: float = SAMPLED_TOP_P
+            ) -> list[SamplingParams]:
     if mode == "greedy":
         return [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * n
     fields = {"temperature": temperature, "top_p": top_p, **{
@@ -299,10 +304,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, nargs="*", default=[8, 32])
     p.add_argument("--modes", nargs="+", choices=("greedy", "sampled"),
                    default=["greedy", "sampled"])
-    p.add_argument("--temperature", type=float, default=0.8,
+    p.add_argument("--temperature", type=float, default=SAMPLED_TEMPERATURE,
                    help="the sampled rows' temperature (top_k, min_p and repetition_penalty "
                    "come from the model's generation_config.json)")
-    p.add_argument("--top-p", type=float, default=0.95, help="the sampled rows' top_p")
+    p.add_argument("--top-p", type=float, default=SAMPLED_TOP_P,
+                   help="the sampled rows' top_p")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu or cuda (both engines)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
