@@ -57,6 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="best of N runs per batch size")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--against-csrc", default=None, metavar="DIR",
+                   help="also time another build of the blocks from DIR (a csrc/ directory, "
+                        "e.g. an older checkout's kdaserve/ops/csrc), alternating every "
+                        "decode step with this one (bench/blocks_ab.py)")
+    p.add_argument("--against-cflags", default=None, metavar="FLAGS",
+                   help="the other build's extra compiler flags (-D of a tunable; write "
+                        "--against-cflags=-DNAME=V), with or without --against-csrc")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         return time.perf_counter() - t
 
+    if args.against_csrc or args.against_cflags is not None:
+        return _run_against(args, llm, runner, sizes, g, go, report)
     totals: Counter = Counter()
     callers: set = set()
     for b in sizes:
@@ -106,5 +115,35 @@ def run(args: argparse.Namespace) -> int:
             if best is None or row["step_us"] < best["step_us"]:
                 best = row
         report["batches"][str(b)] = best
+    print(json.dumps(report, indent=None if args.json else 2))
+    return 0
+
+
+def _run_against(args, llm, runner, sizes, g, go, report) -> int:
+    """Build A (this one) and build B (--against-*) every other decode step (blocks_ab.py);
+    the machine's read rate before and after."""
+    from kdaserve.bench.blocks_ab import Alternating, tables, weights_of
+    from kdaserve.bench.memory_bound import read_rate
+
+    report["b"] = {"csrc": args.against_csrc, "cflags": args.against_cflags or ""}
+    report["read_bytes_per_s"] = [round(read_rate(args.threads))]
+    for b in sizes:
+        prompts = torch.randint(4, llm.engine.model_config.vocab_size, (b, args.input),
+                                generator=g).tolist()
+        go(prompts, 2)
+        if not runner._fused:
+            report["batches"][str(b)] = {"error": "the fused decode path does not apply"}
+            continue
+        dec = runner._fused
+        alt = Alternating(tables(weights_of(runner.model), args.against_csrc,
+                                 args.against_cflags or ""))
+        dec.k = alt
+        go(prompts, 3)
+        alt.clear()
+        for _ in range(args.repeats):
+            go(prompts, args.output + 1)
+        report["batches"][str(b)] = alt.report()
+        dec.k = alt.tables[0]
+    report["read_bytes_per_s"].append(round(read_rate(args.threads)))
     print(json.dumps(report, indent=None if args.json else 2))
     return 0

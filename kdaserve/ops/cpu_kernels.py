@@ -49,13 +49,15 @@ _OPENMP_SOURCES = {"decode_cpu.c", "kda_cpu.c", "mla_cpu.c", "moe_cpu.c", "int_l
                    "sample_cpu.c"}
 
 
-def _build(src: Path) -> Path | None:
+def _build(src: Path, cflags: str | None = None) -> Path | None:
     if src.name in _OPENMP_SOURCES:
-        return _build_with(src, ["-fopenmp"]) or _build_with(src, [], quiet=False)
-    return _build_with(src, [], quiet=False)
+        return (_build_with(src, ["-fopenmp"], cflags=cflags)
+                or _build_with(src, [], quiet=False, cflags=cflags))
+    return _build_with(src, [], quiet=False, cflags=cflags)
 
 
-def _build_with(src: Path, extra: list[str], quiet: bool = True) -> Path | None:
+def _build_with(src: Path, extra: list[str], quiet: bool = True,
+                cflags: str | None = None) -> Path | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
@@ -66,8 +68,8 @@ def _build_with(src: Path, extra: list[str], quiet: bool = True) -> Path | None:
         return None
     # KDASERVE_KERNEL_CFLAGS: more flags, for an A/B build of a kernel's tunable (a -D of its
     # headers' #ifndef constants, docs/benchmarks.md); part of the cache key like the rest
-    flags = [*_FLAGS, cpu_isa.march_flag(variant), *extra,
-             *os.environ.get("KDASERVE_KERNEL_CFLAGS", "").split()]
+    more = os.environ.get("KDASERVE_KERNEL_CFLAGS", "") if cflags is None else cflags
+    flags = [*_FLAGS, cpu_isa.march_flag(variant), *extra, *more.split()]
     headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))
     key = hashlib.sha256(src.read_bytes() + headers + " ".join(
         [cc, *flags, platform.machine(), platform.node()]).encode()).hexdigest()[:16]
@@ -126,6 +128,13 @@ def _library(source: str = "kda_cpu.c") -> ctypes.CDLL | None:
     except OSError as e:
         log.warning("kdaserve: loading %s failed (%s); using the torch reference", lib_path, e)
         return None
+
+
+def build_library(src: Path, cflags: str = "") -> ctypes.CDLL | None:
+    """Another build of a kernel source (a second csrc/ tree, other -D flags) beside the
+    default one: `kdaserve bench blocks --against-*` times the two side by side."""
+    lib_path = _build(src, cflags)
+    return ctypes.CDLL(str(lib_path)) if lib_path is not None else None
 
 
 def _split_rows(fn: Callable[..., None], num_rows: int, work: int, *args) -> None:
@@ -262,8 +271,11 @@ def decode_block_kernels(weights: str = "f32"):
     once per model (kdaserve.model.fused_decode), so no argument types are declared: each call
     converts nothing."""
     lib = _library("decode_cpu.c")
-    if lib is None:
-        return None
+    return decode_table(lib, weights) if lib is not None else None
+
+
+def decode_table(lib: ctypes.CDLL, weights: str):
+    """decode_block_kernels' table from a loaded build of decode_cpu.c."""
     from types import SimpleNamespace
 
     fns = {}
@@ -279,7 +291,8 @@ def decode_block_kernels(weights: str = "f32"):
     fns["embed"].restype = ctypes.c_int64
     # the blocks run their work on several threads themselves (csrc/threads.h): the caller
     # should not split rows over threads of its own on top
-    fns["parallel"] = _openmp_built("decode_cpu.c")
+    lib.kernels_parallel.restype = ctypes.c_int64
+    fns["parallel"] = bool(lib.kernels_parallel())
     fns["threads"] = lib.decode_blocks_threads
     fns["threads"].restype = None
     fns["threads"].argtypes = [ctypes.c_int64]

@@ -82,6 +82,38 @@ def test_step_matches_torch_forward(gate, rows):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_long_row_matches_torch_forward(threads):
+    """A lone row past 128 positions: with two threads its MLA attention runs as two spans,
+    one a thread, merged (csrc/mla_attend.h); with one, as one span."""
+    cfg = tiny_config()
+    model = random_model(cfg, seed=12).fuse_for_inference()
+    bs, n = 16, 300
+    cache = HybridCache.allocate(cfg, 24, bs, 4)
+    g = torch.Generator().manual_seed(12)
+    prompt = torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+    tables, slots = [list(range(1, 21))], [1]
+    _prefill(model, cache, tables, slots, [prompt])
+    ref_cache = _clone(cache)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused = fused_decoder(model, cache)
+        for step in range(2):
+            ids = torch.randint(0, cfg.vocab_size, (1,), generator=g)
+            ctx = [n + step]
+            fb = build_forward_batch([1], ctx, num_decode=1, conv_kernel=cfg.conv_kernel_size,
+                                     chunk_size=model.chunk_size, cache=ref_cache,
+                                     block_tables=tables, state_slots=slots)
+            with torch.inference_mode():
+                want, _ = model(ids, fb)
+            got = fused(ids, torch.tensor(ctx), torch.tensor(slots), torch.tensor(tables), cache)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_verify_rows_match_the_torch_verify_forward():
     """A token and its 3 drafts as 4 rows sharing a slot (consecutive positions), beside a
     plain decode row: the logits of every position, the states kept after each position (a

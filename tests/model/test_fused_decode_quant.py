@@ -180,3 +180,45 @@ def test_k3_step_matches_its_torch_forward(bits):
         got = fused(ids, torch.tensor(ctx), torch.tensor(slots), torch.tensor(tables), cache)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("wq", SCHEMES[:2], ids=IDS[:2])
+def test_one_thread_or_two_the_same_bits(wq, monkeypatch):
+    """The packed products split their output tiles over the threads and the MoE block its
+    experts, each output computed whole on one thread: one thread and two give the same bits
+    (rows under 128 positions: MLA attention splits a longer row over the threads, and the
+    merge of its spans rounds otherwise)."""
+    monkeypatch.setenv("KDASERVE_INT_DOT", "1")
+    cfg = tiny_config(**{**CFG, "moe_intermediate_size": 64})
+    model = quantize_model(random_model(cfg, seed=7), wq).fuse_for_inference()
+    rows = 3
+    cache = HybridCache.allocate(cfg, 64, 4, 8)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 5, 14)]
+    tables = [list(range(1 + 12 * i, 13 + 12 * i)) for i in range(rows)]
+    slots = [2 + i for i in range(rows)]
+    _prefill(model, cache, tables, slots, prompts)
+    caches, logits = [], []
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            c = _clone(cache)
+            fused = fused_decoder(model, c)
+            ids = torch.tensor([5, 17, 3])
+            for step in range(3):
+                ctx = torch.tensor([len(p) + step for p in prompts])
+                for n in (1, rows):           # a lone row (every expert's input the same)
+                    out = fused(ids[:n], ctx[:n], torch.tensor(slots[:n]),
+                                torch.tensor(tables[:n]), c)
+                    logits.append(out)
+                ids = out.argmax(-1)
+            caches.append(c)
+    finally:
+        torch.set_num_threads(saved)
+    half = len(logits) // 2
+    for a, b in zip(logits[:half], logits[half:]):
+        assert torch.equal(a, b)
+    for name in ("kda_states", "kda_conv", "mla_pages"):
+        for a, b in zip(getattr(caches[0], name), getattr(caches[1], name)):
+            assert torch.equal(a, b), name

@@ -84,6 +84,9 @@ static inline void NAME(mla_scores2)(const float *restrict q, const CT *restrict
 /* Positions per online-softmax update (and never across a page: latents stay contiguous). */
 #define MLA_SPAN 32
 #define MLA_AHEAD 2
+#ifndef MLA_MIN_SPAN
+#define MLA_MIN_SPAN 128
+#endif
 
 /* The H heads' online-softmax partials of one row over positions [t0, t1) of its pages:
  * running max m [H], sum l [H] and unnormalised context acc [H, Dc] (initialised here).
@@ -160,6 +163,65 @@ static void NAME(mla_span)(const float *q, int64_t H, int64_t Dc, int64_t LD, co
     }
 }
 
+/* What the parts of mla_attend_rows share. */
+struct NAME(mla_work) {
+    int64_t H, N, R, Dc, Vd, QD, LD;
+    const float *q;
+    const WT *kv_b;
+    const CT *pages;
+    int64_t bs;
+    const int64_t *block_table;
+    int64_t width;
+    const int64_t *positions;
+    float scale;
+    float *o, *qf, *part;
+    const int64_t *first, *per;
+};
+
+/* (row, head) bh's latent query: q_nope . W_uk[h] (W_uk rows of kv_b: h*(N+Vd) + n), then
+ * its rope part */
+static void NAME(mla_absorb)(const struct NAME(mla_work) *w, int64_t bh) {
+    const int64_t hh = bh % w->H;
+    const float *qn = w->q + bh * w->QD;
+    float *dst = w->qf + bh * w->LD;
+    NAME(vecmat)(qn, w->kv_b + hh * (w->N + w->Vd) * w->Dc, dst, w->N, w->Dc);
+    memcpy(dst + w->Dc, qn + w->N, sizeof(float) * (size_t)w->R);
+}
+
+/* work item it: its row's span of positions, into its partial softmax state */
+static void NAME(mla_item)(const struct NAME(mla_work) *w, int64_t it) {
+    int64_t b = 0;
+    while (w->first[b + 1] <= it) ++b;
+    const int64_t H = w->H, Dc = w->Dc;
+    const int64_t L = w->positions[b] + 1, t0 = (it - w->first[b]) * w->per[b];
+    const int64_t t1 = t0 + w->per[b] < L ? t0 + w->per[b] : L;
+    float *pm = w->part + it * H * (Dc + 2), *pl = pm + H, *pa = pl + H;
+    NAME(mla_span)(w->qf + b * H * w->LD, H, Dc, w->LD, w->pages, w->bs,
+                   w->block_table + b * w->width, t0, t1, w->scale, pm, pl, pa);
+}
+
+/* (row, head) bh's partial states merged, then its values: ctx . W_uv[h] */
+static void NAME(mla_merge)(const struct NAME(mla_work) *w, int64_t bh) {
+    const int64_t H = w->H, Dc = w->Dc, b = bh / H, hh = bh % H;
+    const float *part = w->part;
+    float mx = -INFINITY;
+    for (int64_t it = w->first[b]; it < w->first[b + 1]; ++it) {
+        const float mi = part[it * H * (Dc + 2) + hh];
+        mx = mi > mx ? mi : mx;
+    }
+    float ctx[Dc], tot = 0.0f;
+    for (int64_t i = 0; i < Dc; ++i) ctx[i] = 0.0f;
+    for (int64_t it = w->first[b]; it < w->first[b + 1]; ++it) {
+        const float *pm = part + it * H * (Dc + 2), *pl = pm + H, *pa = pl + H;
+        const float c = exp_approx(pm[hh] - mx);
+        tot += c * pl[hh];
+        for (int64_t i = 0; i < Dc; ++i) ctx[i] += c * pa[hh * Dc + i];
+    }
+    const float inv = 1.0f / tot;
+    for (int64_t i = 0; i < Dc; ++i) ctx[i] *= inv;
+    NAME(matvec)(w->kv_b + (hh * (w->N + w->Vd) + w->N) * Dc, ctx, w->o + bh * w->Vd, w->Vd, Dc);
+}
+
 /* Absorbed attention of B decode rows (q [B, H, N+R] as projected) over their cached latents,
  * into o [B, H, Vd]. Each latent is read once for all heads; a row's positions are split into
  * spans of work (split-K) that run in parallel with partial softmax states, merged per row. */
@@ -181,51 +243,39 @@ static void NAME(mla_attend_rows)(int64_t B, int64_t H, int64_t N, int64_t R, in
         const int64_t want = 4 * threads;      /* spans of >= 2048 positions */
         int64_t span = (L + want - 1) / want;
         span = span < 2048 ? 2048 : span;
+        if (L < 2048 * threads) {
+            /* a row too short for a long span a thread: even parts of >= MLA_MIN_SPAN, one a
+             * thread (a lone decode row's attention ran on one of them while the rest
+             * waited) */
+            int64_t parts = (L + MLA_MIN_SPAN - 1) / MLA_MIN_SPAN;
+            parts = parts < threads ? parts : threads;
+            span = (L + parts - 1) / parts;
+        }
         per[b] = span;
         first[b + 1] = first[b] + (L + span - 1) / span;
     }
     const int64_t items = first[B];
     float *qf = malloc(sizeof(float) * (size_t)(B * H * LD));
     float *part = malloc(sizeof(float) * (size_t)(items * H * (Dc + 2)));
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t hh = 0; hh < H; ++hh) {
-            const float *qn = q + b * H * QD + hh * QD;
-            float *dst = qf + (b * H + hh) * LD;
-            /* q_lat = q_nope . W_uk[h]  (W_uk rows of kv_b: h*(N+Vd) + n) */
-            NAME(vecmat)(qn, kv_b + hh * (N + Vd) * Dc, dst, N, Dc);
-            memcpy(dst + Dc, qn + N, sizeof(float) * (size_t)R);
+    const struct NAME(mla_work) w = {H, N, R, Dc, Vd, QD, LD, q, kv_b, pages, bs, block_table,
+                                     width, positions, scale, o, qf, part, first, per};
+    /* the heads' absorbed queries, the spans, then each (row, head)'s merge: one region, so
+     * that a lone row's heads read kv_b on every thread, not on the caller's alone */
+    if (team_threads() > 1 && (B * H > 1 || items > 1)) {
+#pragma omp parallel
+        {
+#pragma omp for schedule(static)
+            for (int64_t bh = 0; bh < B * H; ++bh) NAME(mla_absorb)(&w, bh);
+#pragma omp for schedule(dynamic)
+            for (int64_t it = 0; it < items; ++it) NAME(mla_item)(&w, it);
+#pragma omp for schedule(static)
+            for (int64_t bh = 0; bh < B * H; ++bh) NAME(mla_merge)(&w, bh);
         }
-    PAR_FOR(items > 1 && team_threads() > 1, schedule(dynamic),
-        for (int64_t it = 0; it < items; ++it) {
-            int64_t b = 0;
-            while (first[b + 1] <= it) ++b;
-            const int64_t L = positions[b] + 1, t0 = (it - first[b]) * per[b];
-            const int64_t t1 = t0 + per[b] < L ? t0 + per[b] : L;
-            float *pm = part + it * H * (Dc + 2), *pl = pm + H, *pa = pl + H;
-            NAME(mla_span)(qf + b * H * LD, H, Dc, LD, pages, bs, block_table + b * width, t0, t1,
-                           scale, pm, pl, pa);
-        });
-    /* rows merge on their own: in parallel when there are several */
-    PAR_FOR(B > 1 && team_threads() > 1, schedule(static),
-        for (int64_t b = 0; b < B; ++b)
-            for (int64_t hh = 0; hh < H; ++hh) {
-                float mx = -INFINITY;
-                for (int64_t it = first[b]; it < first[b + 1]; ++it) {
-                    const float mi = part[it * H * (Dc + 2) + hh];
-                    mx = mi > mx ? mi : mx;
-                }
-                float ctx[Dc], tot = 0.0f;
-                for (int64_t i = 0; i < Dc; ++i) ctx[i] = 0.0f;
-                for (int64_t it = first[b]; it < first[b + 1]; ++it) {
-                    const float *pm = part + it * H * (Dc + 2), *pl = pm + H, *pa = pl + H;
-                    const float c = exp_approx(pm[hh] - mx);
-                    tot += c * pl[hh];
-                    for (int64_t i = 0; i < Dc; ++i) ctx[i] += c * pa[hh * Dc + i];
-                }
-                const float inv = 1.0f / tot;
-                for (int64_t i = 0; i < Dc; ++i) ctx[i] *= inv;
-                NAME(matvec)(kv_b + (hh * (N + Vd) + N) * Dc, ctx, o + b * H * Vd + hh * Vd, Vd, Dc);
-            });
+    } else {
+        for (int64_t bh = 0; bh < B * H; ++bh) NAME(mla_absorb)(&w, bh);
+        for (int64_t it = 0; it < items; ++it) NAME(mla_item)(&w, it);
+        for (int64_t bh = 0; bh < B * H; ++bh) NAME(mla_merge)(&w, bh);
+    }
     free(part);
     free(qf);
 }
