@@ -185,17 +185,18 @@ def test_k3_step_matches_its_torch_forward(bits):
 @pytest.mark.parametrize("wq", SCHEMES[:2], ids=IDS[:2])
 def test_one_thread_or_two_the_same_bits(wq, monkeypatch):
     """The packed products split their output tiles over the threads and the MoE block its
-    experts, each output computed whole on one thread: one thread and two give the same bits
-    (rows under 128 positions: MLA attention splits a longer row over the threads, and the
-    merge of its spans rounds otherwise)."""
+    experts, each output computed whole on one thread, and MLA attention splits a row's
+    positions by its length alone: one thread and two give the same bits (the served engine
+    moves its thread count with the free cores)."""
     monkeypatch.setenv("KDASERVE_INT_DOT", "1")
     cfg = tiny_config(**{**CFG, "moe_intermediate_size": 64})
     model = quantize_model(random_model(cfg, seed=7), wq).fuse_for_inference()
     rows = 3
-    cache = HybridCache.allocate(cfg, 64, 4, 8)
+    cache = HybridCache.allocate(cfg, 80, 16, 8)
     g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 5, 14)]
-    tables = [list(range(1 + 12 * i, 13 + 12 * i)) for i in range(rows)]
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+               for n in (9, 300, 140)]            # MLA: one range, three, two
+    tables = [list(range(1 + 24 * i, 25 + 24 * i)) for i in range(rows)]
     slots = [2 + i for i in range(rows)]
     _prefill(model, cache, tables, slots, prompts)
     caches, logits = [], []

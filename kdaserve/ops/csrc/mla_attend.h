@@ -84,8 +84,14 @@ static inline void NAME(mla_scores2)(const float *restrict q, const CT *restrict
 /* Positions per online-softmax update (and never across a page: latents stay contiguous). */
 #define MLA_SPAN 32
 #define MLA_AHEAD 2
+/* A row's positions split into at most MLA_ROW_SPANS ranges of at least MLA_MIN_SPAN, merged
+ * after: a lone decode row of a few hundred positions runs on two threads (it ran on one in
+ * ranges of 2,048 positions and more), and a long row on up to 16. */
 #ifndef MLA_MIN_SPAN
 #define MLA_MIN_SPAN 128
+#endif
+#ifndef MLA_ROW_SPANS
+#define MLA_ROW_SPANS 16
 #endif
 
 /* The H heads' online-softmax partials of one row over positions [t0, t1) of its pages:
@@ -230,27 +236,15 @@ static void NAME(mla_attend_rows)(int64_t B, int64_t H, int64_t N, int64_t R, in
                                   int64_t bs, const int64_t *block_table, int64_t width,
                                   const int64_t *positions, float scale, float *o) {
     const int64_t QD = N + R, LD = Dc + R;
-#ifdef _OPENMP
-    const int64_t threads = omp_get_max_threads();
-#else
-    const int64_t threads = 1;
-#endif
-    /* work items: (row, position range), about 4 per thread for a long row */
+    /* work items: (row, position range); a row's ranges follow from its length alone, so its
+     * sums do not depend on the thread count (the served engine moves it with the free cores,
+     * docs/design.md) nor on its batch mates */
     int64_t first[B + 1], per[B];
     first[0] = 0;
     for (int64_t b = 0; b < B; ++b) {
         const int64_t L = positions[b] + 1;
-        const int64_t want = 4 * threads;      /* spans of >= 2048 positions */
-        int64_t span = (L + want - 1) / want;
-        span = span < 2048 ? 2048 : span;
-        if (L < 2048 * threads) {
-            /* a row too short for a long span a thread: even parts of >= MLA_MIN_SPAN, one a
-             * thread (a lone decode row's attention ran on one of them while the rest
-             * waited) */
-            int64_t parts = (L + MLA_MIN_SPAN - 1) / MLA_MIN_SPAN;
-            parts = parts < threads ? parts : threads;
-            span = (L + parts - 1) / parts;
-        }
+        int64_t span = (L + MLA_ROW_SPANS - 1) / MLA_ROW_SPANS;
+        span = span < MLA_MIN_SPAN ? MLA_MIN_SPAN : span;
         per[b] = span;
         first[b + 1] = first[b] + (L + span - 1) / span;
     }
