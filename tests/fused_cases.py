@@ -34,3 +34,19 @@ def round_to_bf16(cache: HybridCache) -> None:
     """What a bf16 cache keeps of the fp32 MLA pages and conv windows, in place."""
     for t in cache.mla_pages + cache.kda_conv:
         t.copy_(t.to(torch.bfloat16))
+
+
+def step_against_forward(model, fused, ids: torch.Tensor, ctx: list[int], tables, slots,
+                         cache: HybridCache, ref_cache: HybridCache) -> torch.Tensor:
+    """One decode step of the rows through the fused decoder (over `cache`) and through the
+    torch forward (over `ref_cache`): the same logits to rounding, the same greedy tokens."""
+    fb = build_forward_batch([1] * len(ctx), ctx, num_decode=len(ctx),
+                             conv_kernel=model.config.conv_kernel_size,
+                             chunk_size=model.chunk_size, cache=ref_cache, block_tables=tables,
+                             state_slots=slots)
+    with torch.inference_mode():
+        want, _ = model(ids, fb)
+    got = fused(ids, torch.tensor(ctx), torch.tensor(slots), torch.tensor(tables), cache)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    return got

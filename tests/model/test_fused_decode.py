@@ -13,6 +13,7 @@ from compiled_kernels import needs_kernels, require
 from fused_cases import clone_cache as _clone
 from fused_cases import prefill as _prefill
 from fused_cases import round_to_bf16 as _round_to_bf16
+from fused_cases import step_against_forward as _step
 from tiny_models import random_model, tiny_config
 from torch import nn
 
@@ -101,15 +102,7 @@ def test_a_long_row_matches_torch_forward(threads):
         fused = fused_decoder(model, cache)
         for step in range(2):
             ids = torch.randint(0, cfg.vocab_size, (1,), generator=g)
-            ctx = [n + step]
-            fb = build_forward_batch([1], ctx, num_decode=1, conv_kernel=cfg.conv_kernel_size,
-                                     chunk_size=model.chunk_size, cache=ref_cache,
-                                     block_tables=tables, state_slots=slots)
-            with torch.inference_mode():
-                want, _ = model(ids, fb)
-            got = fused(ids, torch.tensor(ctx), torch.tensor(slots), torch.tensor(tables), cache)
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-            assert torch.equal(got.argmax(-1), want.argmax(-1))
+            _step(model, fused, ids, [n + step], tables, slots, cache, ref_cache)
     finally:
         torch.set_num_threads(saved)
 
@@ -411,15 +404,8 @@ def test_plain_step_matches_torch_forward_and_refuses_unknown_ids():
     fused = fused_decoder(model, cache)
     for step in range(3):
         ids = torch.randint(0, cfg.vocab_size, (2,), generator=g)
-        ctx = [len(p) + step for p in prompts]
-        fb = build_forward_batch([1, 1], ctx, num_decode=2, conv_kernel=cfg.conv_kernel_size,
-                                 chunk_size=model.chunk_size, cache=ref_cache,
-                                 block_tables=tables, state_slots=slots)
-        with torch.inference_mode():
-            want, _ = model(ids, fb)
-        got = fused(ids, torch.tensor(ctx), torch.tensor(slots), torch.tensor(tables), cache)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        _step(model, fused, ids, [len(p) + step for p in prompts], tables, slots, cache,
+              ref_cache)
     before = [t.clone() for t in cache.kda_states]
     ctx = [len(p) + 3 for p in prompts]
     with pytest.raises(ValueError, match="outside the vocabulary"):
