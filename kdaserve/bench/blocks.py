@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import time
 from collections import Counter
@@ -125,6 +126,7 @@ def _run_against(args, llm, runner, sizes, g, go, report) -> int:
     from kdaserve.bench.blocks_ab import Alternating, tables, weights_of
     from kdaserve.bench.memory_bound import read_rate
 
+    report["a"] = {"csrc": None, "cflags": os.environ.get("KDASERVE_KERNEL_CFLAGS", "")}
     report["b"] = {"csrc": args.against_csrc, "cflags": args.against_cflags or ""}
     report["read_bytes_per_s"] = [round(read_rate(args.threads))]
     for b in sizes:

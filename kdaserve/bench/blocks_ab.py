@@ -78,7 +78,12 @@ def tables(weights: str, csrc: str | None, cflags: str) -> list:
     lib = cpu_kernels.build_library(src / "decode_cpu.c", cflags)
     if base is None or lib is None:
         raise SystemExit("bench blocks --against-*: a build of decode_cpu.c failed")
-    return [base, cpu_kernels.decode_table(lib, weights)]
+    other = cpu_kernels.decode_table(lib, weights)
+    if not (base.parallel and other.parallel):
+        # without OpenMP a step's rows split over threads of ours (fused_rows.split_parts),
+        # each calling the head: the steps would not alternate
+        raise SystemExit("bench blocks --against-*: needs the blocks built with OpenMP")
+    return [base, other]
 
 
 def weights_of(model: torch.nn.Module) -> str:
