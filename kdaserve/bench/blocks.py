@@ -85,8 +85,14 @@ def run(args: argparse.Namespace) -> int:
         llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         return time.perf_counter() - t
 
-    if args.against_csrc or args.against_cflags is not None:
-        return _run_against(args, llm, runner, sizes, g, go, report)
+    against = bool(args.against_csrc) or args.against_cflags is not None
+    alt = None
+    if against:
+        from kdaserve.bench.memory_bound import read_rate
+
+        report["a"] = {"csrc": None, "cflags": os.environ.get("KDASERVE_KERNEL_CFLAGS", "")}
+        report["b"] = {"csrc": args.against_csrc, "cflags": args.against_cflags or ""}
+        report["read_bytes_per_s"] = [round(read_rate(args.threads))]
     totals: Counter = Counter()
     callers: set = set()
     for b in sizes:
@@ -97,6 +103,15 @@ def run(args: argparse.Namespace) -> int:
             report["batches"][str(b)] = {"error": "the fused decode path does not apply"}
             continue
         dec = runner._fused
+        if against:
+            if alt is None:          # the other build, once for every batch size
+                from kdaserve.bench.blocks_ab import Alternating, tables, weights_of
+
+                alt = Alternating(tables(weights_of(runner.model), args.against_csrc,
+                                         args.against_cflags or ""))
+            report["batches"][str(b)] = _alternated(dec, alt, prompts, go, args.output,
+                                                    args.repeats)
+            continue
         dec.k = _Timed(dec.k if not isinstance(dec.k, _Timed) else dec.k._k, totals, callers)
         best: dict | None = None
         for _ in range(args.repeats):
@@ -116,36 +131,19 @@ def run(args: argparse.Namespace) -> int:
             if best is None or row["step_us"] < best["step_us"]:
                 best = row
         report["batches"][str(b)] = best
+    if against:
+        report["read_bytes_per_s"].append(round(read_rate(args.threads)))
     print(json.dumps(report, indent=None if args.json else 2))
     return 0
 
 
-def _run_against(args, llm, runner, sizes, g, go, report) -> int:
-    """Build A (this one) and build B (--against-*) every other decode step (blocks_ab.py);
-    the machine's read rate before and after."""
-    from kdaserve.bench.blocks_ab import Alternating, tables, weights_of
-    from kdaserve.bench.memory_bound import read_rate
-
-    report["a"] = {"csrc": None, "cflags": os.environ.get("KDASERVE_KERNEL_CFLAGS", "")}
-    report["b"] = {"csrc": args.against_csrc, "cflags": args.against_cflags or ""}
-    report["read_bytes_per_s"] = [round(read_rate(args.threads))]
-    for b in sizes:
-        prompts = torch.randint(4, llm.engine.model_config.vocab_size, (b, args.input),
-                                generator=g).tolist()
-        go(prompts, 2)
-        if not runner._fused:
-            report["batches"][str(b)] = {"error": "the fused decode path does not apply"}
-            continue
-        dec = runner._fused
-        alt = Alternating(tables(weights_of(runner.model), args.against_csrc,
-                                 args.against_cflags or ""))
-        dec.k = alt
-        go(prompts, 3)
-        alt.clear()
-        for _ in range(args.repeats):
-            go(prompts, args.output + 1)
-        report["batches"][str(b)] = alt.report()
-        dec.k = alt.tables[0]
-    report["read_bytes_per_s"].append(round(read_rate(args.threads)))
-    print(json.dumps(report, indent=None if args.json else 2))
-    return 0
+def _alternated(dec, alt, prompts: list[list[int]], go, output: int, repeats: int) -> dict:
+    """Build A (this one) and build B (--against-*) every other decode step (blocks_ab.py)
+    over `repeats` runs of the prompts; the decoder keeps build A after."""
+    dec.k = alt
+    go(prompts, 3)
+    alt.clear()
+    for _ in range(repeats):
+        go(prompts, output + 1)
+    dec.k = alt.tables[0]
+    return alt.report()

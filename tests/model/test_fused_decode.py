@@ -85,8 +85,8 @@ def test_step_matches_torch_forward(gate, rows):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_long_row_matches_torch_forward(threads):
-    """A lone row past 128 positions: with two threads its MLA attention runs as two spans,
-    one a thread, merged (csrc/mla_attend.h); with one, as one span."""
+    """A lone row of 300 positions: its MLA attention runs as three ranges of 128 positions
+    and less, merged (csrc/mla_attend.h), on one thread or over two."""
     cfg = tiny_config()
     model = random_model(cfg, seed=12).fuse_for_inference()
     bs, n = 16, 300
