@@ -210,8 +210,10 @@ idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, f
  * kept the loop busy with its addresses. One thread, [1024 x 1024] in groups of 128, hot:
  * INT4 1.26-1.28x, INT8 1.23-1.25x on AVX-512, where a control running the same code read
  * 1.09 (INT4 1.26x, INT8 1.12x on AVX2); cold, a pool of 256 such matrices in shuffled order:
- * INT4 1.15-1.18x, INT8 even (docs/benchmarks.md, twenty-fourth session). IDOT_ROW4=0 keeps
- * idot_tile (for A/B runs). */
+ * INT4 1.15-1.18x, INT8 even (docs/benchmarks.md, twenty-fourth session). Its INT4 sums start
+ * at -8 A, once for the four outputs (the same integers as correcting each after, which
+ * idot_tile's lone row still does): hot 1.07-1.09x on AVX-512, even on AVX2 and cold
+ * (twenty-seventh session). IDOT_ROW4=0 keeps idot_tile (for A/B runs). */
 #ifndef IDOT_ROW4
 #define IDOT_ROW4 1
 #endif
@@ -241,10 +243,10 @@ idot_row4(const qmat *m, int64_t n, const qacts *a, int64_t r, float *Y, int bit
                 __builtin_prefetch(w + IDOT_AHEAD + u * 128 + c);
             const int8_t *qa = q + u * unit;
             const idot_f dv = idot_ldf(d + u * 8);
+            const idot_i st = !zp && bits == 4 ? idot_start8(A + u * 8) : idot_izero();
             for (int o = 0; o < 4; ++o) {
-                idot_i I = idot_lanes(idot_izero(), idot_wb(w + o * rb + u * 32, bits), qa, bits);
+                idot_i I = idot_lanes(st, idot_wb(w + o * rb + u * 32, bits), qa, bits);
                 if (zp) I = idot_correct(I, A + u * 8, off[o]);
-                else if (bits == 4) I = idot_correct8(I, A + u * 8);
                 t[o] = idot_fma(I, dv, t[o]);
             }
         }
