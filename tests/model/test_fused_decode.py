@@ -83,11 +83,18 @@ def test_step_matches_torch_forward(gate, rows):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+# MLA heads and latent ranks: 3 heads take each head's own dots (csrc/mla_attend.h
+# mla_dots), 9 and 16 the heads as lanes (mla_scores16; 9 padded to 16); the ranks take the
+# context's scalar tail (12), its 64 and 16 wide sums (80)
+MLA_SHAPES = [(3, 12), (9, 12), (16, 80)]
+
+
+@pytest.mark.parametrize("heads,rank", MLA_SHAPES)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_long_row_matches_torch_forward(threads):
+def test_a_long_row_matches_torch_forward(threads, heads, rank):
     """A lone row of 300 positions: its MLA attention runs as three ranges of 128 positions
     and less, merged (csrc/mla_attend.h), on one thread or over two."""
-    cfg = tiny_config()
+    cfg = tiny_config(num_attention_heads=heads, kv_lora_rank=rank)
     model = random_model(cfg, seed=12).fuse_for_inference()
     bs, n = 16, 300
     cache = HybridCache.allocate(cfg, 24, bs, 4)
@@ -162,15 +169,20 @@ WIDE_BF16 = dict(hidden_size=1024, intermediate_size=1024, moe_intermediate_size
                  vocab_size=1024, num_experts=3)
 
 
+# 16 MLA heads: their scores with the heads as lanes (csrc/mla_attend.h mla_scores16)
+HEADS = dict(num_attention_heads=16, kv_lora_rank=80)
+
+
 @pytest.mark.parametrize("dtype,shape", [(torch.float32, "tiny"), (torch.bfloat16, "tiny"),
-                                         (torch.float32, "wide"), (torch.bfloat16, "wide")])
+                                         (torch.float32, "wide"), (torch.bfloat16, "wide"),
+                                         (torch.float32, "heads"), (torch.bfloat16, "heads")])
 def test_many_rows_split_over_threads_equal_one_row_at_a_time(dtype, shape):
     """15 rows (the kernels' 4-row tiles leave 3: a 2-row tile and one) in one step, split
     over 2 threads,
     give each row exactly what it gets alone (logits and cache): the dot products sum in the
     same order whatever the batch; in fp32 the logits match the torch forward of the rows."""
     wide = WIDE_BF16 if dtype == torch.bfloat16 else WIDE
-    cfg = tiny_config(**(wide if shape == "wide" else {}))
+    cfg = tiny_config(**{"wide": wide, "heads": HEADS}.get(shape, {}))
     model = random_model(cfg, seed=5).to(dtype).fuse_for_inference()
     if shape == "wide":      # a 4 KiB row of fp32 vocabulary: the head's store is padded
         assert model.lm_head.weight.stride(1) == cfg.vocab_size + (

@@ -182,14 +182,15 @@ def test_k3_step_matches_its_torch_forward(bits):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.parametrize("heads", [3, 16])        # MLA: each head's dots, or heads as lanes
 @pytest.mark.parametrize("wq", SCHEMES[:2], ids=IDS[:2])
-def test_one_thread_or_two_the_same_bits(wq, monkeypatch):
+def test_one_thread_or_two_the_same_bits(wq, heads, monkeypatch):
     """The packed products split their output tiles over the threads and the MoE block its
     experts, each output computed whole on one thread, and MLA attention splits a row's
     positions by its length alone: one thread and two give the same bits (the served engine
     moves its thread count with the free cores)."""
     monkeypatch.setenv("KDASERVE_INT_DOT", "1")
-    cfg = tiny_config(**{**CFG, "moe_intermediate_size": 64})
+    cfg = tiny_config(**{**CFG, "moe_intermediate_size": 64, "num_attention_heads": heads})
     model = quantize_model(random_model(cfg, seed=7), wq).fuse_for_inference()
     rows = 3
     cache = HybridCache.allocate(cfg, 80, 16, 8)

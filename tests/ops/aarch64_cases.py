@@ -84,8 +84,8 @@ def _sample() -> list[torch.Tensor]:
 
 def _fused() -> list[torch.Tensor]:
     """Three decode steps of three rows through the fused blocks of a tiny model (fp32
-    weights, experts transposed; bf16, experts as the checkpoint lays them out): logits and
-    every cache tensor."""
+    weights, experts transposed; bf16, experts as the checkpoint lays them out; fp32 with 16
+    MLA heads): logits and every cache tensor."""
     from fused_cases import prefill
     from tiny_models import random_model, tiny_config
     from torch import nn
@@ -95,8 +95,10 @@ def _fused() -> list[torch.Tensor]:
     from kdaserve.model.moe import SparseMoE
 
     out = []
-    for dtype in (torch.float32, torch.bfloat16):
-        cfg = tiny_config()
+    # 16 MLA heads: their scores with the heads as lanes (csrc/mla_attend.h mla_scores16)
+    for dtype, over in ((torch.float32, {}), (torch.bfloat16, {}),
+                        (torch.float32, {"num_attention_heads": 16, "kv_lora_rank": 80})):
+        cfg = tiny_config(**over)
         model = random_model(cfg, seed=3).fuse_for_inference()
         cache = HybridCache.allocate(cfg, 64, 4, 8, num_snapshots=4)
         g = torch.Generator().manual_seed(3)

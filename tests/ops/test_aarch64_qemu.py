@@ -193,8 +193,9 @@ def test_fused_decode_blocks_bf16(on_target, experts):
 @pytest.mark.parametrize("case", list(aarch64_cases.CASES))
 def test_same_bits_as_the_host_build(runner, host, case):
     """Every output bit for bit as this machine's build computes it. The kernels sum in a
-    fixed order and the build is ISO C (no contraction into fused multiply-adds, except the
-    MXFP4 dot products, which fuse on both: moe_mxfp4.h mx_dots), so only libm may differ: glibc's
+    fixed order and the build is ISO C (no contraction into fused multiply-adds; the MXFP4
+    dot products and the sums through vec16.h's vfmas, MLA attention's among them, fuse on
+    both: moe_mxfp4.h mx_dots), so only libm may differ: glibc's
     expf/logf (the MoE router's sigmoid, the attention-residual softmax, the paged decode's
     log-sum-exp) are the same algorithms on both and agree on these inputs, but nothing in
     the kernels promises it."""

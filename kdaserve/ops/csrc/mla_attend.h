@@ -9,10 +9,11 @@
  * two NEON registers on aarch64, where GCC 12 keeps a v8f in memory. A part's lanes are the
  * v8f's lanes in order, and hsum8p reduces them in hsum8's tree: the same bits either way. */
 
-/* s[h * stride] = scale * (q[h] . lat) for H query rows q [H, LD] and one latent row lat
+/* A span's scores for a few heads (fewer than 8), each a dot product on its own:
+ * s[h * stride] = scale * (q[h] . lat) for H query rows q [H, LD] and one latent row lat
  * [LD]: the latent is read once for all heads (it is shared by them: MLA is MQA in the latent
  * space). On NEON: 8 registers of sums, 2 of latent, 8 of queries, 8 of products: 26 of 32. */
-static inline void NAME(mla_scores)(const float *restrict q, const CT *restrict lat,
+static inline void NAME(mla_dots)(const float *restrict q, const CT *restrict lat,
                                     int64_t H, int64_t LD, float scale, float *restrict s,
                                     int64_t stride) {
     const int64_t L8 = LD - LD % 8;
@@ -49,17 +50,17 @@ static inline void NAME(mla_scores)(const float *restrict q, const CT *restrict 
     }
 }
 
-/* mla_scores for two consecutive latent rows (lat, lat + LD): each query vector is loaded
- * once for both (eight independent sums per group of four heads). On NEON that would be 16
- * registers of sums, 16 of unfused products, 4 of latents and 8 of queries, 44 of 32: there
- * it is mla_scores twice (the same sums). */
-static inline void NAME(mla_scores2)(const float *restrict q, const CT *restrict lat,
-                                     int64_t H, int64_t LD, float scale, float *restrict s,
-                                     int64_t stride) {
+/* mla_dots for two consecutive latent rows (lat, lat + LD), the second's scores `next` on:
+ * each query vector is loaded once for both (eight independent sums per group of four
+ * heads). On NEON that would be 16 registers of sums, 16 of unfused products, 4 of latents
+ * and 8 of queries, 44 of 32: there it is mla_dots twice (the same sums). */
+static inline void NAME(mla_dots2)(const float *restrict q, const CT *restrict lat,
+                                   int64_t H, int64_t LD, float scale, float *restrict s,
+                                   int64_t stride, int64_t next) {
     const int64_t L8 = LD - LD % 8;
     if (L8 != LD || H % 4 || V8_PARTS > 1) {
-        NAME(mla_scores)(q, lat, H, LD, scale, s, stride);
-        NAME(mla_scores)(q, lat + LD, H, LD, scale, s + 1, stride);
+        NAME(mla_dots)(q, lat, H, LD, scale, s, stride);
+        NAME(mla_dots)(q, lat + LD, H, LD, scale, s + next, stride);
         return;
     }
     const CT *lb = lat + LD;
@@ -76,8 +77,54 @@ static inline void NAME(mla_scores2)(const float *restrict q, const CT *restrict
         float *sh = s + h * stride;
         sh[0] = scale * hsum8(a0); sh[stride] = scale * hsum8(a1);
         sh[2 * stride] = scale * hsum8(a2); sh[3 * stride] = scale * hsum8(a3);
-        sh[1] = scale * hsum8(b0); sh[stride + 1] = scale * hsum8(b1);
-        sh[2 * stride + 1] = scale * hsum8(b2); sh[3 * stride + 1] = scale * hsum8(b3);
+        sh[next] = scale * hsum8(b0); sh[stride + next] = scale * hsum8(b1);
+        sh[2 * stride + next] = scale * hsum8(b2); sh[3 * stride + next] = scale * hsum8(b3);
+    }
+}
+
+/* A span's scores with the heads as the lanes: s[j * HP + h] = scale * (q[h] . lat_j) for
+ * latent rows lat_j = lat + j * LD, j < n, from the queries transposed, qt [LD, HP] (HP = H
+ * rounded up to 16, the padding zero). Each head's sum runs over the latent's columns in
+ * order, one fused multiply-add a column (vfmas; no horizontal sums, whose shuffles cost as
+ * much as the products did); four positions a pass share each column's query load, and each
+ * latent value multiplies 16 heads at once (VREGS16 registers of VREG_LANES lanes). Lane for
+ * lane the same operations on every ISA. With fewer than 8 heads most lanes would be
+ * padding, and each head's own dot product (mla_dots: eight partial sums and a tree) ran
+ * 1.5x faster for the demos' 4 heads. */
+static inline void NAME(mla_scores16)(const float *restrict qt, const CT *restrict lat,
+                                      int64_t n, int64_t HP, int64_t LD, float scale,
+                                      float *restrict s) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const CT *l0 = lat + j * LD, *l1 = l0 + LD, *l2 = l1 + LD, *l3 = l2 + LD;
+        for (int64_t h = 0; h < HP; h += 16) {
+            vregf a0[VREGS16] = {0}, a1[VREGS16] = {0}, a2[VREGS16] = {0}, a3[VREGS16] = {0};
+            for (int64_t i = 0; i < LD; ++i) {
+                const float *qi = qt + i * HP + h;
+                const float b0 = LDC(l0[i]), b1 = LDC(l1[i]), b2 = LDC(l2[i]), b3 = LDC(l3[i]);
+                for (int r = 0; r < VREGS16; ++r) {
+                    const vregf qv = ldvf(qi + VREG_LANES * r);
+                    a0[r] = vfmas(a0[r], qv, b0); a1[r] = vfmas(a1[r], qv, b1);
+                    a2[r] = vfmas(a2[r], qv, b2); a3[r] = vfmas(a3[r], qv, b3);
+                }
+            }
+            for (int r = 0; r < VREGS16; ++r) {
+                float *sj = s + j * HP + h + VREG_LANES * r;
+                stvf(sj, a0[r] * scale); stvf(sj + HP, a1[r] * scale);
+                stvf(sj + 2 * HP, a2[r] * scale); stvf(sj + 3 * HP, a3[r] * scale);
+            }
+        }
+    }
+    for (; j < n; ++j) {
+        const CT *l0 = lat + j * LD;
+        for (int64_t h = 0; h < HP; h += 16) {
+            vregf a0[VREGS16] = {0};
+            for (int64_t i = 0; i < LD; ++i)
+                for (int r = 0; r < VREGS16; ++r)
+                    a0[r] = vfmas(a0[r], ldvf(qt + i * HP + h + VREG_LANES * r), LDC(l0[i]));
+            for (int r = 0; r < VREGS16; ++r)
+                stvf(s + j * HP + h + VREG_LANES * r, a0[r] * scale);
+        }
     }
 }
 
@@ -94,14 +141,27 @@ static inline void NAME(mla_scores2)(const float *restrict q, const CT *restrict
 #define MLA_ROW_SPANS 16
 #endif
 
+/* the larger of a score and the running max as the loops always took it (a NaN score is
+ * passed over) */
+static inline float NAME(mla_max)(float x, float m) { return x > m ? x : m; }
+
 /* The H heads' online-softmax partials of one row over positions [t0, t1) of its pages:
  * running max m [H], sum l [H] and unnormalised context acc [H, Dc] (initialised here).
  * q [H, LD]: each head's latent query (q_nope absorbed through W_uk) then its rope part. */
 static void NAME(mla_span)(const float *q, int64_t H, int64_t Dc, int64_t LD, const CT *pages,
                            int64_t bs, const int64_t *bt, int64_t t0, int64_t t1, float scale,
                            float *m, float *l, float *acc) {
-    float s[H * MLA_SPAN];     /* [H, n] scores, then weights */
-    const int64_t D8 = Dc - Dc % 8;
+    /* heads as lanes (mla_scores16), s [n, HP]; or each head's dots (mla_dots), s [H, span] */
+    const int lanes = H >= 8;
+    const int64_t HP = lanes ? (H + 15) / 16 * 16 : H;
+    const int64_t hs = lanes ? 1 : MLA_SPAN, js = lanes ? HP : 1;    /* a head's, a position's */
+    float s[MLA_SPAN * HP];    /* scores, then weights */
+    float mx[H], c[H], tot[H];
+    float *qt = lanes ? malloc(sizeof(float) * (size_t)(LD * HP)) : NULL;  /* q^T [LD, HP] */
+    if (lanes && !qt) abort();
+    for (int64_t i = 0; lanes && i < LD; ++i)
+        for (int64_t h = 0; h < HP; ++h) qt[i * HP + h] = h < H ? q[h * LD + i] : 0.0f;
+    const int64_t D16 = Dc - Dc % 16;
     for (int64_t h = 0; h < H; ++h) { m[h] = -INFINITY; l[h] = 0.0f; }
     for (int64_t i = 0; i < H * Dc; ++i) acc[i] = 0.0f;
     /* the first pages, which the prefetch in the loop below never asks for */
@@ -123,50 +183,71 @@ static void NAME(mla_span)(const float *q, int64_t H, int64_t Dc, int64_t LD, co
             for (int64_t off = 0; off < (int64_t)sizeof(CT) * bs * LD; off += 64)
                 __builtin_prefetch(nx + off, 0, 0);
         }
-        int64_t j = 0;
-        for (; j + 2 <= n; j += 2)
-            NAME(mla_scores2)(q, lat0 + j * LD, H, LD, scale, s + j, MLA_SPAN);
-        for (; j < n; ++j)
-            NAME(mla_scores)(q, lat0 + j * LD, H, LD, scale, s + j, MLA_SPAN);
+        if (lanes) {
+            NAME(mla_scores16)(qt, lat0, n, HP, LD, scale, s);
+        } else {
+            int64_t j = 0;
+            for (; j + 2 <= n; j += 2)
+                NAME(mla_dots2)(q, lat0 + j * LD, H, LD, scale, s + j, MLA_SPAN, 1);
+            for (; j < n; ++j) NAME(mla_dots)(q, lat0 + j * LD, H, LD, scale, s + j, MLA_SPAN);
+        }
+        /* each head's softmax step over the span, position after position; the inner loops
+         * run over the contiguous index (heads, or a head's positions): they vectorise */
+        for (int64_t h = 0; h < H; ++h) { mx[h] = m[h]; tot[h] = 0.0f; }
+        if (lanes) {
+            for (int64_t j = 0; j < n; ++j)
+                for (int64_t h = 0; h < H; ++h) mx[h] = NAME(mla_max)(s[j * js + h], mx[h]);
+        } else {
+            for (int64_t h = 0; h < H; ++h)
+                for (int64_t j = 0; j < n; ++j) mx[h] = NAME(mla_max)(s[h * hs + j], mx[h]);
+        }
+        for (int64_t h = 0; h < H; ++h) c[h] = exp_approx(m[h] - mx[h]);  /* ~0 at first */
+        if (lanes) {
+            for (int64_t j = 0; j < n; ++j)
+                for (int64_t h = 0; h < H; ++h) s[j * js + h] = exp_approx(s[j * js + h] - mx[h]);
+            for (int64_t j = 0; j < n; ++j)
+                for (int64_t h = 0; h < H; ++h) tot[h] += s[j * js + h];
+        } else {
+            for (int64_t h = 0; h < H; ++h) {
+                for (int64_t j = 0; j < n; ++j) s[h * hs + j] = exp_approx(s[h * hs + j] - mx[h]);
+                for (int64_t j = 0; j < n; ++j) tot[h] += s[h * hs + j];
+            }
+        }
         for (int64_t h = 0; h < H; ++h) {
-            float *sh = s + h * MLA_SPAN;
-            float mx = m[h];
-            for (int64_t j = 0; j < n; ++j) mx = sh[j] > mx ? sh[j] : mx;
-            const float c = exp_approx(m[h] - mx);     /* ~0 on the first span (m = -inf) */
-            for (int64_t j = 0; j < n; ++j) sh[j] = exp_approx(sh[j] - mx);
-            float tot = 0.0f;
-            for (int64_t j = 0; j < n; ++j) tot += sh[j];
-            l[h] = l[h] * c + tot;
-            m[h] = mx;
+            l[h] = l[h] * c[h] + tot[h];
+            m[h] = mx[h];
             float *ah = acc + h * Dc;
-            /* this head's context over the span in registers: 32 values at a time, four
-             * independent sums (one chain would wait on each add's latency) */
+            /* this head's context over the span in registers, 64 values at a time (four
+             * independent sums: one chain would wait on each add's latency), then 16 */
             int64_t i = 0;
-            for (; i + 32 <= D8; i += 32) {
-                v8p a[4 * V8_PARTS];          /* 32 values: four v8f, or eight NEON registers */
-                for (int k = 0; k < 4 * V8_PARTS; ++k) a[k] = ld8p(ah + i + V8_LANES * k) * c;
+            for (; i + 64 <= D16; i += 64) {
+                vregf a[4 * VREGS16];
+                for (int k = 0; k < 4 * VREGS16; ++k) a[k] = ldvf(ah + i + VREG_LANES * k) * c[h];
                 for (int64_t j = 0; j < n; ++j) {
                     const CT *lj = lat0 + j * LD + i;
-                    const float w = sh[j];
-                    for (int k = 0; k < 4 * V8_PARTS; ++k) a[k] += w * LDW8P(lj + V8_LANES * k);
+                    const float w = s[j * js + h * hs];
+                    for (int k = 0; k < 4 * VREGS16; ++k)
+                        a[k] = vfmas(a[k], LDWV(lj + VREG_LANES * k), w);
                 }
-                for (int k = 0; k < 4 * V8_PARTS; ++k) st8p(ah + i + V8_LANES * k, a[k]);
+                for (int k = 0; k < 4 * VREGS16; ++k) stvf(ah + i + VREG_LANES * k, a[k]);
             }
-            for (; i < D8; i += 8)
-                for (int p = 0; p < V8_PARTS; ++p) {
-                    v8p a = ld8p(ah + i + V8_LANES * p) * c;
+            for (; i < D16; i += 16)
+                for (int k = 0; k < VREGS16; ++k) {
+                    vregf a = ldvf(ah + i + VREG_LANES * k) * c[h];
                     for (int64_t j = 0; j < n; ++j)
-                        a += sh[j] * LDW8P(lat0 + j * LD + i + V8_LANES * p);
-                    st8p(ah + i + V8_LANES * p, a);
+                        a = vfmas(a, LDWV(lat0 + j * LD + i + VREG_LANES * k), s[j * js + h * hs]);
+                    stvf(ah + i + VREG_LANES * k, a);
                 }
-            for (int64_t i = D8; i < Dc; ++i) {
-                float a = ah[i] * c;
-                for (int64_t j = 0; j < n; ++j) a += sh[j] * LDC(lat0[j * LD + i]);
+            for (; i < Dc; ++i) {
+                float a = ah[i] * c[h];
+                for (int64_t j = 0; j < n; ++j)
+                    a = vfmas1(a, LDC(lat0[j * LD + i]), s[j * js + h * hs]);
                 ah[i] = a;
             }
         }
         t += n;
     }
+    free(qt);
 }
 
 /* What the parts of mla_attend_rows share. */
