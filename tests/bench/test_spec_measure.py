@@ -18,12 +18,13 @@ class _Clock:
 
 
 class _Engine:
-    """generate() advances the clock by the next scripted duration; one step a token."""
+    """generate() advances the clock by the next scripted duration; one step a token. The
+    first `prefill` seconds of each run come before its first token."""
 
     def __init__(self, name: str, clock: _Clock, durations: list[float], log: list,
-                 tokens: int = 4) -> None:
+                 tokens: int = 4, prefill: float = 0.0) -> None:
         self.name, self.clock, self.durations, self.tokens = name, clock, list(durations), tokens
-        self.log = log
+        self.log, self.prefill = log, prefill
         self.forgotten = 0
         self.engine = SimpleNamespace(
             stats=SimpleNamespace(steps=0), has_unfinished=lambda: False,
@@ -39,11 +40,14 @@ class _Engine:
         on = self.engine.scheduler.spec_policy is not None
         assert on == (self.engine.runner.proposer is not None)
         self.log.append((self.name if on else "plain", *prompts))
+        start = self.clock.now
         self.clock.now += self.durations.pop(0)
         self.engine.stats.steps += self.tokens * len(prompts)
         out = SimpleNamespace(token_ids=list(range(self.tokens)), acceptance_length=None,
                               spec_verifications=0)
-        return [SimpleNamespace(outputs=[out]) for _ in prompts]
+        metrics = SimpleNamespace(first_token_time=start + self.prefill,
+                                  last_token_time=self.clock.now)
+        return [SimpleNamespace(outputs=[out], metrics=metrics) for _ in prompts]
 
 
 def test_each_group_alternates_and_its_fastest_run_counts(monkeypatch):
@@ -135,3 +139,17 @@ def test_a_real_engine_without_speculation_decodes_as_a_plain_one(hf_checkpoint,
     assert not bool(proposer._valid.any())        # told to forget what the plain run wrote
     got, _ = run(spec)
     assert got == want and sched.num_draft_tokens > drafted
+
+
+def test_the_decode_alone_leaves_the_prefill_out(monkeypatch):
+    """A long prompt's prefill (9 s on both sides) dilutes a 2x faster decode to 1.1x over
+    the whole run; the decode's own ratio shows the 2x."""
+    clock = _Clock()
+    monkeypatch.setattr(spec_bench.time, "perf_counter", clock)
+    log: list = []
+    base = _Engine("plain", clock, [11.0] * 3, log, prefill=9.0)
+    spec = _Engine("spec", clock, [10.0] * 3, log, prefill=9.0)
+    row = spec_bench.measure(base, spec, ["a"], [None], 1, greedy=True, repeats=3)
+    assert row["spec_vs_plain_paired"] == 1.1
+    assert row["decode_spec_vs_plain_paired"] == 2.0
+    assert row["decode_spec_vs_plain_ci95_low"] == row["decode_spec_vs_plain_ci95_high"] == 2.0
