@@ -141,7 +141,7 @@ static inline void NAME(mla_scores16)(const float *restrict qt, const CT *restri
 #define MLA_ROW_SPANS 16
 #endif
 
-/* the larger of a score and the running max as the loops always took it (a NaN score is
+/* the larger of a score and a running max, as every max here takes it (a NaN score is
  * passed over) */
 static inline float NAME(mla_max)(float x, float m) { return x > m ? x : m; }
 
@@ -292,10 +292,8 @@ static void NAME(mla_merge)(const struct NAME(mla_work) *w, int64_t bh) {
     const int64_t H = w->H, Dc = w->Dc, b = bh / H, hh = bh % H;
     const float *part = w->part;
     float mx = -INFINITY;
-    for (int64_t it = w->first[b]; it < w->first[b + 1]; ++it) {
-        const float mi = part[it * H * (Dc + 2) + hh];
-        mx = mi > mx ? mi : mx;
-    }
+    for (int64_t it = w->first[b]; it < w->first[b + 1]; ++it)
+        mx = NAME(mla_max)(part[it * H * (Dc + 2) + hh], mx);
     float ctx[Dc], tot = 0.0f;
     for (int64_t i = 0; i < Dc; ++i) ctx[i] = 0.0f;
     for (int64_t it = w->first[b]; it < w->first[b + 1]; ++it) {
