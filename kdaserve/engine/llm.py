@@ -30,7 +30,9 @@ class LLM:
         `max_model_len`, `cache_memory` (bytes), `enable_prefix_caching`; an unknown name is a
         TypeError. `offload`: "host", "disk" or "host,disk" (evicted prefix-cache entries go
         there); `offload_bytes`: one cap, or one per tier; `offload_dir`: the disk tier's
-        directory.
+        directory. `max_decode_slowdown=0`: a schedule that follows the token budget alone,
+        the same on every run (the decode guard's chunks follow measured step times, and a
+        prompt chunked elsewhere can change a greedy token where two logits nearly tie).
 
         Under torchrun (docs/parallelism.md) every rank runs the script: on rank 0 this is
         the engine; on any other rank the constructor runs that rank's worker loop until rank
