@@ -148,13 +148,15 @@ def test_speculation_must_beat_the_asleep_engine_not_only_awake_plain_steps():
         p.realized.observe(1, True, 56, 0.100)             # 560 tok/s verifying
         p.realized.observe(1, False, 40, 0.100)            # 400 tok/s awake, plain
     assert not p.realized.speculation_loses(1)
-    assert p.plan(batch, 1)["r"] > 0
+    assert p.plan(batch, 1)["r"] == 0 and p.rest.napping  # a nap times the asleep steps
     for _ in range(p.realized.min_steps - 1):
         p.realized.observe(1, False, 77, 0.100, asleep=True)
     assert not p.realized.speculation_loses(1)             # too few asleep steps yet
+    assert p.plan(batch, 1)["r"] == 0 and p.rest.napping
     p.realized.observe(1, False, 77, 0.100, asleep=True)   # 770 tok/s asleep
     assert p.realized.speculation_loses(1)
     assert p.plan(batch, 1)["r"] == 0
+    assert p.dormant and not p.rest.napping and p.sleeps == 1   # the nap became a sleep
     assert not p.realized.speculation_loses(32)            # per batch-size bucket
     for _ in range(40):
         p.realized.observe(1, True, 90, 0.100)             # until verifying beats both
@@ -187,17 +189,76 @@ def test_verifying_steps_are_set_against_the_plain_rate_of_their_moment():
     assert q.against[1][0] > q.against[1][1]
 
 
-def test_a_plain_step_is_timed_when_speculation_never_stopped():
-    """Verifying steps measured at a batch size, plain ones not: the plan verifies nothing
-    until a few plain steps are timed there, then compares the two realized rates."""
+def test_a_nap_times_the_asleep_engine_when_speculation_never_stopped():
+    """Verifying steps measured at a batch size, asleep ones not (a drafter whose drafts the
+    cost model says pay never sleeps on its own): the next decode-only plan naps until the
+    asleep steps are timed, then compares the two realized rates. Losing, the nap becomes a
+    sleep; winning, the drafter wakes and drafts again."""
+    for asleep_ms, wins in ((0.5, False), (2.0, True)):
+        p = AdaptiveSpeculation(7)
+        batch = {"r": 7}
+        p.alpha["r"] = 0.99
+        assert p.plan(batch, 1)["r"] > 0                  # the prior says speculate
+        for _ in range(p.realized.min_steps):
+            p.realized.observe(1, True, 7, 0.007)         # 1,000 tok/s verifying
+        assert p.realized.needs_asleep(1)
+        assert p.plan(batch, 3)["r"] == 0 and not p.dormant   # a prompt in the step: no nap
+        assert p.plan(batch, 1)["r"] == 0 and p.dormant and p.rest.napping
+        for _ in range(p.realized.min_steps):
+            p.realized.observe(1, False, 1, asleep_ms / 1000, asleep=True)
+        assert p.plan(batch, 1)["r"] == (7 if wins else 0)
+        assert not p.rest.napping and p.dormant is not wins and p.sleeps == (not wins)
+
+
+def test_a_nap_without_its_measurement_ends_as_a_sleep():
+    """A nap whose asleep steps never come at its batch size (the batch moved) ends after
+    nap_steps as a sleep: a drafter not shown to pay stays off until the wake rules say."""
     p = AdaptiveSpeculation(7)
+    p.alpha["r"] = 0.99
+    for _ in range(p.realized.min_steps):
+        p.realized.observe(1, True, 7, 0.007)
+    assert p.plan({"r": 7}, 1)["r"] == 0 and p.rest.napping
+    for _ in range(p.realized.min_steps):
+        p.realized.observe(2, False, 2, 0.001, asleep=True)     # another bucket's
+    p.slept(p.nap_steps - 1)
+    assert p.plan({}, 2) == {} and p.rest.napping
+    assert p.plan({}, 2) == {} and p.dormant and not p.rest.napping and p.sleeps == 1
+
+
+def test_no_wake_where_no_acceptance_could_pay_until_the_longest_wait():
+    """Verifying steps so slow that a block whose every draft stood would still deliver
+    fewer tokens a second than the asleep engine: admissions after wake_after steps asleep
+    do not wake the drafter (no change in the text could make it pay); one after
+    max_wake_after steps does. Where full acceptance would pay, wake_after wakes it."""
+    for verify_s, hopeless in ((0.007, True), (0.003, False)):
+        p = AdaptiveSpeculation(7)
+        for _ in range(p.realized.min_steps):
+            p.realized.observe(1, True, 5, verify_s)      # 5 of at most 8 tokens a block
+            p.realized.observe(1, False, 4, 0.002, asleep=True)   # 2,000 tok/s asleep
+        assert p.realized.speculation_loses(1)
+        assert p.realized.cannot_pay(1, 8) is hopeless    # 8 / 7 ms < 2 a ms < 8 / 3 ms
+        p.rest.nap(p.nap_steps, 1)
+        p.rest.end_nap(True)                              # asleep, as after a losing nap
+        p.slept(p.wake_after)
+        p.admitted(1, "a")
+        assert p.dormant is hopeless
+        if hopeless:
+            p.slept(p.max_wake_after)
+            p.admitted(1, "b")
+            assert not p.dormant
+
+
+def test_without_a_rest_cycle_a_plain_step_is_timed_instead():
+    """sleep_after None (the drafter never sleeps): no nap; the plan verifies nothing until
+    a few plain steps are timed, then compares the two realized rates."""
+    p = AdaptiveSpeculation(7, sleep_after=None)
     batch = {"r": 7}
     p.alpha["r"] = 0.99
     assert p.plan(batch, 1)["r"] > 0                      # the prior says speculate
     for _ in range(p.realized.min_steps):
         p.realized.observe(1, True, 7, 0.007)             # 1,000 tok/s verifying
     assert p.realized.needs_plain(1)
-    assert p.plan(batch, 1)["r"] == 0                     # time a plain step
+    assert p.plan(batch, 1)["r"] == 0 and not p.dormant   # time a plain step
     for _ in range(p.realized.min_steps):
         p.realized.observe(1, False, 1, 0.0005)           # 2,000 tok/s plain
     assert not p.realized.needs_plain(1)
@@ -338,7 +399,7 @@ def test_a_sleeping_drafter_captures_nothing_and_drafts_only_for_context_it_hold
     while engine.has_unfinished() and len(captures) < 30:
         for d in engine.step():
             outs.setdefault(d.request_id, []).extend(d.new_token_ids)
-    assert policy.dormant and policy.sleeps >= 1
+    assert policy.dormant and (policy.sleeps >= 1 or policy.rest.napping)
     asleep_from = len(captures)
     while engine.has_unfinished() and len(captures) < asleep_from + 3:
         for d in engine.step():

@@ -52,11 +52,13 @@ class AdaptiveSpeculation:
     wake_after: int = 256
     sleep_trials: int = 2
     max_wake_after: int = 1 << 14
+    nap_steps: int = 64            # the longest nap (steps) that times the asleep engine
     cost: StepCostModel = field(default_factory=StepCostModel)
     realized: RealizedRates = field(default_factory=RealizedRates)
     alpha: dict[str, float] = field(default_factory=dict)
     _idle: dict[str, int] = field(default_factory=dict)
     _credit: float = 0.0           # seconds of probing earned and not yet spent
+    _naps: dict[int, int] = field(default_factory=dict)   # bucket -> plan step of its last nap
     # what the last plans decided, for /metrics
     steps: int = 0
     steps_speculating: int = 0
@@ -136,6 +138,14 @@ class AdaptiveSpeculation:
     def plan(self, candidates: dict[str, int], base_tokens: int) -> dict[str, int]:
         """candidates: request -> drafts available (at most); base_tokens: the step's tokens
         without drafts. Returns request -> drafts to verify this step."""
+        rows = len(candidates)
+        if self.rest.napping:
+            # the nap's verdict at its own batch size; a nap that ran out without it ends as a
+            # sleep (the wake rules then apply): a drafter not shown to pay stays off
+            measured = not self.realized.needs_asleep(self.rest.nap_rows)
+            if measured or self.rest.nap_over:
+                self.rest.end_nap(not measured
+                                  or self.realized.speculation_loses(self.rest.nap_rows))
         if self.dormant:
             self.rest.slept(1)
             self.steps += 1
@@ -144,9 +154,22 @@ class AdaptiveSpeculation:
         alphas = {rid: self.alpha[rid] if rid in self.alpha else self._start(rid)
                   for rid in candidates}
         out, pays = self._choose(alphas, candidates, base_tokens)
+        bucket = max(1, rows).bit_length()
+        if (any(out.values()) and self.sleep_after is not None and base_tokens == rows
+                and self.realized.needs_asleep(rows)
+                and self.steps - self._naps.get(bucket, -self.wake_after) >= self.wake_after):
+            # once per batch size: a nap times the asleep engine's steps, the rate verifying
+            # ones must beat (awake plain steps understate it 2x on the Kimi Linear demo, and
+            # against them its drafts verified 16-123 blocks at 0.8-0.93x). Decode-only steps:
+            # a prompt prefilled asleep would leave the draft without its context
+            self.rest.nap(self.nap_steps, rows)
+            self._naps[bucket] = self.steps
+            self.steps += 1
+            self.last_drafts = self.last_speculating = 0
+            return dict.fromkeys(candidates, 0)
         if any(out.values()) and (not pays
-                                  or self.realized.speculation_loses(len(candidates))
-                                  or self.realized.needs_plain(len(candidates))):
+                                  or self.realized.speculation_loses(rows)
+                                  or self.realized.needs_plain(rows)):
             # the verifying step's own cost is not repaid (or, a few times per batch size,
             # a plain step is timed so that the realized rates can be compared)
             out = dict.fromkeys(out, 0)
@@ -184,7 +207,8 @@ class AdaptiveSpeculation:
         or the batch size moved to another bucket where the measured acceptance could pay."""
         if request_id is not None and sampled:
             self._sampled.add(request_id)
-        self.rest.admitted(rows, request_id, self.steps, lambda: self._would_pay(rows, sampled))
+        self.rest.admitted(rows, request_id, self.steps, lambda: self._would_pay(rows, sampled),
+                           lambda: self.realized.cannot_pay(rows, self.max_drafts + 1))
 
     def _would_pay(self, rows: int, sampled: bool) -> bool:
         """A batch of `rows` requests at this kind's measured acceptance: would a plan draft?"""

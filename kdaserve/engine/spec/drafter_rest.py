@@ -47,6 +47,9 @@ class DrafterRest:
         self._wait = settings.wake_after
         self._earned_since_wake = True    # the first sleep waits wake_after
         self._bucket_woken: dict[int, int] = {}   # batch-size bucket -> step of its last wake
+        self.napping = False              # a nap (nap()): asleep to time the asleep steps
+        self._nap_left = 0                # steps the nap may still take
+        self.nap_rows = 0                 # the batch size it times
 
     @property
     def stuck(self) -> bool:
@@ -56,6 +59,7 @@ class DrafterRest:
 
     def slept(self, steps: int) -> None:
         self._asleep += steps
+        self._nap_left -= steps if self.napping else 0
 
     def note_earned(self, earned: bool, rows: int, probing: bool) -> None:
         """A plan over `rows` requests gave some request a draft it earned, or none did."""
@@ -77,10 +81,13 @@ class DrafterRest:
             self._earned_since_wake = False
 
     def admitted(self, rows: int, request_id: str | None, step: int,
-                 would_pay: Callable[[], bool]) -> None:
+                 would_pay: Callable[[], bool], hopeless: Callable[[], bool] = bool
+                 ) -> None:
         """A request was admitted into a batch of `rows` at plan `step`: wake if the drafter
         slept long enough, or the batch moved to a bucket where `would_pay()` says drafting
-        could pay."""
+        could pay. Where `hopeless()` (no acceptance could pay at this batch size) the wait
+        is `max_wake_after`: a wake costs a fused CPU step's share for ~10 steps, and the
+        Kimi Linear demo's wakes took 26% of the 128-token requests they fell in."""
         if not self.dormant:
             if request_id is not None:
                 self.fresh.add(request_id)
@@ -89,11 +96,40 @@ class DrafterRest:
         moved = (bucket != self._sleep_bucket
                  and step - self._bucket_woken.get(bucket, -wake_after) >= wake_after
                  and would_pay())
-        if self._asleep >= self._wait or moved:
+        wait = wake_after if self.napping else self._wait
+        if self._asleep >= wait and wait < self.settings.max_wake_after and hopeless():
+            wait = self.settings.max_wake_after
+        if self._asleep >= wait or moved:
             self.dormant, self.streak = False, 0
+            self.napping, self._nap_left = False, 0
             self._bucket_woken[bucket] = step
             # the probes the next sleep rests on come at once, outside the budget: a woken
             # drafter waiting for probe_share to earn them stays awake (capturing, proposing:
             # ~15% of a fused CPU step) for hundreds of steps
             self.owed = self.settings.sleep_trials
             self.fresh = {request_id} if request_id is not None else set()
+
+    def nap(self, steps: int, rows: int) -> None:
+        """Sleep for at most `steps` steps so that the asleep engine's rate gets measured:
+        verifying steps can only be judged against it (step_cost.RealizedRates), and a
+        drafter whose drafts the cost model says pay would never sleep on its own. Ended by
+        end_nap; an admission meanwhile wakes it as it would wake a sleep."""
+        self.dormant, self.napping, self._nap_left = True, True, max(1, steps)
+        self.nap_rows, self._asleep, self._sleep_bucket = rows, 0, max(1, rows).bit_length()
+
+    @property
+    def nap_over(self) -> bool:
+        return self.napping and self._nap_left <= 0
+
+    def end_nap(self, sleep_on: bool) -> None:
+        """The nap's measurement is in (or its steps ran out). `sleep_on` (speculation
+        loses, or was not measured): the nap becomes a sleep, as if the drafter had dozed off
+        on its own; else it wakes with the evidence it had (no probes owed)."""
+        self.napping, self._nap_left = False, 0
+        if sleep_on:
+            self.streak, self.trials_since_wake = 0, 0
+            self.sleeps += 1
+            self._wait = self.settings.wake_after
+            self._earned_since_wake = False
+        else:
+            self.dormant, self.streak, self.owed = False, 0, 0
