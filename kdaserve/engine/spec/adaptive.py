@@ -23,7 +23,9 @@ each wake go at once to requests with no acceptance of their own, outside the bu
 
 The probing rate, documented: awake, at most `probe_share` of the predicted step time plus
 the owed `sleep_trials` blocks per wake; asleep, none. A wake costs about `sleep_after` awake
-plans and `sleep_trials` probe blocks. A request that ran while the drafter slept is drafted
+plans and `sleep_trials` probe blocks. Once a batch size's verifying steps are measured, a nap
+of at most `nap_steps` times its asleep steps, the rate they must beat (at most once per
+`wake_after` plans a bucket; docs/speculation-sampling.md). A request that ran while the drafter slept is drafted
 after the wake from the context captured since (engine/spec/dspark.py `missed`).
 No tensors here.
 """
