@@ -248,6 +248,27 @@ def test_no_wake_where_no_acceptance_could_pay_until_the_longest_wait():
             assert not p.dormant
 
 
+def test_a_vetoed_drafter_sleeps_once_its_trials_are_in():
+    """Woken where the realized rates say verifying loses: the owed probe blocks run, and
+    the drafter sleeps at the next plan without drafts, not sleep_after plans later (no
+    number of plans lifts the veto)."""
+    p = AdaptiveSpeculation(7)
+    for _ in range(p.realized.min_steps):
+        p.realized.observe(1, True, 4, 0.004)             # 1,000 tok/s verifying
+        p.realized.observe(1, False, 4, 0.002, asleep=True)   # 2,000 tok/s asleep
+    assert p.realized.speculation_loses(1) and not p.realized.cannot_pay(1, 8)
+    p.rest.nap(p.nap_steps, 1)
+    p.rest.end_nap(True)                                 # asleep
+    p.slept(p.wake_after)
+    p.admitted(1, "r")                                   # woken: 2 probe blocks owed
+    assert not p.dormant
+    assert p.plan({"r": 7}, 1)["r"] == 7                 # the first
+    p.record("r", 7, 7)
+    assert p.plan({"r": 7}, 1)["r"] == 7 and not p.dormant   # the second, at once
+    p.record("r", 7, 7)
+    assert p.plan({"r": 7}, 1)["r"] == 0 and p.dormant and p.sleeps == 2
+
+
 def test_without_a_rest_cycle_a_plain_step_is_timed_instead():
     """sleep_after None (the drafter never sleeps): no nap; the plan verifies nothing until
     a few plain steps are timed, then compares the two realized rates."""

@@ -23,9 +23,10 @@ each wake go at once to requests with no acceptance of their own, outside the bu
 
 The probing rate, documented: awake, at most `probe_share` of the predicted step time plus
 the owed `sleep_trials` blocks per wake; asleep, none. A wake costs about `sleep_after` awake
-plans and `sleep_trials` probe blocks. Once a batch size's verifying steps are measured, a nap
-of at most `nap_steps` times its asleep steps, the rate they must beat (at most once per
-`wake_after` plans a bucket; docs/speculation-sampling.md). A request that ran while the drafter slept is drafted
+plans and `sleep_trials` probe blocks (the trials alone where the realized rates veto
+verifying). Once a batch size's verifying steps are measured, a nap of at most `nap_steps`
+times its asleep steps, the rate they must beat (at most once per `wake_after` plans a
+bucket; docs/speculation-sampling.md). A request that ran while the drafter slept is drafted
 after the wake from the context captured since (engine/spec/dspark.py `missed`).
 No tensors here.
 """
@@ -169,14 +170,13 @@ class AdaptiveSpeculation:
             self.steps += 1
             self.last_drafts = self.last_speculating = 0
             return dict.fromkeys(candidates, 0)
-        if any(out.values()) and (not pays
-                                  or self.realized.speculation_loses(rows)
-                                  or self.realized.needs_plain(rows)):
+        vetoed = self.realized.speculation_loses(rows)
+        if any(out.values()) and (not pays or vetoed or self.realized.needs_plain(rows)):
             # the verifying step's own cost is not repaid (or, a few times per batch size,
             # a plain step is timed so that the realized rates can be compared)
             out = dict.fromkeys(out, 0)
         if candidates:              # prefill-only steps say nothing about drafting
-            self.rest.note_earned(any(out.values()), len(candidates), bool(self._probing))
+            self.rest.note_earned(any(out.values()), rows, bool(self._probing), vetoed)
         if self.dormant:            # fell asleep now: the plan it had is dropped too
             self.steps += 1
             self.last_drafts = self.last_speculating = 0

@@ -63,15 +63,23 @@ class DrafterRest:
         self._asleep += steps
         self._nap_left -= steps if self.napping else 0
 
-    def note_earned(self, earned: bool, rows: int, probing: bool) -> None:
-        """A plan over `rows` requests gave some request a draft it earned, or none did."""
+    def note_earned(self, earned: bool, rows: int, probing: bool, vetoed: bool = False
+                    ) -> None:
+        """A plan over `rows` requests gave some request a draft it earned, or none did.
+        `vetoed`: the realized rates say verifying loses at this batch size. No number of
+        plans changes that, only verifying steps do, so such a drafter sleeps as soon as its
+        trials are in, not after `sleep_after` plans: those awake plans (one forward a step,
+        states captured) made up most of a wake's cost, ~9% of the 128-token request a K3
+        demo wake fell in."""
         if earned:
             self.streak, self._earned_since_wake = 0, True
             return
         self.streak += 1
+        cfg = self.settings
+        if vetoed and cfg.sleep_after is not None:
+            self.streak = max(self.streak, cfg.sleep_after)
         # asleep only on evidence: a few verified blocks (probes count) since waking, else a
         # drafter whose first trials have not come yet would never get them
-        cfg = self.settings
         if self.stuck and not probing and self.trials_since_wake >= cfg.sleep_trials:
             self.dormant, self._asleep, self.streak = True, 0, 0
             self.trials_since_wake = 0
