@@ -225,18 +225,21 @@ def test_a_nap_without_its_measurement_ends_as_a_sleep():
     assert p.plan({}, 2) == {} and p.dormant and not p.rest.napping and p.sleeps == 1
 
 
-def test_no_wake_where_no_acceptance_could_pay_until_the_longest_wait():
-    """Verifying steps so slow that a block whose every draft stood would still deliver
-    fewer tokens a second than the asleep engine: admissions after wake_after steps asleep
-    do not wake the drafter (no change in the text could make it pay); one after
-    max_wake_after steps does. Where full acceptance would pay, wake_after wakes it."""
+def test_no_wake_where_the_acceptance_shown_could_not_pay_until_the_longest_wait():
+    """Verifying steps so slow that, at the acceptance greedy requests have shown, they
+    would deliver fewer tokens a second than the asleep engine: admissions after wake_after
+    steps asleep do not wake the drafter; one after max_wake_after steps does. Where that
+    acceptance would pay, wake_after wakes it."""
     for verify_s, hopeless in ((0.007, True), (0.003, False)):
         p = AdaptiveSpeculation(7)
+        for _ in range(60):
+            p.record("r", 7, 7)                           # every draft stood: ~8 a block
         for _ in range(p.realized.min_steps):
-            p.realized.observe(1, True, 5, verify_s)      # 5 of at most 8 tokens a block
+            p.realized.observe(1, True, 5, verify_s)      # 5 of 8 tokens a block, here
             p.realized.observe(1, False, 4, 0.002, asleep=True)   # 2,000 tok/s asleep
         assert p.realized.speculation_loses(1)
         assert p.realized.cannot_pay(1, 8) is hopeless    # 8 / 7 ms < 2 a ms < 8 / 3 ms
+        p.forget("r")
         p.rest.nap(p.nap_steps, 1)
         p.rest.end_nap(True)                              # asleep, as after a losing nap
         p.slept(p.wake_after)
@@ -246,6 +249,15 @@ def test_no_wake_where_no_acceptance_could_pay_until_the_longest_wait():
             p.slept(p.max_wake_after)
             p.admitted(1, "b")
             assert not p.dormant
+    p = AdaptiveSpeculation(7)                            # sampled requests' prior, 0.3:
+    for _ in range(p.realized.min_steps):                 # ~1.4 tokens a block, hopeless
+        p.realized.observe(1, True, 5, 0.003)             # where 8 would not be
+        p.realized.observe(1, False, 4, 0.002, asleep=True)
+    p.rest.nap(p.nap_steps, 1)
+    p.rest.end_nap(True)
+    p.slept(p.wake_after)
+    p.admitted(1, "s", sampled=True)
+    assert p.dormant
 
 
 def test_a_vetoed_drafter_sleeps_once_its_trials_are_in():
@@ -253,10 +265,13 @@ def test_a_vetoed_drafter_sleeps_once_its_trials_are_in():
     the drafter sleeps at the next plan without drafts, not sleep_after plans later (no
     number of plans lifts the veto)."""
     p = AdaptiveSpeculation(7)
+    for _ in range(60):
+        p.record("x", 7, 7)                               # greedy drafts have paid before
+    p.forget("x")
     for _ in range(p.realized.min_steps):
-        p.realized.observe(1, True, 4, 0.004)             # 1,000 tok/s verifying
+        p.realized.observe(1, True, 4, 0.003)             # 1,333 tok/s verifying
         p.realized.observe(1, False, 4, 0.002, asleep=True)   # 2,000 tok/s asleep
-    assert p.realized.speculation_loses(1) and not p.realized.cannot_pay(1, 8)
+    assert p.realized.speculation_loses(1) and not p.realized.cannot_pay(1, 7.5)
     p.rest.nap(p.nap_steps, 1)
     p.rest.end_nap(True)                                 # asleep
     p.slept(p.wake_after)

@@ -95,9 +95,9 @@ class DrafterRest:
                  ) -> None:
         """A request was admitted into a batch of `rows` at plan `step`: wake if the drafter
         slept long enough, or the batch moved to a bucket where `would_pay()` says drafting
-        could pay. Where `hopeless()` (no acceptance could pay at this batch size) the wait
-        is `max_wake_after`: a wake costs a fused CPU step's share for ~10 steps, and the
-        Kimi Linear demo's wakes took 26% of the 128-token requests they fell in."""
+        could pay. Where `hopeless()` (the acceptance measured could not pay at this batch
+        size) the wait is `max_wake_after`: the Kimi Linear demo's wakes took 20-26% of the
+        128-token requests they fell in."""
         if not self.dormant:
             if request_id is not None:
                 self.fresh.add(request_id)

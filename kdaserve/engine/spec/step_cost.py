@@ -178,12 +178,11 @@ class RealizedRates:
                                             self._measured(rows, "asleep")) if acc is not None]
         return max(plain) if plain else None
 
-    def cannot_pay(self, rows: int, block: int) -> bool:
-        """Even if every draft stood (`block` tokens a row a step), verifying steps as long as
-        the measured ones would deliver fewer tokens a second than the asleep engine: no
-        acceptance, and so no change in the text, can make speculation pay here. The Kimi
-        Linear demo on 2 CPU cores: 6.9 ms a verifying step (its draft's proposal
-        included) at batch 1, 8 tokens at most, against 1.56 tokens a ms asleep."""
+    def cannot_pay(self, rows: int, block: float) -> bool:
+        """At `block` tokens a row a step, verifying steps as long as the measured ones would
+        deliver fewer tokens a second than the asleep engine. The Kimi Linear demo on 2 CPU
+        cores: 6.9 ms a verifying step (its draft's proposal included) at batch 1, 8 tokens
+        at most, against 1.56 tokens a ms asleep."""
         spec, asleep = self._measured(rows, "verify"), self._measured(rows, "asleep")
         if spec is None or asleep is None:
             return False
