@@ -9,8 +9,8 @@ a request is admitted after `wake_after` steps asleep (to notice text that chang
 another batch-size bucket not woken for `wake_after` steps if the admitted request's kind's
 acceptance would pay there (a bucket changes what a verifying step costs, not what the
 drafts are worth). Each wake that finds nothing worth drafting doubles the wait (up to
-`max_wake_after`), and a sleep at a batch size where no acceptance could pay waits
-`max_wake_after`. A wake costs about `sleep_after` awake plans and `sleep_trials` probe
+`max_wake_after`), and a sleep at a batch size where the acceptance shown could not pay
+waits `max_wake_after`. A wake costs about `sleep_after` awake plans and `sleep_trials` probe
 blocks. A nap (`nap`) is a sleep the policy starts to time the asleep engine, which ends when
 that is done: as a sleep where speculation loses, else awake.
 

@@ -186,7 +186,7 @@ class RealizedRates:
         spec, asleep = self._measured(rows, "verify"), self._measured(rows, "asleep")
         if spec is None or asleep is None:
             return False
-        best = block * spec[3] / spec[1]             # all drafts accepted, per second
+        best = block * spec[3] / spec[1]             # tokens a second at `block` a row
         return best < asleep[0] / asleep[1]
 
     def speculation_loses(self, rows: int) -> bool:
