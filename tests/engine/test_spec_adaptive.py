@@ -189,6 +189,17 @@ def test_verifying_steps_are_set_against_the_plain_rate_of_their_moment():
     assert q.against[1][0] > q.against[1][1]
 
 
+def _verifying_measured(p: AdaptiveSpeculation) -> dict[str, int]:
+    """A batch of one request whose drafts the prior says pay, and a batch size's verifying
+    steps measured (1,000 tok/s)."""
+    batch = {"r": 7}
+    p.alpha["r"] = 0.99
+    assert p.plan(batch, 1)["r"] > 0
+    for _ in range(p.realized.min_steps):
+        p.realized.observe(1, True, 7, 0.007)
+    return batch
+
+
 def test_a_nap_times_the_asleep_engine_when_speculation_never_stopped():
     """Verifying steps measured at a batch size, asleep ones not (a drafter whose drafts the
     cost model says pay never sleeps on its own): the next decode-only plan naps until the
@@ -196,11 +207,7 @@ def test_a_nap_times_the_asleep_engine_when_speculation_never_stopped():
     sleep; winning, the drafter wakes and drafts again."""
     for asleep_ms, wins in ((0.5, False), (2.0, True)):
         p = AdaptiveSpeculation(7)
-        batch = {"r": 7}
-        p.alpha["r"] = 0.99
-        assert p.plan(batch, 1)["r"] > 0                  # the prior says speculate
-        for _ in range(p.realized.min_steps):
-            p.realized.observe(1, True, 7, 0.007)         # 1,000 tok/s verifying
+        batch = _verifying_measured(p)
         assert p.realized.needs_asleep(1)
         assert p.plan(batch, 3)["r"] == 0 and not p.dormant   # a prompt in the step: no nap
         assert p.plan(batch, 1)["r"] == 0 and p.dormant and p.rest.napping
@@ -288,11 +295,7 @@ def test_without_a_rest_cycle_a_plain_step_is_timed_instead():
     """sleep_after None (the drafter never sleeps): no nap; the plan verifies nothing until
     a few plain steps are timed, then compares the two realized rates."""
     p = AdaptiveSpeculation(7, sleep_after=None)
-    batch = {"r": 7}
-    p.alpha["r"] = 0.99
-    assert p.plan(batch, 1)["r"] > 0                      # the prior says speculate
-    for _ in range(p.realized.min_steps):
-        p.realized.observe(1, True, 7, 0.007)             # 1,000 tok/s verifying
+    batch = _verifying_measured(p)
     assert p.realized.needs_plain(1)
     assert p.plan(batch, 1)["r"] == 0 and not p.dormant   # time a plain step
     for _ in range(p.realized.min_steps):
