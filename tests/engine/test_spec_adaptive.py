@@ -267,6 +267,34 @@ def test_no_wake_where_the_acceptance_shown_could_not_pay_until_the_longest_wait
     assert p.dormant
 
 
+def test_a_batch_size_where_verifying_could_not_pay_rules_out_the_larger_ones():
+    """Batch 1's verifying steps could not beat its asleep steps at the acceptance greedy
+    requests have shown: a batch of 8 (unmeasured) neither drafts nor wakes the drafter, as
+    each row's share of a plain step only shrinks with the batch. Batch 1 itself, where the
+    measured rates do not rule it out, and smaller batches are left to their own figures."""
+    p = AdaptiveSpeculation(7)
+    for _ in range(60):
+        p.record("x", 7, 7)
+    p.forget("x")
+    for _ in range(p.realized.min_steps):
+        p.realized.observe(1, True, 5, 0.007)              # 8 / 7 ms < 2 a ms: hopeless
+        p.realized.observe(1, False, 4, 0.002, asleep=True)
+    many = {str(i): 7 for i in range(8)}
+    p.alpha.update(dict.fromkeys(many, 0.99))
+    assert p._hopeless_below(8) and not p._hopeless_below(1)
+    assert not any(p.plan(many, 8).values())
+    assert not p._would_pay(8, False) and p.initial_drafts(8) == 0
+    q = AdaptiveSpeculation(7)                             # the same at 3 ms: it could pay
+    for _ in range(60):
+        q.record("x", 7, 7)
+    q.forget("x")
+    for _ in range(q.realized.min_steps):
+        q.realized.observe(1, True, 5, 0.003)
+        q.realized.observe(1, False, 4, 0.002, asleep=True)
+    q.alpha.update(dict.fromkeys(many, 0.99))
+    assert not q._hopeless_below(8) and any(q.plan(many, 8).values())
+
+
 def test_a_vetoed_drafter_sleeps_once_its_trials_are_in():
     """Woken where the realized rates say verifying loses: the owed probe blocks run, and
     the drafter sleeps at the next plan without drafts, not sleep_after plans later (no

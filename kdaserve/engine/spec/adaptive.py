@@ -170,7 +170,7 @@ class AdaptiveSpeculation:
             self.steps += 1
             self.last_drafts = self.last_speculating = 0
             return dict.fromkeys(candidates, 0)
-        vetoed = self.realized.speculation_loses(rows)
+        vetoed = self.realized.speculation_loses(rows) or self._hopeless_below(rows)
         if any(out.values()) and (not pays or vetoed or self.realized.needs_plain(rows)):
             # the verifying step's own cost is not repaid (or, a few times per batch size,
             # a plain step is timed so that the realized rates can be compared)
@@ -221,9 +221,17 @@ class AdaptiveSpeculation:
         al = self.shared_alpha(sampled)
         return self.realized.cannot_pay(rows, sum(al ** j for j in range(self.max_drafts + 1)))
 
+    def _hopeless_below(self, rows: int, sampled: bool = False) -> bool:
+        """A smaller batch size is `_hopeless`: verifying a larger batch, where each row's
+        share of a plain step is smaller, would not pay either. Without this each new
+        batch-size bucket learnt it again (8 verifying steps of up to 32 rows and a nap:
+        the Kimi Linear demo's greedy batch-8 and batch-32 rows read 0.94-0.95 in one run)."""
+        return any(self._hopeless(1 << (k - 1), sampled)
+                   for k in range(1, max(1, rows).bit_length()))
+
     def _would_pay(self, rows: int, sampled: bool) -> bool:
         """A batch of `rows` requests at this kind's measured acceptance: would a plan draft?"""
-        if self.realized.speculation_loses(rows):
+        if self.realized.speculation_loses(rows) or self._hopeless_below(rows, sampled):
             return False
         al = self.shared_alpha(sampled)
         batch = {str(i): self.max_drafts for i in range(max(1, rows))}
@@ -233,7 +241,8 @@ class AdaptiveSpeculation:
         """Drafts to propose for a request that has not decoded yet (its prompt is being
         prefilled): what its kind's engine-wide acceptance earns it, charged the verifying
         step's fixed cost as if it were the only request to verify."""
-        if self.dormant or self.realized.speculation_loses(base_tokens):
+        if (self.dormant or self.realized.speculation_loses(base_tokens)
+                or self._hopeless_below(base_tokens, sampled)):
             return 0
         a, b, c, d = self.cost.coefficients()
         ratio = max(1.0, float(base_tokens)) / (a + b * base_tokens)
