@@ -284,6 +284,11 @@ def test_a_batch_size_where_verifying_could_not_pay_rules_out_the_larger_ones():
     assert p._hopeless_below(8) and not p._hopeless_below(1)
     assert not any(p.plan(many, 8).values())
     assert not p._would_pay(8, False) and p.initial_drafts(8) == 0
+    p.rest.nap(p.nap_steps, 1)
+    p.rest.end_nap(True)
+    p.slept(p.wake_after)
+    p.admitted(8, "y")                                     # no wake at 8 rows either
+    assert p.dormant
     q = AdaptiveSpeculation(7)                             # the same at 3 ms: it could pay
     for _ in range(60):
         q.record("x", 7, 7)

@@ -210,7 +210,8 @@ class AdaptiveSpeculation:
         if request_id is not None and sampled:
             self._sampled.add(request_id)
         self.rest.admitted(rows, request_id, self.steps, lambda: self._would_pay(rows, sampled),
-                           lambda: self._hopeless(rows, sampled))
+                           lambda: (self._hopeless(rows, sampled)
+                                    or self._hopeless_below(rows, sampled)))
 
     def _hopeless(self, rows: int, sampled: bool) -> bool:
         """Verifying steps as long as the measured ones, at the acceptance this kind of
