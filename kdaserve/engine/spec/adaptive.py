@@ -151,9 +151,7 @@ class AdaptiveSpeculation:
                                   or self.realized.speculation_loses(self.rest.nap_rows))
         if self.dormant:
             self.rest.slept(1)
-            self.steps += 1
-            self.last_drafts = self.last_speculating = 0
-            return dict.fromkeys(candidates, 0)
+            return self._no_drafts(candidates)
         alphas = {rid: self.alpha[rid] if rid in self.alpha else self._start(rid)
                   for rid in candidates}
         out, pays = self._choose(alphas, candidates, base_tokens)
@@ -167,9 +165,7 @@ class AdaptiveSpeculation:
             # a prompt prefilled asleep would leave the draft without its context
             self.rest.nap(self.nap_steps, rows)
             self._naps[bucket] = self.steps
-            self.steps += 1
-            self.last_drafts = self.last_speculating = 0
-            return dict.fromkeys(candidates, 0)
+            return self._no_drafts(candidates)
         vetoed = self.realized.speculation_loses(rows) or self._hopeless_below(rows)
         if any(out.values()) and (not pays or vetoed or self.realized.needs_plain(rows)):
             # the verifying step's own cost is not repaid (or, a few times per batch size,
@@ -178,9 +174,7 @@ class AdaptiveSpeculation:
         if candidates:              # prefill-only steps say nothing about drafting
             self.rest.note_earned(any(out.values()), rows, bool(self._probing), vetoed)
         if self.dormant:            # fell asleep now: the plan it had is dropped too
-            self.steps += 1
-            self.last_drafts = self.last_speculating = 0
-            return dict.fromkeys(candidates, 0)
+            return self._no_drafts(candidates)
         # a probe spans two steps: its draft is proposed after one and verified in the next
         for rid in self._probing & candidates.keys():
             out[rid] = max(out[rid], min(candidates[rid], self.max_drafts))
@@ -195,6 +189,12 @@ class AdaptiveSpeculation:
         self.last_drafts = planned
         self.last_speculating = sum(1 for k in out.values() if k)
         return out
+
+    def _no_drafts(self, candidates: dict[str, int]) -> dict[str, int]:
+        """A plan that verifies nothing (the drafter asleep, or napping from now on)."""
+        self.steps += 1
+        self.last_drafts = self.last_speculating = 0
+        return dict.fromkeys(candidates, 0)
 
     def slept(self, steps: int) -> None:
         """`steps` more steps ran asleep after the one plan() saw (a multi-step decode burst,

@@ -81,14 +81,16 @@ class DrafterRest:
         # asleep only on evidence: a few verified blocks (probes count) since waking, else a
         # drafter whose first trials have not come yet would never get them
         if self.stuck and not probing and self.trials_since_wake >= cfg.sleep_trials:
-            self.dormant, self._asleep, self.streak = True, 0, 0
-            self.trials_since_wake = 0
-            self._sleep_bucket = max(1, rows).bit_length()
-            self.sleeps += 1
+            self._asleep, self._sleep_bucket = 0, max(1, rows).bit_length()
             # a wake that found nothing: wait longer before the next
-            self._wait = (cfg.wake_after if self._earned_since_wake
-                          else min(2 * self._wait, cfg.max_wake_after))
-            self._earned_since_wake = False
+            self._fall_asleep(cfg.wake_after if self._earned_since_wake
+                              else min(2 * self._wait, cfg.max_wake_after))
+
+    def _fall_asleep(self, wait: int) -> None:
+        """Sleep until an admission after `wait` steps asleep (or a bucket change) wakes it."""
+        self.dormant, self.streak, self.trials_since_wake = True, 0, 0
+        self.sleeps += 1
+        self._wait, self._earned_since_wake = wait, False
 
     def admitted(self, rows: int, request_id: str | None, step: int,
                  would_pay: Callable[[], bool], hopeless: Callable[[], bool] = bool
@@ -136,10 +138,7 @@ class DrafterRest:
         loses, or was not measured): the nap becomes a sleep, as if the drafter had dozed off
         on its own; else it wakes with the evidence it had (no probes owed)."""
         self.napping, self._nap_left = False, 0
-        if sleep_on:
-            self.streak, self.trials_since_wake = 0, 0
-            self.sleeps += 1
-            self._wait = self.settings.wake_after
-            self._earned_since_wake = False
+        if sleep_on:                 # (asleep since the nap began, at its batch size)
+            self._fall_asleep(self.settings.wake_after)
         else:
             self.dormant, self.streak, self.owed = False, 0, 0
