@@ -41,3 +41,32 @@ def best_drafts(alpha: float, avail: int, ratio: float, b: float, c: float) -> i
         if value > best:
             best_k, best = k, value
     return best_k
+
+
+def choose_drafts(alphas: dict[str, float], candidates: dict[str, int], base_tokens: int,
+                  coefficients: tuple[float, float, float, float], max_drafts: int
+                  ) -> tuple[dict[str, int], bool]:
+    """Each request's k by the gain model (request -> drafts, from its acceptance and the drafts
+    it has available), and whether the plan beats verifying nothing, the verifying step's own
+    cost d included. coefficients: the step cost model's (a, b, c, d)."""
+    a, b, c, d = coefficients
+    plain_n = max(1.0, float(len(candidates)))
+    plain_s = a + b * base_tokens
+    produced, seconds = plain_n, plain_s
+    out: dict[str, int] = {}
+    extra_rows = 0
+    for _ in range(2):                    # the ratio depends on the choices: iterate once
+        ratio = produced / seconds
+        out, extra_tokens, extra_rows, extra_gain = {}, 0, 0, 0.0
+        for rid, avail in candidates.items():
+            al = alphas[rid]
+            k = best_drafts(al, min(avail, max_drafts), ratio, b, c)
+            out[rid] = k
+            if k:
+                extra_gain += sum(al ** j for j in range(1, k + 1))
+                extra_tokens += k
+                extra_rows += 1
+        produced = plain_n + extra_gain
+        seconds = a + b * (base_tokens + extra_tokens) + c * extra_rows + (
+            d if extra_rows else 0.0)
+    return out, bool(extra_rows) and produced / seconds > plain_n / plain_s

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kdaserve.engine.spec.acceptance import SharedAcceptance, best_drafts
+from kdaserve.engine.spec.acceptance import SharedAcceptance, best_drafts, choose_drafts
 from kdaserve.engine.spec.drafter_rest import DrafterRest
 from kdaserve.engine.spec.step_cost import RealizedRates, StepCostModel
 
@@ -112,32 +112,6 @@ class AdaptiveSpeculation:
         self._sampled.discard(request_id)
         self.rest.fresh.discard(request_id)
 
-    def _choose(self, alphas: dict[str, float], candidates: dict[str, int], base_tokens: int
-                ) -> tuple[dict[str, int], bool]:
-        """Each request's k by the gain model, and whether the plan beats verifying nothing
-        (the verifying step's own cost d included)."""
-        a, b, c, d = self.cost.coefficients()
-        plain_n = max(1.0, float(len(candidates)))
-        plain_s = a + b * base_tokens
-        produced, seconds = plain_n, plain_s
-        out: dict[str, int] = {}
-        extra_rows = 0
-        for _ in range(2):                    # the ratio depends on the choices: iterate once
-            ratio = produced / seconds
-            out, extra_tokens, extra_rows, extra_gain = {}, 0, 0, 0.0
-            for rid, avail in candidates.items():
-                al = alphas[rid]
-                k = best_drafts(al, min(avail, self.max_drafts), ratio, b, c)
-                out[rid] = k
-                if k:
-                    extra_gain += sum(al ** j for j in range(1, k + 1))
-                    extra_tokens += k
-                    extra_rows += 1
-            produced = plain_n + extra_gain
-            seconds = a + b * (base_tokens + extra_tokens) + c * extra_rows + (
-                d if extra_rows else 0.0)
-        return out, bool(extra_rows) and produced / seconds > plain_n / plain_s
-
     def plan(self, candidates: dict[str, int], base_tokens: int) -> dict[str, int]:
         """candidates: request -> drafts available (at most); base_tokens: the step's tokens
         without drafts. Returns request -> drafts to verify this step."""
@@ -154,7 +128,8 @@ class AdaptiveSpeculation:
             return self._no_drafts(candidates)
         alphas = {rid: self.alpha[rid] if rid in self.alpha else self._start(rid)
                   for rid in candidates}
-        out, pays = self._choose(alphas, candidates, base_tokens)
+        out, pays = choose_drafts(alphas, candidates, base_tokens, self.cost.coefficients(),
+                                  self.max_drafts)
         bucket = max(1, rows).bit_length()
         if (any(out.values()) and self.sleep_after is not None and base_tokens == rows
                 and self.realized.needs_asleep(rows)
@@ -236,7 +211,8 @@ class AdaptiveSpeculation:
             return False
         al = self.shared_alpha(sampled)
         batch = {str(i): self.max_drafts for i in range(max(1, rows))}
-        return self._choose(dict.fromkeys(batch, al), batch, max(1, rows))[1]
+        return choose_drafts(dict.fromkeys(batch, al), batch, max(1, rows),
+                             self.cost.coefficients(), self.max_drafts)[1]
 
     def initial_drafts(self, base_tokens: int, sampled: bool = False) -> int:
         """Drafts to propose for a request that has not decoded yet (its prompt is being
