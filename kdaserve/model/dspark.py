@@ -77,6 +77,10 @@ class DraftConfig:
     # read up to the highest temperature the draft was trained at (hotter requests read that)
     temperature_conditioning: bool = False
     max_conditioning_temperature: float = 1.0
+    # the most context positions (the newest) a drafted block attends to; None: all of them.
+    # This project's drafts are trained on sequences of a few hundred tokens, and their
+    # rotary queries and keys never met farther apart than that
+    context_window: int | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -91,7 +95,8 @@ class DraftConfig:
         d["target_layer_ids"] = list(self.target_layer_ids)
         if self.layout == K3_MODEL_TYPE:
             for k in ("layout", "extra", "rope_interleaved", "rope_scaling",
-                      "temperature_conditioning", "max_conditioning_temperature"):
+                      "temperature_conditioning", "max_conditioning_temperature",
+                      "context_window"):
                 d.pop(k)
             rope = dict(self.rope_scaling or {"rope_type": "default"})
             rope["rope_theta"] = self.rope_theta

@@ -147,7 +147,11 @@ def train_draft(model: str, hidden: str, out: str, *, steps: int = 2000, batch: 
                       v_head_dim=tc.v_head_dim, intermediate_size=2 * tc.hidden_size,
                       block_size=block, rope_theta=tc.rope_theta, rms_norm_eps=tc.rms_norm_eps,
                       temperature_conditioning=condition_temperature,
-                      max_conditioning_temperature=max(meta.get("temperatures") or [1.0]))
+                      max_conditioning_temperature=max(meta.get("temperatures") or [1.0]),
+                      # no query meets a key farther back than the training sequences are
+                      # long: past that, acceptance fell to 1.7-1.9 tokens a block on 1k-4k
+                      # inputs (docs/speculation-sampling.md, "The draft's context window")
+                      context_window=int(data["input_ids"].shape[1]))
     draft = build_draft(cfg).to(device)
     total = len(data["input_ids"])
     if condition_temperature:

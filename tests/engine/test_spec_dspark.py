@@ -170,3 +170,51 @@ def test_deferred_context_matches_writing_it_each_step(hf_checkpoint, tmp_path):
     for a, b in zip(lazy.pages, eager.pages):     # one matmul over all rows vs one per step
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert lazy.pages[0].view(-1, lazy.pages[0].shape[-1])[20].abs().sum() > 0
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_a_context_window_reads_only_the_newest_positions(hf_checkpoint, tmp_path, window):
+    """A draft with `context_window` W drafts the same block whatever lies older than the
+    newest W positions of its context; without one, changing the older context changes it."""
+    from dataclasses import replace
+
+    from kdaserve.engine.sampler import SamplingRow
+    from kdaserve.engine.spec.dspark import DSparkProposer
+    from kdaserve.engine.spec.proposer import ProposalInput
+    from kdaserve.model.loader import load_model
+    from kdaserve.model.registry import load_draft
+    from kdaserve.outputs import ScheduledSequence
+
+    path, _ = hf_checkpoint
+    target = load_model(path, progress=False)
+    draft = load_draft(_random_draft(path, tmp_path / "draft", block=4))
+    draft.config = replace(draft.config, context_window=window)
+    draft.bind_target(target.model.embed_tokens)
+    width = draft.config.hidden_size * len(draft.config.target_layer_ids)
+    n = 20                                   # context positions, in blocks 2, 0, 5, 1, 3 of 4
+    blocks = [2, 0, 5, 1, 3]
+    slots = torch.tensor([blocks[p // 4] * 4 + p % 4 for p in range(n)])
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, width, generator=g)
+
+    def drafts(h):
+        prop = DSparkProposer(draft, target, 3, num_blocks=6, block_size=4,
+                              device=torch.device("cpu"))
+        seq = ScheduledSequence("r", list(range(3, 3 + n)), 0, blocks, 0, True)
+        inp = ProposalInput([seq], [n], {"r": [7]}, {}, torch.arange(n), slots, h,
+                            {"r": SamplingRow("r", SamplingParams(temperature=0.0), [], [],
+                                              None)})
+        with torch.inference_mode():
+            return prop.propose(inp)["r"].tokens, prop.rows_drafted
+
+    base, rows = drafts(hidden)
+    older = hidden.clone()
+    older[: n - 8] = torch.randn(n - 8, width, generator=g) * 5    # all but the newest 8
+    newer = hidden.clone()
+    newer[n - 8:] = torch.randn(8, width, generator=g) * 5
+    assert rows == 4 and len(base) == 3
+    assert drafts(newer)[0] != base            # the newest positions are read either way
+    if window:
+        assert drafts(older)[0] == base
+    else:
+        assert drafts(older)[0] != base

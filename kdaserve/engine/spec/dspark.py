@@ -31,6 +31,9 @@ class DSparkProposer:
         self.num_tokens = min(num_tokens, cfg.block_size)
         self.block = cfg.block_size
         self.capture_layers = tuple(cfg.target_layer_ids)
+        # the most context positions a block attends to, the newest (None: all): a draft
+        # trained on short sequences never saw its queries that far from their keys
+        self.window = cfg.context_window
         self.block_size = block_size
         self.device = device
         self.pages = [torch.zeros(num_blocks, block_size, cfg.mla_latent_dim,
@@ -103,17 +106,20 @@ class DSparkProposer:
                                  device=self.device)
         ctx_len = torch.tensor([s.context_len + inp.num_valid[b] for b, s in drafting],
                                device=self.device)                                   # [B]
-        B, L = len(drafting), int(ctx_len.max())
+        B = len(drafting)
         width = max(len(s.block_ids) for _, s in drafting)
         bt = torch.zeros(B, width, dtype=torch.long)
         for i, (_, s) in enumerate(drafting):
             bt[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.long)
         bt = bt.to(self.device)
-        j = torch.arange(L, device=self.device)
+        # each row's newest `window` positions (all of them without a window)
+        first_pos = (ctx_len - self.window).clamp(min=0) if self.window else ctx_len * 0
+        L = int((ctx_len - first_pos).max())
+        j = first_pos[:, None] + torch.arange(L, device=self.device)[None]          # [B,L]
         blk = (j // self.block_size).clamp(max=width - 1)
-        ctx_rows = bt[:, blk] * self.block_size + j % self.block_size               # [B,L]
+        ctx_rows = bt.gather(1, blk) * self.block_size + j % self.block_size        # [B,L]
         # context the drafter missed while it slept is left out (`missed`)
-        ctx_mask = (j[None] < ctx_len[:, None]) & self._valid[ctx_rows]
+        ctx_mask = (j < ctx_len[:, None]) & self._valid[ctx_rows]
         ctx = [page.view(-1, page.shape[-1])[ctx_rows] for page in self.pages]
         mask = torch.cat([ctx_mask[:, None].expand(B, self.block, L),
                           torch.ones(B, self.block, self.block, dtype=torch.bool,
