@@ -95,9 +95,10 @@ class DraftConfig:
         d["target_layer_ids"] = list(self.target_layer_ids)
         if self.layout == K3_MODEL_TYPE:
             for k in ("layout", "extra", "rope_interleaved", "rope_scaling",
-                      "temperature_conditioning", "max_conditioning_temperature",
-                      "context_window"):
+                      "temperature_conditioning", "max_conditioning_temperature"):
                 d.pop(k)
+            if d["context_window"] is None:     # this project's field: written only when set
+                d.pop("context_window")
             rope = dict(self.rope_scaling or {"rope_type": "default"})
             rope["rope_theta"] = self.rope_theta
             return {"model_type": K3_MODEL_TYPE, "architectures": ["K3DSparkModel"], **d,
