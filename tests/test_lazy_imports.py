@@ -40,7 +40,7 @@ def test_worker_does_not_import_server_or_grammar_compiler():
 def test_cuda_bench_does_not_import_the_server():
     # the GPU machines have no FastAPI/uvicorn; the sections' lazy imports are included
     code = ("import kdaserve.bench.cuda.cli, kdaserve.engine.llm, kdaserve.bench.spec, "
-            "kdaserve.bench.long, kdaserve.bench.spec_prompts")
+            "kdaserve.bench.spec_measure, kdaserve.bench.long, kdaserve.bench.spec_prompts")
     assert _loaded(code, ("kdaserve.server", "fastapi", "uvicorn")) == []
 
 

@@ -17,7 +17,7 @@ def test_bench_spec_prints_greedy_and_sampled_rows(capsys):
     assert main(["bench", "spec", "--json", "--max-tokens", "6", "--num-prompts", "2",
                  "--batches", "32", "--k", "3", "--threads", "1", "--repeats", "1",
                  "--no-adaptive", "--rejection-sample-method", "both",
-                 "--input-lens", "40,2000000"]) == 0
+                 "--input-lens", "40,2000000", "--long-repeats", "1"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for mode in ("greedy", "sampled"):
         for batch, requests in (("batch1", 2), ("batch32", 32)):
@@ -50,6 +50,7 @@ def test_bench_spec_prints_greedy_and_sampled_rows(capsys):
     assert "identical" not in out["sampled"]["batch1"]
     assert out["sampling"]["temperature"] == 0.8 and out["sampling"]["top_p"] == 0.95
     assert out["k"] == 3 and out["adaptive"] is False and out["max_tokens"] == 6
+    assert out["long_repeats"] == 1
     for mode in ("greedy", "sampled"):          # block verification beside the token rule
         row = out[mode]["batch1"]
         blk = row["block"]
@@ -68,6 +69,7 @@ def test_bench_spec_prints_greedy_and_sampled_rows(capsys):
     for mode in ("greedy", "sampled"):          # long inputs: batch-1 rows, or a skip and why
         row = out[mode]["input40"]
         assert row["input_len"] == 40 and row["batch"] == 1 and row["requests"] == 2
+        assert row["prompt_cached"] is True         # timed after a prefill of its own
         assert row["baseline_tokens"] == row["spec_tokens"] == row["block"]["spec_tokens"] == 12
         assert row["verifications"] > 0
         skip = out[mode]["input2000000"]
@@ -109,7 +111,7 @@ def test_unseen_prompts_are_not_in_the_training_split():
 
 
 def test_the_sampled_rows_take_the_temperature_and_top_p_asked_for():
-    from kdaserve.bench.spec import _params
+    from kdaserve.bench.spec_measure import _params
 
     greedy = _params("greedy", {"top_k": 5}, 2, 4, 1.0, 1.0)
     assert [p.temperature for p in greedy] == [0.0, 0.0]

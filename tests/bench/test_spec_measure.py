@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import kdaserve.bench.spec as spec_bench
+import kdaserve.bench.spec_measure as spec_bench
 
 
 class _Clock:

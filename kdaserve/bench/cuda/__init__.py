@@ -20,7 +20,7 @@ Sections (each its own key; one that fails records its error and the run goes on
   128k tokens of context: prefill tok/s (chunked, 8,192-token steps), decode TPOT after it, and
   `tpot_ratio_128k_1k`.
 - `spec`: speculative decoding with each demo's bundled DSpark draft, batch 1, greedy, against
-  plain decode (`kdaserve.bench.spec.measure`: speedup, acceptance, identical outputs).
+  plain decode (`kdaserve.bench.spec_measure.measure`: speedup, acceptance, identical outputs).
 
 Timings: warm-ups first (Triton compiles and autotunes per shape), every engine step ends in a
 device-to-host copy of the logits (a synchronisation), explicit torch.cuda.synchronize around

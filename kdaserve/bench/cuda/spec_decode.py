@@ -13,7 +13,7 @@ from kdaserve.bench.cuda.workload import MODELS, Sizes
 
 
 def spec_one(path: Path, device: torch.device, sizes: Sizes) -> dict:
-    from kdaserve.bench.spec import measure
+    from kdaserve.bench.spec_measure import measure
     from kdaserve.bench.spec_prompts import unseen_prompts
     from kdaserve.request import SamplingParams
 
