@@ -1,4 +1,5 @@
-"""kdaserve: an inference and serving engine for hybrid KDA + MLA MoE models (Kimi Linear family)."""
+"""kdaserve: an inference and serving engine for hybrid KDA + MLA MoE models
+(Kimi Linear family)."""
 
 from __future__ import annotations
 

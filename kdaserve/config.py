@@ -119,7 +119,8 @@ class SchedulerConfig:
         if self.max_decode_slowdown and self.max_decode_slowdown < 1.0:
             raise ConfigError("max_decode_slowdown must be >= 1 (or 0: no limit)")
         if self.policy not in ("fcfs", "priority"):
-            raise ConfigError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
+            raise ConfigError(
+                f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,8 @@ class SpeculativeConfig:
             raise ConfigError("rejection_sample_method must be 'token' or 'block', got "
                               f"{self.rejection_sample_method!r}")
         if self.method not in ("dspark", "ngram"):
-            raise ConfigError(f"speculative method must be 'dspark' or 'ngram', got {self.method!r}")
+            raise ConfigError(
+                f"speculative method must be 'dspark' or 'ngram', got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 32:
             raise ConfigError("num_speculative_tokens must be in [1, 32], got "
                               f"{self.num_speculative_tokens}")

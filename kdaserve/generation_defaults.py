@@ -1,4 +1,5 @@
-"""Sampling defaults from a model's generation_config.json (like vLLM's --generation-config auto)."""
+"""Sampling defaults from a model's generation_config.json (like vLLM's --generation-config
+auto)."""
 
 from __future__ import annotations
 

@@ -63,7 +63,8 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
     # ---- Kimi K3 (defaults: Kimi Linear) ----
-    architecture: str = "kimi_linear"          # the registry's key: kimi_linear | kimi_k3 | kimi_k25
+    # the registry's key: kimi_linear | kimi_k3 | kimi_k25
+    architecture: str = "kimi_linear"
     hidden_act: str = "silu"                   # silu | situ
     activation_situ_beta: float | None = None
     activation_situ_linear_beta: float | None = None
@@ -91,13 +92,15 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config.json: field '{name}' must be positive")
         if self.qk_nope_head_dim + self.qk_rope_head_dim <= 0:
-            raise ConfigError("config.json: 'qk_nope_head_dim' + 'qk_rope_head_dim' must be positive")
+            raise ConfigError(
+                "config.json: 'qk_nope_head_dim' + 'qk_rope_head_dim' must be positive")
         if self.moe_layers:
             if self.num_experts <= 0:
                 raise ConfigError("config.json: 'num_experts' must be positive for MoE layers")
             if not 0 < self.num_experts_per_token <= self.num_experts:
                 raise ConfigError(
-                    f"config.json: 'num_experts_per_token' ({self.num_experts_per_token}) must be in "
+                    f"config.json: 'num_experts_per_token' ({self.num_experts_per_token}) "
+                    "must be in "
                     f"1..num_experts ({self.num_experts})"
                 )
             if self.num_experts % self.num_expert_group:

@@ -1,4 +1,5 @@
-"""Build tiny random checkpoints with transformers' KimiLinearForCausalLM (an independent reference)."""
+"""Build tiny random checkpoints with transformers' KimiLinearForCausalLM (an independent
+reference)."""
 
 from __future__ import annotations
 

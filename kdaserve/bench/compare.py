@@ -93,7 +93,9 @@ def _agreement(a: list[int], b: list[int]) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: the bundled Kimi Linear demo, which llama.cpp converts)")
+    p.add_argument("--model", default=None,
+                   help="model directory (default: the bundled Kimi Linear demo, "
+                        "which llama.cpp converts)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--peers-dir", default=str(DEFAULT_PEERS),
                    help="where the llama.cpp virtualenv and GGUF files live")

@@ -67,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "on both sets")
     p.add_argument("--num-chats", type=int, default=4,
                    help="conversations of the second-turn scenarios (0: skip them)")
-    p.add_argument("--chat-len", type=int, default=1024, help="most tokens of a first-turn prompt (drawn from half that up)")
+    p.add_argument("--chat-len", type=int, default=1024,
+                   help="most tokens of a first-turn prompt (drawn from half that up)")
     p.add_argument("--turn-len", type=int, default=64,
                    help="tokens of the new user turn in a follow-up")
     p.add_argument("--json", action="store_true")

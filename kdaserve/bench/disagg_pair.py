@@ -46,7 +46,8 @@ class Pair:
             traces = run_disaggregated(self.pre.engine, dec, prompts, params,
                                        hit_query=hit_query)
             moved = counters_since(before, transfer_counters(self.pre.engine))
-        moved.update({f"decode_{k}": v for k, v in counters_since(d0, transfer_counters(dec)).items()})
+        moved.update({f"decode_{k}": v
+                      for k, v in counters_since(d0, transfer_counters(dec)).items()})
         return traces, moved
 
     def close(self) -> None:

@@ -179,7 +179,8 @@ class ReceiveRequest:
     live slot `slot` of `request_id` with transfer `transfer_id` from the connector's inbox.
     The first `skip_tokens` (whole blocks) are a prefix hit this instance already holds: those
     blocks are shared and left as they are; the transfer may leave out at most those (a
-    transfer that starts later is refused: the tokens between were never written here). A transfer that is missing, late, or fails a check
+    transfer that starts later is refused: the tokens between were never written here). A
+    transfer that is missing, late, or fails a check
     (model, layout, checksum, tokens) fails the op: the request ends with that error."""
 
     request_id: str

@@ -6,7 +6,8 @@ hold: true}`, answered `{held_tokens}`; the instance pins them for the import). 
 to the least loaded prefill instance with max_tokens = 1 and `kv_transfer_params =
 {transfer_id, peer, held_tokens}` (the decode instance's kv-transfer address): it computes the
 prompt and the first token, pushes the request's cache but the held tokens to the decode
-instance and answers once that instance acknowledged. Then the same request goes to the decode instance
+instance and answers once that instance acknowledged. Then the same request goes to the decode
+instance
 with `{transfer_id, first_token_id}`; it imports the cache and answers the client, streaming or
 not, exactly as `kdaserve serve` would (its response is passed through byte for byte, errors
 included). Requests the split does not serve (n > 1, several prompts, logprobs,

@@ -9,7 +9,8 @@ order over the ranks, so
   kda_conv.{j}   [K-1, 3·(H/N)·K]   q | k | v inputs, each its heads' columns: joined per part
 while the MLA latents are per token, not per head, and so the same on every rank: only rank 0
 sends them (and pushes parts while the prompt computes; the DSpark draft's pages likewise), the
-other ranks send their KDA shards alone. Pure functions over a header and its raw frames (torch-free); every checksum
+other ranks send their KDA shards alone. Pure functions over a header and its raw frames
+(torch-free); every checksum
 of the result is recomputed.
 """
 

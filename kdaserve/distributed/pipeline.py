@@ -42,7 +42,8 @@ def active() -> bool:
 
 def micro_batches(out: SchedulerOutput, n: int) -> list[SchedulerOutput]:
     """Up to n parts of the step, each a set of whole sequences (the plan of each takes its
-    own rows' snapshots from the step's operations), balanced by tokens (longest first, each to the lightest part). Deterministic: every stage
+    own rows' snapshots from the step's operations), balanced by tokens (longest first, each to
+    the lightest part). Deterministic: every stage
     computes the same split from the same message."""
     seqs = out.sequences
     parts: list[list] = [[] for _ in range(min(n, len(seqs)))]

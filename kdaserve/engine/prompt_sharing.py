@@ -5,7 +5,8 @@ cache salt and extra keys, no images), take the leader's instead of scoring it a
 Why across requests: one completions call with a list of prompts is a request per prompt,
 and a client may repeat a prompt in it (issue 35's probe sends one 1,000-token prompt 16
 times) or in concurrent calls; each would otherwise run its whole prompt through the logits
-(a request that scores its prompt skips prefix-cache hits, prompt_logprobs.py). A follower waits until its leader has computed the prompt (the
+(a request that scores its prompt skips prefix-cache hits, prompt_logprobs.py). A follower waits
+until its leader has computed the prompt (the
 scheduler's `leader_done`), then starts from the leader's cached blocks like any prefix hit
 and samples its own tokens; its first delta carries the leader's entries. The entries are
 the same either way: the leader's rows would be computed identically for the follower (rows

@@ -4,7 +4,8 @@ Builds the model on the meta device (no memory, seconds even for the 2.8T K3 con
 parameters by part: total, active per token (routed experts count top-k of E; everything else
 counts whole), bytes as stored (MXFP4 experts: 4 bits plus one E8M0 byte per 32 weights; INT8 /
 INT4 layers of a compressed-tensors config: their packed bytes plus fp32 group scales) and per
-weight, and the cache sizes that decide how many requests fit: KDA state bytes per request (constant in context
+weight, and the cache sizes that decide how many requests fit: KDA state bytes per request
+(constant in context
 length) and MLA latent bytes per token.
 """
 

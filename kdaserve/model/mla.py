@@ -30,7 +30,8 @@ class MultiHeadLatentAttention(nn.Module):
         hidden, h = cfg.hidden_size, cfg.num_attention_heads
         self.mla_index = mla_index
         self.num_heads = h
-        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.nope, self.rope, self.v_dim = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                            cfg.v_head_dim)
         self.kv_lora_rank = cfg.kv_lora_rank
         self.use_rope = not cfg.mla_use_nope
         self.rope_theta = cfg.rope_theta

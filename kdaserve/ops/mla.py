@@ -199,7 +199,8 @@ def _paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
         o = torch.empty(t * num_splits, h, d)
         lse = torch.empty(t * num_splits, h)
         cpu_kernels.parallel_rows(
-            "mla_cpu.c", fn, t * num_splits, int(lens_.sum()) * h, ctypes.c_void_p(pages.data_ptr()), bs, d,
+            "mla_cpu.c", fn, t * num_splits, int(lens_.sum()) * h,
+            ctypes.c_void_p(pages.data_ptr()), bs, d,
             ctypes.c_void_p(blocks_.data_ptr()), blocks_.shape[1],
             ctypes.c_void_p(lens_.data_ptr()), ctypes.c_void_p(qa.data_ptr()), h, split,
             num_splits, ctypes.c_void_p(o.data_ptr()), ctypes.c_void_p(lse.data_ptr()))

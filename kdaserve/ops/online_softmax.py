@@ -104,7 +104,8 @@ class Tile:
 def paged_tiles(pages: torch.Tensor, blocks: torch.Tensor, lens: list[int],
                 tile: int) -> Iterator[Tile]:
     """Row i's first lens[i] keys (block table blocks[i]) in tiles of whole blocks, at most
-    `tile` keys in all (over the rows a tile reads). A lone row whose blocks come in long consecutive runs (what a fresh pool hands
+    `tile` keys in all (over the rows a tile reads). A lone row whose blocks come in long
+    consecutive runs (what a fresh pool hands
     out) is read in place, run by run: no copy of the context."""
     if fp8_latents.is_packed(pages):       # FP8 latents: each tile read out in fp32
         for t in _tiles(pages, blocks, lens, tile):

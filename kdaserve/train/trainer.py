@@ -121,7 +121,8 @@ def evaluate(model: HybridForCausalLM, tokens: torch.Tensor, seq_len: int,
     n = min(max_batches * batch_size, (len(tokens) - 1) // seq_len)
     losses = []
     for i in range(0, n, batch_size):
-        rows = [tokens[j * seq_len: j * seq_len + seq_len + 1] for j in range(i, min(n, i + batch_size))]
+        rows = [tokens[j * seq_len: j * seq_len + seq_len + 1]
+                for j in range(i, min(n, i + batch_size))]
         x = torch.stack(rows)
         logits = model.forward_dense(x[:, :-1])
         losses.append(F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum"))

@@ -3,7 +3,6 @@ and the peers' GGUFs are too large for a test; docs/benchmarks.md has its runs).
 
 from __future__ import annotations
 
-import torch
 from tiny_models import random_model, tiny_config
 
 from kdaserve.bench import memory_bound as mb

@@ -10,7 +10,6 @@ import pytest
 
 from kdaserve.engine.llm import LLM
 from kdaserve.model.loader import save_model
-from kdaserve.request import SamplingParams
 
 from k3_models import k3_raw, write_k3_checkpoint, write_random_draft
 from test_layouts import GREEDY, HIT, PROMPTS, _assert_same

@@ -212,7 +212,8 @@ def test_pp2_grammar_greedy_and_seeded_match_one_process():
     guided = GuidedDecoding("json", json.dumps(schema))
     got = []
     for layout in ({}, {"pipeline_parallel_size": 2}):
-        llm = LLM(str(KIMI_LINEAR_DEMO_DIR), max_model_len=512, cache_memory=64 << 20, num_threads=1,
+        llm = LLM(str(KIMI_LINEAR_DEMO_DIR), max_model_len=512, cache_memory=64 << 20,
+                  num_threads=1,
                   speculative_method="ngram", num_speculative_tokens=4,
                   speculative_adaptive=False, **layout)
         try:

@@ -19,6 +19,7 @@ from kdaserve.cache.spec import specs_for
 from kdaserve.config import CacheConfig, ConfigError
 from kdaserve.engine.device_memory import cache_budget
 from kdaserve.model.loader import save_model
+from kdaserve.model_config import ModelConfig
 
 LONG, SHORT, CHUNK, NEW = 65536, 16384, 4096, 6
 MAX_MODEL_LEN = 1 << 20
@@ -41,7 +42,8 @@ out = llm.generate([{"prompt_token_ids": prompt}],
                    use_tqdm=False)[0].outputs[0]
 print(json.dumps({"prompt": prompt, "tokens": out.token_ids,
                   "logprobs": [{str(k): v for k, v in d.items()} for d in out.logprobs],
-                  "before": before, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "before": before,
+                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "steps": llm.engine.stats.steps}))
 """
 

@@ -42,8 +42,10 @@ def test_seeded_rows_ignore_batch_mates():
 def test_penalties():
     logits = torch.tensor([[2.0, 1.9, 0.0]])
     assert sample(logits, [row(temperature=0.0, out=[0], presence_penalty=0.5)])[0].token_id == 1
-    assert sample(logits, [row(temperature=0.0, out=[0, 0], frequency_penalty=0.1)])[0].token_id == 1
-    assert sample(logits, [row(temperature=0.0, prompt=[0], repetition_penalty=1.2)])[0].token_id == 1
+    assert sample(logits,
+                  [row(temperature=0.0, out=[0, 0], frequency_penalty=0.1)])[0].token_id == 1
+    assert sample(logits,
+                  [row(temperature=0.0, prompt=[0], repetition_penalty=1.2)])[0].token_id == 1
 
 
 @pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0}, {"max_tokens": 0},

@@ -55,11 +55,13 @@ def test_dense_mlp_accepts_both_names(hf_checkpoint, tmp_path):
     path, _ = hf_checkpoint
     state = load_file(str(path / "model.safetensors"))
     assert "model.layers.0.block_sparse_moe.gate_proj.weight" in state  # transformers' naming
-    renamed = {k.replace("layers.0.block_sparse_moe.", "layers.0.mlp."): v for k, v in state.items()}
+    renamed = {k.replace("layers.0.block_sparse_moe.", "layers.0.mlp."): v
+               for k, v in state.items()}
     out = _copy(path, tmp_path / "released_names")
     save_file(renamed, str(out / "model.safetensors"))
     a, b = load_model(path, progress=False), load_model(out, progress=False)
-    assert torch.equal(a.model.layers[0].mlp.gate_proj.weight, b.model.layers[0].mlp.gate_proj.weight)
+    assert torch.equal(a.model.layers[0].mlp.gate_proj.weight,
+                       b.model.layers[0].mlp.gate_proj.weight)
 
 
 def test_missing_and_misshaped_tensors_are_named(hf_checkpoint, tmp_path):

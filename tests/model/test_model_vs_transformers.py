@@ -24,7 +24,8 @@ def test_config_reads_transformers_checkpoint(hf_checkpoint):
 def test_full_sequence_logits_match(hf_checkpoint, chunk):
     path, hf = hf_checkpoint
     model = load_model(path, progress=False, chunk_size=chunk)
-    ids = torch.randint(0, hf.config.vocab_size, (3, 45), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, hf.config.vocab_size, (3, 45),
+                        generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits
         ours = model.forward_dense(ids)

@@ -1,5 +1,6 @@
 """The real server with --tensor-parallel-size 2, with --data-parallel-size 2
---expert-parallel-size 2, and with --pipeline-parallel-size 2 (the bundled demo model, 2 gloo workers under the engine process):
+--expert-parallel-size 2, and with --pipeline-parallel-size 2 (the bundled demo model, 2 gloo
+workers under the engine process):
 greedy completions through the `openai` client, one at a time, concurrent
 and streamed, equal one process's offline output token for token, and a SIGTERM leaves no
 process behind."""

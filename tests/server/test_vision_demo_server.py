@@ -1,5 +1,6 @@
 """The bundled demo's vision end to end: `kdaserve serve` with its default model (the tiny K3
-demo and its tower, a real server process) and the official openai client; 50 held-out synthetic images (seeds the
+demo and its tower, a real server process) and the official openai client; 50 held-out
+synthetic images (seeds the
 training never drew) sent as PNG data URLs with "What is in the image?"; the reply must name the
 shape's colour and shape. Prints the accuracy; the issue's bar is 0.9."""
 

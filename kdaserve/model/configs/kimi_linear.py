@@ -262,7 +262,8 @@ def _moe_layers(raw: dict[str, Any], n_layers: int, num_experts: int) -> tuple[i
         from_types = tuple(i for i, t in enumerate(types) if t == "sparse")
         if from_rule is not None and first_k is not None and from_rule != from_types:
             raise ConfigError(
-                "config.json: 'mlp_layer_types' disagrees with 'first_k_dense_replace'/'moe_layer_freq'"
+                "config.json: 'mlp_layer_types' disagrees with "
+                "'first_k_dense_replace'/'moe_layer_freq'"
             )
         return from_types
     if from_rule is None:

@@ -1,7 +1,8 @@
 """Image preprocessing of the Kimi vision path, as transformers' Kimi_K25ImageProcessor does it:
 RGB (alpha composited over white), downscale (bicubic, never up) so that the patch grid fits
 `max_patches` in all and `max_side` patches per side (the reference's `size.max_height`, in
-patches despite its name), pad bottom/right with black to a multiple of patch·merge, scale to [0, 1], normalise with mean = std
+patches despite its name), pad bottom/right with black to a multiple of patch·merge, scale to
+[0, 1], normalise with mean = std
 = 0.5, cut into patches in raster order. The result is plain numpy (no torch), so the server's
 tokenizer process can prepare images and the engine process receives bytes.
 

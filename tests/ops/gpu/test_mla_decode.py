@@ -40,7 +40,8 @@ def _reference(c):
 ])
 def test_matches_reference(T, H, N, R, DC, VD, bs, W, lens, dtype, device):
     c = _case(T, H, N, R, DC, VD, bs, W, lens, dtype, device)
-    assert split_size(W * bs, 16)[1] > 1                                        # the cases span several splits
+    # the cases span several splits
+    assert split_size(W * bs, 16)[1] > 1
     out = mla_decode_split_k_triton(**c, split_tokens=16)
     assert out.shape == (T, H, VD) and out.dtype == dtype
     ref = _reference(c)
