@@ -1,16 +1,16 @@
 """`kdaserve bench spec`: decode speed with and without speculative decoding, side by side in
 one run, on prompts neither the model nor its draft trained on (bench/spec_prompts.py).
 
-The plain side is the speculative engine itself with speculation switched off (`_plain`): the
-same weights, cache memory and code paths as an engine built without it, which two engines are
-not (docs/benchmarks.md). Two decoding modes, as users call the server: greedy, and sampled
-with the model's generation defaults (temperature 0.8, top-p 0.95 and whatever else
-generation_config.json sets, e.g. the demo's repetition penalty), fixed seeds. Batch sizes 1, 8
-and 32 (concurrent requests). For each: `speedup` (spec tok/s ÷ plain tok/s), `acceptance_rate`
-(accepted ÷ proposed drafts), `mean_accepted_tokens` (tokens a verifying row yields: accepted
-drafts + 1), and for greedy `identical` (the outputs must be token-identical). Sampled outputs
-differ by construction (the random stream is consumed differently); the rejection sampler's
-exactness is a unit test.
+The plain side is the speculative engine itself with speculation switched off
+(bench/spec_measure.py `speculation_off`): the same weights, cache memory and code paths as an
+engine built without it, which two engines are not (docs/benchmarks.md). Two decoding modes, as
+users call the server: greedy, and sampled with the model's generation defaults (temperature
+0.8, top-p 0.95 and whatever else generation_config.json sets, e.g. the demo's repetition
+penalty), fixed seeds. Batch sizes 1, 8 and 32 (concurrent requests). For each: `speedup` (spec
+tok/s ÷ plain tok/s), `acceptance_rate` (accepted ÷ proposed drafts), `mean_accepted_tokens`
+(tokens a verifying row yields: accepted drafts + 1), and for greedy `identical` (the outputs
+must be token-identical). Sampled outputs differ by construction (the random stream is consumed
+differently); the rejection sampler's exactness is a unit test.
 `acceptance_length` is mean_accepted_tokens under the name the K3 recipe reports it by.
 `--rejection-sample-method both` runs a second engine, on the first one's weights, that
 verifies by blocks (engine/spec/block_verify.py) on the same prompts and seeds, and reports its
@@ -37,8 +37,8 @@ import torch
 
 from kdaserve.assets import default_model_path
 from kdaserve.bench.spec_long import long_engines, long_row
-from kdaserve.bench.spec_measure import (SAMPLED_TEMPERATURE, SAMPLED_TOP_P, _params, _plain,
-                                         _timed, measure)
+from kdaserve.bench.spec_measure import (SAMPLED_TEMPERATURE, SAMPLED_TOP_P, measure,
+                                         row_params, speculation_off, timed_run)
 from kdaserve.bench.spec_prompts import unseen_prompts
 from kdaserve.bench.spec_stats import paired_ratio_ci
 from kdaserve.engine.llm import LLM
@@ -72,15 +72,15 @@ def run(args: argparse.Namespace) -> int:
                     "prompts": "unseen (bench/spec_prompts.py)"}
     warm = [SamplingParams(temperature=0.0, max_tokens=8)]
     for llm in [*specs.values(), *longs.values()]:
-        _timed(llm, prompts[:1], warm)
-        with _plain(llm):
-            _timed(llm, prompts[:1], warm)
+        timed_run(llm, prompts[:1], warm)
+        with speculation_off(llm):
+            timed_run(llm, prompts[:1], warm)
     for mode in args.modes:
         rows = {}
         for b in [1, *args.batches]:
             n = args.num_prompts if b == 1 else b
             many = (prompts * (n // len(prompts) + 1))[:n]
-            params = _params(mode, defaults, n, args.max_tokens, args.temperature,
+            params = row_params(mode, defaults, n, args.max_tokens, args.temperature,
                              args.top_p)
             row = rows[f"batch{b}"] = measure(spec, spec, many, params, b,
                                               greedy=mode == "greedy", repeats=args.repeats)
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                 row["block"] = long_row(longs["block"], n_in, mode, defaults, args)
         result[mode] = rows
         if mode == "sampled":
-            result["sampling"] = {k: v for k, v in vars(_params(
+            result["sampling"] = {k: v for k, v in vars(row_params(
                 mode, defaults, 1, 1, args.temperature, args.top_p)[0]).items()
                                   if k in ("temperature", "top_p", "top_k", "min_p",
                                            "repetition_penalty")}

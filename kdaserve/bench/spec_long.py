@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-from kdaserve.bench.spec_measure import _params, _timed, measure
+from kdaserve.bench.spec_measure import measure, row_params, timed_run
 from kdaserve.bench.spec_prompts import long_prompt_ids
 from kdaserve.engine.llm import LLM
 
@@ -45,10 +45,10 @@ def long_row(spec: LLM, n_in: int, mode: str, defaults: dict, args: argparse.Nam
     encode = spec.tokenizer.encode
     prompts = [{"prompt_token_ids": long_prompt_ids(encode, n_in, i)}
                for i in range(args.num_prompts)]
-    params = _params(mode, defaults, args.num_prompts, args.max_tokens, args.temperature,
+    params = row_params(mode, defaults, args.num_prompts, args.max_tokens, args.temperature,
                      args.top_p)
     for p, sp in zip(prompts, params):      # the prefill, paid once, outside the timing
-        _timed(spec, [p], [sp])
+        timed_run(spec, [p], [sp])
     row = measure(spec, spec, prompts, params, 1, greedy=mode == "greedy",
                   repeats=args.long_repeats)
     row["input_len"] = n_in

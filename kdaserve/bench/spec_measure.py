@@ -2,7 +2,7 @@
 and the speculative side in turn, repeat after repeat, each side first in every other repeat;
 each side's fastest run of each group counts, and each repeat's pair gives one paired ratio
 (bench/spec_stats.py). The plain side is the speculative engine with speculation switched off
-(`_plain`)."""
+(`speculation_off`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from kdaserve.engine.llm import LLM
 from kdaserve.request import SamplingParams
 
 
-def _timed(llm: LLM, prompts: list[str], params: list[SamplingParams]
+def timed_run(llm: LLM, prompts: list[str], params: list[SamplingParams]
            ) -> tuple[float, int, list[list[int]], list[Blocks], Run]:
     """Runs the prompts as concurrent requests; returns (seconds, tokens, ids, each
     request's (accepted drafts, verified blocks), the decode alone: (seconds from the first
@@ -36,7 +36,7 @@ def _timed(llm: LLM, prompts: list[str], params: list[SamplingParams]
 
 
 @contextlib.contextmanager
-def _plain(llm: LLM) -> Iterator[LLM]:
+def speculation_off(llm: LLM) -> Iterator[LLM]:
     """The speculative engine as a plain one: no speculation policy and no proposer, so it
     schedules, bursts, captures and samples exactly as an engine built without speculation,
     over the same weights and the same cache memory. Two engines differ by more than that:
@@ -57,7 +57,7 @@ def _plain(llm: LLM) -> Iterator[LLM]:
             proposer.forget_context()
 
 
-def _counters(llm: LLM) -> tuple[int, int, int]:
+def spec_counters(llm: LLM) -> tuple[int, int, int]:
     s = llm.engine.scheduler
     return s.num_draft_tokens, s.num_accepted_tokens, s.num_verify_rows
 
@@ -66,7 +66,7 @@ def _counters(llm: LLM) -> tuple[int, int, int]:
 SAMPLED_TEMPERATURE, SAMPLED_TOP_P = 0.8, 0.95
 
 
-def _params(mode: str, defaults: dict, n: int, max_tokens: int,
+def row_params(mode: str, defaults: dict, n: int, max_tokens: int,
             temperature: float = SAMPLED_TEMPERATURE, top_p: float = SAMPLED_TOP_P
             ) -> list[SamplingParams]:
     if mode == "greedy":
@@ -96,8 +96,8 @@ class _Best:
              plain: bool = False) -> None:
         """Runs group g once, into the current repeat's totals (`new_repeat`)."""
         steps0 = llm.engine.stats.steps
-        with _plain(llm) if plain else contextlib.nullcontext():
-            t, n, ids, blocks, (dt, dn) = _timed(llm, prompts, params)
+        with speculation_off(llm) if plain else contextlib.nullcontext():
+            t, n, ids, blocks, (dt, dn) = timed_run(llm, prompts, params)
         if t < self.seconds[g]:
             self.seconds[g], self.runs[g] = t, (n, ids, blocks, llm.engine.stats.steps - steps0)
         self.totals[-1] += t
@@ -127,13 +127,13 @@ def measure(base: LLM, spec: LLM, prompts: list[str], params: list[SamplingParam
     """Plain and speculative runs of each group of `batch` concurrent requests, alternated
     `repeats` times, each side first in every other repeat; each side's fastest run of each
     group counts (the machine's noise only ever adds time). `base` may be `spec` itself: its
-    plain runs then switch speculation off (`_plain`). Alternating group by group, not
+    plain runs then switch speculation off (`speculation_off`). Alternating group by group, not
     whole rows, keeps the two sides of a comparison a fraction of a second apart: this host's
     read rate and clock move over seconds, and rows that verified nothing read 0.94-1.05
     when whole rows alternated."""
     groups = [(prompts[i:i + batch], params[i:i + batch]) for i in range(0, len(prompts), batch)]
     best_base, best_spec = _Best.of(len(groups)), _Best.of(len(groups))
-    before = _counters(spec)
+    before = spec_counters(spec)
     same = base is spec
     sides = ((best_base, base, same), (best_spec, spec, False))
     for r in range(repeats):
@@ -146,7 +146,7 @@ def measure(base: LLM, spec: LLM, prompts: list[str], params: list[SamplingParam
                 best.time(llm, g, ps, pa, plain=plain)
     t_base, n_base, ids_base, _, steps_base = best_base.counted()
     t_spec, n_spec, ids_spec, blocks_spec, steps_spec = best_spec.counted()
-    drafted, accepted, rows = (a - b for a, b in zip(_counters(spec), before))
+    drafted, accepted, rows = (a - b for a, b in zip(spec_counters(spec), before))
     base_rate, spec_rate = n_base / t_base, n_spec / t_spec
     out = {
         "batch": batch, "requests": len(prompts), "baseline_tok_s": round(base_rate, 1),

@@ -111,12 +111,12 @@ def test_unseen_prompts_are_not_in_the_training_split():
 
 
 def test_the_sampled_rows_take_the_temperature_and_top_p_asked_for():
-    from kdaserve.bench.spec_measure import _params
+    from kdaserve.bench.spec_measure import row_params
 
-    greedy = _params("greedy", {"top_k": 5}, 2, 4, 1.0, 1.0)
+    greedy = row_params("greedy", {"top_k": 5}, 2, 4, 1.0, 1.0)
     assert [p.temperature for p in greedy] == [0.0, 0.0]
-    sampled = _params("sampled", {"top_k": 5, "seed": 7}, 3, 4, 1.0, 1.0)
+    sampled = row_params("sampled", {"top_k": 5, "seed": 7}, 3, 4, 1.0, 1.0)
     assert [(p.temperature, p.top_p, p.top_k) for p in sampled] == [(1.0, 1.0, 5)] * 3
     assert [p.seed for p in sampled] == [1000, 1001, 1002]    # fixed seeds, one a request
-    assert (_params("sampled", {}, 1, 4)[0].temperature, _params("sampled", {}, 1, 4)[0].top_p
+    assert (row_params("sampled", {}, 1, 4)[0].temperature, row_params("sampled", {}, 1, 4)[0].top_p
             ) == (0.8, 0.95)

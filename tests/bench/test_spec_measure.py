@@ -103,7 +103,7 @@ def test_one_engine_is_its_own_plain_baseline(monkeypatch):
 
 
 def test_a_real_engine_without_speculation_decodes_as_a_plain_one(hf_checkpoint, tmp_path):
-    """`_plain` on a real speculative engine: nothing drafted, captured or verified, the
+    """`speculation_off` on a real speculative engine: nothing drafted, captured or verified, the
     forward tokens and greedy output of an engine built without speculation; speculation back
     on afterwards, drafting again, with the same output."""
     import torch
@@ -131,7 +131,7 @@ def test_a_real_engine_without_speculation_decodes_as_a_plain_one(hf_checkpoint,
                speculative_model=str(draft))
     sched, proposer = spec.engine.scheduler, spec.engine.runner.proposer
     assert run(spec)[0] == want and bool(proposer._valid.any())    # context projected
-    with spec_bench._plain(spec):
+    with spec_bench.speculation_off(spec):
         drafted, captured = sched.num_draft_tokens, proposer.rows_captured
         assert run(spec) == (want, plain_rows)
         assert (sched.num_draft_tokens, proposer.rows_captured) == (drafted, captured)
