@@ -38,6 +38,15 @@
 
 static inline int64_t idot_unit(int64_t bits) { return bits == 4 ? 64 : 32; }
 
+/* the offset of the codes the lanes multiply: INT4's unsigned nibbles q + 8, INT8's stored
+ * bytes q + 128 where they go in as stored (IDOT_U8), else INT8's q */
+static inline int32_t idot_base(int bits) { return bits == 4 ? 8 : IDOT_U8 ? 128 : 0; }
+
+/* the sums' start for a row without zero points: -base A (zero where the base is 0) */
+static inline idot_i idot_start_base(const int32_t *A, int bits) {
+    return bits == 4 ? idot_start8(A) : IDOT_U8 ? idot_start128(A) : idot_izero();
+}
+
 /* B input rows quantized: row r's codes q + r*K (INT4: each unit's even columns, then its odd
  * ones), per unit and lane the block scale d + (r*U + u)*8 and the lane's sum of codes A
  * (for the zero offsets) */
@@ -148,7 +157,7 @@ static inline __attribute__((always_inline)) void
 idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, float *Y,
           int64_t ldy, int bits, int64_t gu, int zp) {
     const int64_t U = a->U, G = m->groups;
-    const int32_t base = bits == 4 ? 8 : 0;   /* the unsigned nibbles' offset */
+    const int32_t base = idot_base(bits);
     const uint8_t *w0 = m->packed + n * m->row_bytes;
     idot_f acc[8];
     for (int i = 0; i < NO * R; ++i) acc[i] = idot_zero();
@@ -173,8 +182,8 @@ idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, f
              * twenty-third session). */
             idot_i start[2];
             for (int r = 0; R > 1 && r < R; ++r)
-                start[r] = bits == 4 && !zp ? idot_start8(a->A + ((r0 + r) * U + u) * 8)
-                                            : idot_izero();
+                start[r] = zp ? idot_izero() : idot_start_base(a->A + ((r0 + r) * U + u) * 8,
+                                                                bits);
             for (int o = 0; o < NO; ++o) {
                 const idot_w w = idot_wb(w0 + o * m->row_bytes + u * 32, bits);
                 for (int r = 0; r < R; ++r) {
@@ -188,6 +197,7 @@ idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, f
                         I = idot_lanes(idot_izero(), w, qa, bits);
                         if (zp) I = idot_correct(I, a->A + ru * 8, off[o]);
                         else if (bits == 4) I = idot_correct8(I, a->A + ru * 8);
+                        else if (IDOT_U8) I = idot_correct128(I, a->A + ru * 8);
                     }
                     t[o * R + r] = idot_fma(I, idot_ldf(a->d + ru * 8), t[o * R + r]);
                 }
@@ -223,7 +233,7 @@ idot_row4(const qmat *m, int64_t n, const qacts *a, int64_t r, float *Y, int bit
     const int64_t U = a->U, G = m->groups, rb = m->row_bytes, unit = idot_unit(bits);
     const int8_t *q = a->q + r * a->K;
     const int32_t *A = a->A + r * U * 8;
-    const int32_t base = bits == 4 ? 8 : 0;       /* the unsigned nibbles' offset */
+    const int32_t base = idot_base(bits);
     const float *d = a->d + r * U * 8, *s = m->scale + n * G;
     const uint8_t *w = m->packed + n * rb;
     const int8_t *z = zp ? m->zero + n * G : NULL;
@@ -243,7 +253,7 @@ idot_row4(const qmat *m, int64_t n, const qacts *a, int64_t r, float *Y, int bit
                 __builtin_prefetch(w + IDOT_AHEAD + u * 128 + c);
             const int8_t *qa = q + u * unit;
             const idot_f dv = idot_ldf(d + u * 8);
-            const idot_i st = !zp && bits == 4 ? idot_start8(A + u * 8) : idot_izero();
+            const idot_i st = zp ? idot_izero() : idot_start_base(A + u * 8, bits);
             for (int o = 0; o < 4; ++o) {
                 idot_i I = idot_lanes(st, idot_wb(w + o * rb + u * 32, bits), qa, bits);
                 if (zp) I = idot_correct(I, A + u * 8, off[o]);

@@ -38,16 +38,6 @@ static inline float idot_sum(idot_f v) {
     _mm256_storeu_ps(f, v);
     return ((f[0] + f[4]) + (f[2] + f[6])) + ((f[1] + f[5]) + (f[3] + f[7]));
 }
-/* one unit's weights: INT4 the low and the high nibbles; INT8 |q| and q (for the signs) */
-static inline idot_w idot_wb(const uint8_t *p, int bits) {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)p);
-    if (bits == 4) {
-        const __m256i m = _mm256_set1_epi8(15);
-        return (idot_w){_mm256_and_si256(v, m), _mm256_and_si256(_mm256_srli_epi16(v, 4), m)};
-    }
-    const __m256i w = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
-    return (idot_w){_mm256_sign_epi8(w, w), w};
-}
 /* AVX-512 VNNI (with VL) or AVX-VNNI: vpdpbusd sums the four byte products of each lane
  * straight into int32, where maddubs + madd took two steps through int16 and a third to add
  * the nibbles' halves; no int16 sum here saturates (|sum| < 2^15, below), so the lanes hold
@@ -57,6 +47,28 @@ static inline idot_w idot_wb(const uint8_t *p, int bits) {
 #elif defined(__AVXVNNI__)
 #define IDOT_DPBUSD(s, w, a) _mm256_dpbusd_avx_epi32(s, w, a)
 #endif
+/* INT8 under vpdpbusd: the stored bytes (q + 128, unsigned) go in as they are and the sums
+ * start at -128 A, as INT4's nibbles (q + 8) start at -8 A: one instruction a unit where the
+ * signs took three (|q| and the activations' signs moved to q's). The same integers: the
+ * four products of a lane sum to less than 2^17 and vpdpbusd does not saturate. maddubs
+ * (AVX2 without VNNI) saturates pairs of such products, so it keeps the signs. */
+#ifdef IDOT_DPBUSD
+#define IDOT_U8 1
+#else
+#define IDOT_U8 0
+#endif
+/* one unit's weights: INT4 the low and the high nibbles; INT8 the bytes as stored (IDOT_U8),
+ * or |q| and q (for the signs) */
+static inline idot_w idot_wb(const uint8_t *p, int bits) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)p);
+    if (bits == 4) {
+        const __m256i m = _mm256_set1_epi8(15);
+        return (idot_w){_mm256_and_si256(v, m), _mm256_and_si256(_mm256_srli_epi16(v, 4), m)};
+    }
+    if (IDOT_U8) return (idot_w){v, v};
+    const __m256i w = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+    return (idot_w){_mm256_sign_epi8(w, w), w};
+}
 /* start + the unit's lane sums (start: zero, or a row's offset correction, idot_start) */
 static inline idot_i idot_lanes(idot_i start, idot_w w, const int8_t *qa, int bits) {
     const __m256i a0 = _mm256_loadu_si256((const __m256i *)(const void *)qa);
@@ -65,7 +77,7 @@ static inline idot_i idot_lanes(idot_i start, idot_w w, const int8_t *qa, int bi
         const __m256i a1 = _mm256_loadu_si256((const __m256i *)(const void *)(qa + 32));
         return IDOT_DPBUSD(IDOT_DPBUSD(start, w.lo, a0), w.hi, a1);
     }
-    return IDOT_DPBUSD(start, w.lo, _mm256_sign_epi8(a0, w.hi));
+    return IDOT_DPBUSD(start, w.lo, a0);            /* stored bytes, sums from -128 A */
 #endif
     __m256i p16;
     if (bits == 4) {          /* nibbles 0..15 unsigned; two byte pairs of each: |sum| < 2^13 */
@@ -95,6 +107,14 @@ static inline idot_i idot_start(const int32_t *A, idot_i off) {
 }
 static inline idot_i idot_start8(const int32_t *A) {
     return idot_correct8(_mm256_setzero_si256(), A);
+}
+/* INT8's stored bytes under IDOT_U8: -128 A */
+static inline idot_i idot_correct128(idot_i I, const int32_t *A) {
+    const __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)A);
+    return _mm256_sub_epi32(I, _mm256_slli_epi32(a, 7));
+}
+static inline idot_i idot_start128(const int32_t *A) {
+    return idot_correct128(_mm256_setzero_si256(), A);
 }
 #elif defined(IDOT_NEON)
 /* eight lanes as two NEON registers; a unit's bytes 0-15 give lanes 0-3, 16-31 lanes 4-7 */
@@ -168,6 +188,12 @@ static inline idot_i idot_start(const int32_t *A, idot_i off) {
     return idot_correct(idot_izero(), A, off);
 }
 static inline idot_i idot_start8(const int32_t *A) { return idot_correct8(idot_izero(), A); }
+#define IDOT_U8 0   /* sdot multiplies signed bytes: INT8 keeps q (these two go unused) */
+static inline idot_i idot_correct128(idot_i I, const int32_t *A) {
+    for (int h = 0; h < 2; ++h) I.v[h] = vsubq_s32(I.v[h], vshlq_n_s32(vld1q_s32(A + 4 * h), 7));
+    return I;
+}
+static inline idot_i idot_start128(const int32_t *A) { return idot_correct128(idot_izero(), A); }
 #else
 /* portable C: the definition, lane by lane */
 typedef struct { float v[8]; } idot_f;
@@ -227,6 +253,12 @@ static inline idot_i idot_start(const int32_t *A, idot_i off) {
     return idot_correct(idot_izero(), A, off);
 }
 static inline idot_i idot_start8(const int32_t *A) { return idot_correct8(idot_izero(), A); }
+#define IDOT_U8 0   /* the definition: INT8 takes q (these two go unused) */
+static inline idot_i idot_correct128(idot_i I, const int32_t *A) {
+    for (int l = 0; l < 8; ++l) I.v[l] -= 128 * A[l];
+    return I;
+}
+static inline idot_i idot_start128(const int32_t *A) { return idot_correct128(idot_izero(), A); }
 #endif
 
 #endif
