@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory (default: the bundled demo)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--quantization", default=None, choices=("int8", "int4"))
+    p.add_argument("--quantization-group-size", type=int, default=128,
+                   help="input columns per scale of --quantization (32: Q4_0's groups)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch", default="1,32", help="comma-separated batch sizes")
     p.add_argument("--input", type=int, default=128)
@@ -71,13 +73,15 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     sizes = [int(b) for b in args.batch.split(",") if b.strip()]
     llm = LLM(args.model or str(kimi_linear_demo_path()), dtype=args.dtype,
-              quantization=args.quantization, max_num_seqs=max(sizes),
+              quantization=args.quantization,
+              quantization_group_size=args.quantization_group_size, max_num_seqs=max(sizes),
               max_model_len=args.input + args.output + 16, max_num_batched_tokens=4096,
               enable_prefix_caching=False)
     runner = llm.engine.executor.runner
     g = torch.Generator().manual_seed(0)
     report: dict = {"cpu_isa": cpu_isa(), "threads": args.threads, "dtype": args.dtype,
-                    "quantization": args.quantization, "batches": {}}
+                    "quantization": args.quantization,
+                    "quantization_group_size": args.quantization_group_size, "batches": {}}
 
     def go(prompts: list[list[int]], out: int) -> float:
         sp = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)

@@ -266,6 +266,41 @@ idot_row4(const qmat *m, int64_t n, const qacts *a, int64_t r, float *Y, int bit
     for (int o = 0; o < 4; ++o) Y[n + o] = idot_sum(acc[o]);
 }
 
+/* A lone row's tile of four outputs from n, INT4 in groups of 32 (each unit's lanes 0-3 one
+ * group, 4-7 the next): idot_tile's integers and fused multiply-adds in the same order, with
+ * the tile's addresses set once, the -8 A start shared by the four outputs and each unit's
+ * two scales one load. Cold, a pool of 200 [1024 x 2048] matrices in shuffled order: 1.12-1.23x
+ * idot_tile on one thread, 1.08-1.16x on two; hot even (docs/benchmarks.md, thirtieth
+ * session). */
+static inline __attribute__((always_inline)) void
+idot_row4_g32(const qmat *m, int64_t n, const qacts *a, int64_t r, float *Y, int zp) {
+    const int64_t U = a->U, G = m->groups, rb = m->row_bytes;
+    const int8_t *q = a->q + r * a->K;
+    const int32_t *A = a->A + r * U * 8;
+    const float *d = a->d + r * U * 8, *s = m->scale + n * G;
+    const uint8_t *w = m->packed + n * rb;
+    const int8_t *z = zp ? m->zero + n * G : NULL;
+    idot_f acc[4];
+    for (int o = 0; o < 4; ++o) acc[o] = idot_zero();
+    _Pragma("GCC unroll 2")
+    for (int64_t u = 0; u < U; ++u) {
+        for (int c = 0; IDOT_AHEAD && c < 128; c += 64)
+            __builtin_prefetch(w + IDOT_AHEAD + u * 128 + c);
+        const int8_t *qa = q + u * 64;
+        const idot_f dv = idot_ldf(d + u * 8);
+        const idot_i st = zp ? idot_izero() : idot_start8(A + u * 8);
+        for (int o = 0; o < 4; ++o) {
+            idot_i I = idot_lanes(st, idot_wb(w + o * rb + u * 32, 4), qa, 4);
+            if (zp)
+                I = idot_correct(I, A + u * 8, idot_offs(8 + z[o * G + 2 * u],
+                                                         8 + z[o * G + 2 * u + 1]));
+            acc[o] = idot_fmaf(idot_fma(I, dv, idot_zero()), idot_f2p(s + o * G + 2 * u),
+                               acc[o]);
+        }
+    }
+    for (int o = 0; o < 4; ++o) Y[n + o] = idot_sum(acc[o]);
+}
+
 /* Y[b, n + o] for NO outputs from n and rows [r0, r1): two rows a tile, an odd last one alone */
 static inline __attribute__((always_inline)) void
 idot_col(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int64_t r1, float *Y,
@@ -284,6 +319,8 @@ idot_rows_b(const qmat *m, const qacts *a, int64_t r0, int64_t r1, float *Y, int
     int64_t n = n0;
     if (r1 - r0 == 1 && gu && IDOT_ROW4)
         for (; n + 4 <= n1; n += 4) idot_row4(m, n, a, r0, Y + r0 * ldy, bits, gu, zp);
+    else if (r1 - r0 == 1 && bits == 4 && IDOT_ROW4)        /* INT4 in groups of 32 */
+        for (; n + 4 <= n1; n += 4) idot_row4_g32(m, n, a, r0, Y + r0 * ldy, zp);
     else if (r1 - r0 == 1)
         for (; n + 4 <= n1; n += 4) idot_tile(m, n, 4, a, r0, 1, Y, ldy, bits, gu, zp);
     else if (IDOT_WIDE_TILES)

@@ -27,6 +27,12 @@ static inline idot_f idot_ldf(const float *p) { return _mm256_loadu_ps(p); }
 static inline idot_f idot_f2(float s0, float s1) {    /* s0 in lanes 0-3, s1 in 4-7 */
     return _mm256_setr_m128(_mm_set1_ps(s0), _mm_set1_ps(s1));
 }
+/* idot_f2(p[0], p[1]): one 8-byte load and a permute, where two broadcasts took an insert */
+static inline idot_f idot_f2p(const float *p) {
+    const __m128 v = _mm_castpd_ps(_mm_load_sd((const double *)(const void *)p));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
 static inline idot_f idot_fma(idot_i i, idot_f d, idot_f t) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), d, t);
 }
@@ -126,6 +132,7 @@ static inline idot_f idot_ldf(const float *p) { return (idot_f){{vld1q_f32(p), v
 static inline idot_f idot_f2(float s0, float s1) {
     return (idot_f){{vdupq_n_f32(s0), vdupq_n_f32(s1)}};
 }
+static inline idot_f idot_f2p(const float *p) { return idot_f2(p[0], p[1]); }
 static inline idot_f idot_fma(idot_i i, idot_f d, idot_f t) {
     for (int h = 0; h < 2; ++h) t.v[h] = vfmaq_f32(t.v[h], vcvtq_f32_s32(i.v[h]), d.v[h]);
     return t;
@@ -208,6 +215,7 @@ static inline idot_f idot_ldf(const float *p) {
 static inline idot_f idot_f2(float s0, float s1) {
     return (idot_f){{s0, s0, s0, s0, s1, s1, s1, s1}};
 }
+static inline idot_f idot_f2p(const float *p) { return idot_f2(p[0], p[1]); }
 static inline idot_f idot_fma(idot_i i, idot_f d, idot_f t) {
     for (int l = 0; l < 8; ++l) t.v[l] = fmaf((float)i.v[l], d.v[l], t.v[l]);
     return t;
