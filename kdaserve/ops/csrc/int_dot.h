@@ -205,7 +205,7 @@ idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, f
         }
         for (int o = 0; o < NO; ++o) {
             const float *s = m->scale + (n + o) * G;
-            const idot_f sv = idot_f2(s[g0], s[g1]);
+            const idot_f sv = gu ? idot_f2(s[g0], s[g1]) : idot_f2p(s + g0);   /* g1 = g0 + 1 */
             for (int r = 0; r < R; ++r)
                 acc[o * R + r] = idot_fmaf(t[o * R + r], sv, acc[o * R + r]);
         }
