@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             n = args.num_prompts if b == 1 else b
             many = (prompts * (n // len(prompts) + 1))[:n]
             params = row_params(mode, defaults, n, args.max_tokens, args.temperature,
-                             args.top_p)
+                                args.top_p)
             row = rows[f"batch{b}"] = measure(spec, spec, many, params, b,
                                               greedy=mode == "greedy", repeats=args.repeats)
             row["acceptance_length"] = row["mean_accepted_tokens"]

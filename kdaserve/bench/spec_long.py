@@ -46,7 +46,7 @@ def long_row(spec: LLM, n_in: int, mode: str, defaults: dict, args: argparse.Nam
     prompts = [{"prompt_token_ids": long_prompt_ids(encode, n_in, i)}
                for i in range(args.num_prompts)]
     params = row_params(mode, defaults, args.num_prompts, args.max_tokens, args.temperature,
-                     args.top_p)
+                        args.top_p)
     for p, sp in zip(prompts, params):      # the prefill, paid once, outside the timing
         timed_run(spec, [p], [sp])
     row = measure(spec, spec, prompts, params, 1, greedy=mode == "greedy",

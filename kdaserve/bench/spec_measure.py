@@ -18,7 +18,7 @@ from kdaserve.request import SamplingParams
 
 
 def timed_run(llm: LLM, prompts: list[str], params: list[SamplingParams]
-           ) -> tuple[float, int, list[list[int]], list[Blocks], Run]:
+              ) -> tuple[float, int, list[list[int]], list[Blocks], Run]:
     """Runs the prompts as concurrent requests; returns (seconds, tokens, ids, each
     request's (accepted drafts, verified blocks), the decode alone: (seconds from the first
     first token to the last token, tokens after each request's first))."""
@@ -67,8 +67,8 @@ SAMPLED_TEMPERATURE, SAMPLED_TOP_P = 0.8, 0.95
 
 
 def row_params(mode: str, defaults: dict, n: int, max_tokens: int,
-            temperature: float = SAMPLED_TEMPERATURE, top_p: float = SAMPLED_TOP_P
-            ) -> list[SamplingParams]:
+               temperature: float = SAMPLED_TEMPERATURE, top_p: float = SAMPLED_TOP_P
+               ) -> list[SamplingParams]:
     if mode == "greedy":
         return [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * n
     fields = {"temperature": temperature, "top_p": top_p, **{
