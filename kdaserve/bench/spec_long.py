@@ -24,10 +24,15 @@ from kdaserve.bench.spec_prompts import long_prompt_ids
 from kdaserve.engine.llm import LLM
 
 
+def _positions(n_in: int, args: argparse.Namespace) -> int:
+    """What a row of n_in-token prompts needs: the prompt, its tokens and a verified block."""
+    return n_in + args.max_tokens + args.k + 1
+
+
 def long_engines(model: str, shared: LLM, methods: list[str], args: argparse.Namespace,
                  engine_kwargs: dict) -> dict[str, LLM]:
     """One prefix-caching engine per verification method, sharing `shared`'s weights."""
-    room = max(args.input_lens) + args.max_tokens + args.k + 1   # a prompt, its tokens, a block
+    room = _positions(max(args.input_lens), args)
     return {m: LLM(model, shared_weights=shared, enable_prefix_caching=True,
                    max_model_len=max(4096, room), speculative_rejection_sample_method=m,
                    **engine_kwargs) for m in methods}
@@ -39,7 +44,7 @@ def long_row(spec: LLM, n_in: int, mode: str, defaults: dict, args: argparse.Nam
     once before `--long-repeats` timed pairs."""
     limit = min(spec.engine.config.scheduler.max_model_len,
                 spec.engine.model.config.max_position_embeddings)
-    if n_in + args.max_tokens + args.k + 1 > limit:
+    if _positions(n_in, args) > limit:
         return {"input_len": n_in, "skipped": f"{n_in} prompt tokens + {args.max_tokens} "
                 f"generated + {args.k + 1} verified exceed the model's limit of {limit}"}
     encode = spec.tokenizer.encode
