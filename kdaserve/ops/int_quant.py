@@ -157,7 +157,7 @@ ACT_BLOCK = 32
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] fp32 (K a multiple of 32) -> (codes int8 [..., K], block scales fp32
     [..., K/32]): d = amax / 127 per block of 32, codes = round(x * (1 / d)) (ties to even),
-    the fp32 operations of csrc/int_dot.h qacts_make, so the same bits."""
+    the fp32 operations of csrc/int_acts.h qacts_make, so the same bits."""
     blocks = x.float().reshape(*x.shape[:-1], -1, ACT_BLOCK)
     d = blocks.abs().amax(-1) / 127.0
     inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)),
