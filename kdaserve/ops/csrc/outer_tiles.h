@@ -76,17 +76,27 @@ static inline __attribute__((always_inline)) void NAME(outer_tile)(
     vregf acc[6][2 * VREGS16];
     /* add: 0 the sums stored, 1 y + the sums (ksplit.h's second half), 2 the running sums
      * carried on from y (tiles_blocked.h's later K blocks: stored and reloaded exactly) */
+    /* bf16 weights two registers a load: acc[r][0] the tile's even outputs, [1] its odd ones
+     * (decode_lanes.h's bwide_load) */
+    const int pairs = BWIDE_PAIRS && WIDEN && CV == 2;
 #pragma GCC unroll 6
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
+        if (pairs && add == 2) {
+            bwide_sums(Y + (b + r) * ldy + n, &acc[r][0], &acc[r][1]);
+            continue;
+        }
 #pragma GCC unroll 8
         for (int c = 0; c < CV; ++c)
             acc[r][c] = add == 2 ? ldvf(Y + (b + r) * ldy + n + VREG_LANES * c) : (vregf){0};
+    }
     for (int64_t i = k0; i < k1; ++i) {
         if (pf) NAME(tcursor_step)(pf, pf_lines, 2);
         const WT *w = W + i * N + n;
         vregf wv[2 * VREGS16];
+        if (pairs) bwide_load((const uint16_t *)(const void *)w, &wv[0], &wv[1]);
+        else
 #pragma GCC unroll 8
-        for (int c = 0; c < CV; ++c) wv[c] = LDWV(w + VREG_LANES * c);
+            for (int c = 0; c < CV; ++c) wv[c] = LDWV(w + VREG_LANES * c);
 #pragma GCC unroll 6
         for (int r = 0; r < R; ++r) {
             const float x = X[(b + r) * ldx + i];
@@ -95,13 +105,25 @@ static inline __attribute__((always_inline)) void NAME(outer_tile)(
         }
     }
 #pragma GCC unroll 6
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
+        if (pairs) {
+            float *y = Y + (b + r) * ldy + n;
+            vregf e = acc[r][0], o = acc[r][1];
+            if (add == 1) {
+                vregf ye, yo;
+                bwide_sums(y, &ye, &yo);
+                e = ye + e, o = yo + o;
+            }
+            bwide_store(y, e, o);
+            continue;
+        }
 #pragma GCC unroll 8
         for (int c = 0; c < CV; ++c) {
             float *y = Y + (b + r) * ldy + n + VREG_LANES * c;
             if (add == 1) stvf(y, ldvf(y) + acc[r][c]);
             else stvf(y, acc[r][c]);
         }
+    }
 }
 
 /* A tile's sums over [0, K), in two halves where ksplit.h splits them. */
