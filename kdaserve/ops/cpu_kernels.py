@@ -34,7 +34,10 @@ log = logging.getLogger("kdaserve")
 
 _CSRC = Path(__file__).parent / "csrc"
 # -march comes from the variant (kdaserve/ops/cpu_isa.py)
-_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=c11"]
+# an undeclared function is an error, as GCC 14 makes it: a helper that one target's branch
+# calls but only another target defines fails every build here, not just a newer compiler's
+_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=c11",
+          "-Werror=implicit-function-declaration"]
 
 
 def _cache_dir() -> Path:

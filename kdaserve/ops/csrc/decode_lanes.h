@@ -128,7 +128,21 @@ static inline void bwide_sums(const float *y, vregf *e, vregf *o) {
         _mm256_castps_pd(_mm256_shuffle_ps(y0, y1, 0xDD)), 0xD8));
 }
 #else
+/* the same three in generic lanes, for a build's dead branches (NEON widens in order) */
 #define BWIDE_PAIRS 0
+static inline void bwide_load(const uint16_t *p, vregf *e, vregf *o) {
+    for (int l = 0; l < VREG_LANES; ++l) {
+        const uint32_t ue = (uint32_t)p[2 * l] << 16, uo = (uint32_t)p[2 * l + 1] << 16;
+        memcpy((float *)e + l, &ue, 4);
+        memcpy((float *)o + l, &uo, 4);
+    }
+}
+static inline void bwide_store(float *y, vregf e, vregf o) {
+    for (int l = 0; l < VREG_LANES; ++l) y[2 * l] = e[l], y[2 * l + 1] = o[l];
+}
+static inline void bwide_sums(const float *y, vregf *e, vregf *o) {
+    for (int l = 0; l < VREG_LANES; ++l) (*e)[l] = y[2 * l], (*o)[l] = y[2 * l + 1];
+}
 #endif
 
 /* s + lane 0 + lane 1 + ... + lane 7, in that order */
