@@ -68,9 +68,11 @@ def test_product_within_fp32_rounding_of_the_oracle(bits, n, k, group, symmetric
 
 
 # (outputs, inputs, group, symmetric): INT4 in units of two blocks, groups of one or several
-# units (INT4 groups of 32: half a unit each), ragged last groups, zero points; odd outputs
+# units (INT4 groups of 32: half a unit each), ragged last groups, zero points; odd outputs;
+# whole symmetric groups of two and four INT4 units (several rows start at -8 A there)
 INT_DOT_SHAPES = [(37, 64, 32, True), (16, 192, 64, False), (9, 320, 128, True),
-                  (130, 256, 128, False), (5, 128, 32, False), (3, 96, 32, True)]
+                  (130, 256, 128, False), (5, 128, 32, False), (3, 96, 32, True),
+                  (22, 384, 128, True), (9, 512, 256, True)]
 
 
 @pytest.mark.parametrize("bits,n,k,group,symmetric",
