@@ -40,9 +40,13 @@
  * bytes q + 128 where they go in as stored (IDOT_U8), else INT8's q */
 static inline int32_t idot_base(int bits) { return bits == 4 ? 8 : IDOT_U8 ? 128 : 0; }
 
-/* the sums' start for a row without zero points: -base A (zero where the base is 0) */
+/* I - base A for a row without zero points (I itself where the base is 0): its sums'
+ * correction, after them (a lone row) or as their start (from zero) */
+static inline idot_i idot_correct_base(idot_i I, const int32_t *A, int bits) {
+    return bits == 4 ? idot_correct8(I, A) : IDOT_U8 ? idot_correct128(I, A) : I;
+}
 static inline idot_i idot_start_base(const int32_t *A, int bits) {
-    return bits == 4 ? idot_start8(A) : IDOT_U8 ? idot_start128(A) : idot_izero();
+    return idot_correct_base(idot_izero(), A, bits);
 }
 
 /* Tiles of four outputs by two rows where 32 vector registers hold their 16 sums
@@ -104,9 +108,8 @@ idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, f
                                        bits);
                     } else {
                         I = idot_lanes(idot_izero(), w, qa, bits);
-                        if (zp) I = idot_correct(I, a->A + ru * 8, off[o]);
-                        else if (bits == 4) I = idot_correct8(I, a->A + ru * 8);
-                        else if (IDOT_U8) I = idot_correct128(I, a->A + ru * 8);
+                        I = zp ? idot_correct(I, a->A + ru * 8, off[o])
+                               : idot_correct_base(I, a->A + ru * 8, bits);
                     }
                     t[o * R + r] = idot_fma(I, idot_ldf(a->d + ru * 8), t[o * R + r]);
                 }
