@@ -1,9 +1,9 @@
 """`kdaserve bench reference`: kdaserve's model vs independent implementations, in one run.
 
 Needs the test extras. `--arch kimi_linear` (default; transformers, fla-core) reports the max abs
-logit difference against
-transformers' KimiLinearForCausalLM on the same random checkpoint, the KDA op's max error against
-fla-core's naive recurrence, and the time of one full-sequence forward, both sides.
+logit difference against transformers' KimiLinearForCausalLM on the same random checkpoint, the
+KDA op's max error against fla-core's naive recurrence, and the time of one full-sequence
+forward, both sides.
 `--arch kimi_k3` compares with mlx-lm's kimi_k3 (see bench/reference_k3.py)."""
 
 from __future__ import annotations

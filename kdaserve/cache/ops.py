@@ -180,8 +180,8 @@ class ReceiveRequest:
     The first `skip_tokens` (whole blocks) are a prefix hit this instance already holds: those
     blocks are shared and left as they are; the transfer may leave out at most those (a
     transfer that starts later is refused: the tokens between were never written here). A
-    transfer that is missing, late, or fails a check
-    (model, layout, checksum, tokens) fails the op: the request ends with that error."""
+    transfer that is missing, late, or fails a check (model, layout, checksum, tokens) fails
+    the op: the request ends with that error."""
 
     request_id: str
     transfer_id: str
