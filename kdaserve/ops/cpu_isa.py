@@ -4,8 +4,9 @@ The kernels' tiles are sized from the target's registers (csrc/outer_tiles.h, kd
 32 vector registers of 16 lanes with AVX-512, 16 of 8 lanes with AVX2, 32 of 4 with NEON),
 so the variant is a build of its own: `-march=x86-64-v4` (AVX-512), `-march=x86-64-v3` (AVX2 +
 FMA), or the compiler's `-march=native` (ARM: NEON, and SVE where present). By default the
-machine's own (native). `KDASERVE_CPU_ISA=avx2|avx512|native` forces one, so an AVX-512 machine measures the
-AVX2 build honestly; a variant this CPU cannot execute is refused (the torch forms run).
+machine's own (native). `KDASERVE_CPU_ISA=avx2|avx512|native` forces one, so an AVX-512
+machine measures the AVX2 build honestly; a variant this CPU cannot execute is refused (the
+torch forms run).
 """
 
 from __future__ import annotations
