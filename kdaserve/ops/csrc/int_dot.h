@@ -126,92 +126,7 @@ idot_tile(const qmat *m, int64_t n, int NO, const qacts *a, int64_t r0, int R, f
         for (int r = 0; r < R; ++r) Y[(r0 + r) * ldy + n + o] = idot_sum(acc[o * R + r]);
 }
 
-/* A lone row's tile of four outputs from n where groups hold whole units (gu > 0): idot_tile's
- * integers and fused multiply-adds in the same order, with the tile's pointers set once and
- * the unit loop unrolled by two. idot_tile's general form (any NO and R, both group forms)
- * kept the loop busy with its addresses. One thread, [1024 x 1024] in groups of 128, hot:
- * INT4 1.26-1.28x, INT8 1.23-1.25x on AVX-512, where a control running the same code read
- * 1.09 (INT4 1.26x, INT8 1.12x on AVX2); cold, a pool of 256 such matrices in shuffled order:
- * INT4 1.15-1.18x, INT8 even (docs/benchmarks.md, twenty-fourth session). Its INT4 sums start
- * at -8 A, once for the four outputs (the same integers as correcting each after, which
- * idot_tile's lone row still does): hot 1.07-1.09x on AVX-512, even on AVX2 and cold
- * (twenty-seventh session). IDOT_ROW4=0 keeps idot_tile (for A/B runs). */
-#ifndef IDOT_ROW4
-#define IDOT_ROW4 1
-#endif
-static inline __attribute__((always_inline)) void
-idot_row4(const qmat *m, int64_t n, const qacts *a, int64_t r, float *Y, int bits, int64_t gu,
-          int zp) {
-    const int64_t U = a->U, G = m->groups, rb = m->row_bytes, unit = idot_unit(bits);
-    const int8_t *q = a->q + r * a->K;
-    const int32_t *A = a->A + r * U * 8;
-    const int32_t base = idot_base(bits);
-    const float *d = a->d + r * U * 8, *s = m->scale + n * G;
-    const uint8_t *w = m->packed + n * rb;
-    const int8_t *z = zp ? m->zero + n * G : NULL;
-    idot_f acc[4];
-    for (int o = 0; o < 4; ++o) acc[o] = idot_zero();
-    for (int64_t g = 0; g < G; ++g) {
-        const int64_t u1 = (g + 1) * gu < U ? (g + 1) * gu : U;
-        idot_f t[4];
-        idot_i off[4];
-        for (int o = 0; o < 4; ++o) {
-            t[o] = idot_zero();
-            if (zp) off[o] = idot_offs(base + z[o * G + g], base + z[o * G + g]);
-        }
-        _Pragma("GCC unroll 2")
-        for (int64_t u = g * gu; u < u1; ++u) {
-            for (int c = 0; IDOT_AHEAD && c < 128; c += 64)
-                __builtin_prefetch(w + IDOT_AHEAD + u * 128 + c);
-            const int8_t *qa = q + u * unit;
-            const idot_f dv = idot_ldf(d + u * 8);
-            const idot_i st = zp ? idot_izero() : idot_start_base(A + u * 8, bits);
-            for (int o = 0; o < 4; ++o) {
-                idot_i I = idot_lanes(st, idot_wb(w + o * rb + u * 32, bits), qa, bits);
-                if (zp) I = idot_correct(I, A + u * 8, off[o]);
-                t[o] = idot_fma(I, dv, t[o]);
-            }
-        }
-        for (int o = 0; o < 4; ++o)
-            acc[o] = idot_fmaf(t[o], idot_f2(s[o * G + g], s[o * G + g]), acc[o]);
-    }
-    for (int o = 0; o < 4; ++o) Y[n + o] = idot_sum(acc[o]);
-}
-
-/* A lone row's tile of four outputs from n, INT4 in groups of 32 (each unit's lanes 0-3 one
- * group, 4-7 the next): idot_tile's integers and fused multiply-adds in the same order, with
- * the tile's addresses set once, the -8 A start shared by the four outputs and each unit's
- * two scales one load. Cold, a pool of 200 [1024 x 2048] matrices in shuffled order: 1.12-1.23x
- * idot_tile on one thread, 1.08-1.16x on two; hot even (docs/benchmarks.md, thirtieth
- * session). */
-static inline __attribute__((always_inline)) void
-idot_row4_g32(const qmat *m, int64_t n, const qacts *a, int64_t r, float *Y, int zp) {
-    const int64_t U = a->U, G = m->groups, rb = m->row_bytes;
-    const int8_t *q = a->q + r * a->K;
-    const int32_t *A = a->A + r * U * 8;
-    const float *d = a->d + r * U * 8, *s = m->scale + n * G;
-    const uint8_t *w = m->packed + n * rb;
-    const int8_t *z = zp ? m->zero + n * G : NULL;
-    idot_f acc[4];
-    for (int o = 0; o < 4; ++o) acc[o] = idot_zero();
-    _Pragma("GCC unroll 2")
-    for (int64_t u = 0; u < U; ++u) {
-        for (int c = 0; IDOT_AHEAD && c < 128; c += 64)
-            __builtin_prefetch(w + IDOT_AHEAD + u * 128 + c);
-        const int8_t *qa = q + u * 64;
-        const idot_f dv = idot_ldf(d + u * 8);
-        const idot_i st = zp ? idot_izero() : idot_start8(A + u * 8);
-        for (int o = 0; o < 4; ++o) {
-            idot_i I = idot_lanes(st, idot_wb(w + o * rb + u * 32, 4), qa, 4);
-            if (zp)
-                I = idot_correct(I, A + u * 8, idot_offs(8 + z[o * G + 2 * u],
-                                                         8 + z[o * G + 2 * u + 1]));
-            acc[o] = idot_fmaf(idot_fma(I, dv, idot_zero()), idot_f2p(s + o * G + 2 * u),
-                               acc[o]);
-        }
-    }
-    for (int o = 0; o < 4; ++o) Y[n + o] = idot_sum(acc[o]);
-}
+#include "int_row4.h"
 
 /* Y[b, n + o] for NO outputs from n and rows [r0, r1): two rows a tile, an odd last one alone */
 static inline __attribute__((always_inline)) void
@@ -229,8 +144,12 @@ static inline __attribute__((always_inline)) void
 idot_rows_b(const qmat *m, const qacts *a, int64_t r0, int64_t r1, float *Y, int64_t ldy,
             int64_t n0, int64_t n1, int bits, int64_t gu, int zp) {
     int64_t n = n0;
-    if (r1 - r0 == 1 && gu && IDOT_ROW4)
-        for (; n + 4 <= n1; n += 4) idot_row4(m, n, a, r0, Y + r0 * ldy, bits, gu, zp);
+    const int64_t Q = (bits == 8 ? IDOT_STREAMS_INT8 : IDOT_STREAMS_INT4) ? (n1 - n0) / 4 : 0;
+    if (r1 - r0 == 1 && gu && IDOT_ROW4 && Q > 1) {
+        idot_streams(m, a, r0, Y + r0 * ldy, n0, Q, bits, gu, zp);
+        n = n0 + 4 * Q;                              /* the last (n1 - n0) % 4: below */
+    } else if (r1 - r0 == 1 && gu && IDOT_ROW4)
+        for (; n + 4 <= n1; n += 4) idot_row4(m, n, a, r0, Y + r0 * ldy, bits, gu, zp, 1);
     else if (r1 - r0 == 1 && bits == 4 && IDOT_ROW4)        /* INT4 in groups of 32 */
         for (; n + 4 <= n1; n += 4) idot_row4_g32(m, n, a, r0, Y + r0 * ldy, zp);
     else if (r1 - r0 == 1)
