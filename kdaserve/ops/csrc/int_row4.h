@@ -112,8 +112,8 @@ idot_row4_g32(const qmat *m, int64_t n, const qacts *a, int64_t r, float *Y, int
 /* A lone INT8 row's tiles take their four outputs a quarter of the range apart, n, n + Q,
  * n + 2Q, n + 3Q: four runs of rows, each read straight on, rather than four neighbouring
  * rows. Each output is computed as before, so the same bits. Cold, 2 threads, pools of
- * 128 MB in shuffled order: [1024 x 2048] 1.33x, [1024 x 1024] 1.17-1.24x, [3216 x 1024]
- * 1.17x, [4096 x 1024] 1.20x, [1024 x 512] 1.09x (the host's slow and fast windows alike);
+ * 128 MB in shuffled order, [N x K]: [2048 x 1024] 1.24x (the host's fast window), [1024 x
+ * 2048] 1.31x, [3216 x 1024] 1.17x, [4096 x 1024] 1.19x, [1024 x 512] 1.09x (slow ones);
  * INT4 went 0.95-1.06x and keeps its neighbouring rows (docs/benchmarks.md, thirty-second
  * session). */
 #ifndef IDOT_STREAMS_INT8
