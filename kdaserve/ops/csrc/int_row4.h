@@ -13,8 +13,8 @@
 
 /* A lone row's tile of four outputs n + o os (o < 4) where groups hold whole units (gu > 0):
  * idot_tile's integers and fused multiply-adds in the same order, with the tile's pointers set
- * once and the unit loop unrolled by two. idot_tile's general form (any NO and R, both group forms)
- * kept the loop busy with its addresses. One thread, [1024 x 1024] in groups of 128, hot:
+ * once and the unit loop unrolled by two. idot_tile's general form (any NO and R, both group
+ * forms) kept the loop busy with its addresses. One thread, [1024 x 1024] in groups of 128, hot:
  * INT4 1.26-1.28x, INT8 1.23-1.25x on AVX-512, where a control running the same code read
  * 1.09 (INT4 1.26x, INT8 1.12x on AVX2); cold, a pool of 256 such matrices in shuffled order:
  * INT4 1.15-1.18x, INT8 even (docs/benchmarks.md, twenty-fourth session). Its INT4 sums start
