@@ -27,8 +27,10 @@
 #ifndef IDOT_ROW4
 #define IDOT_ROW4 1
 #endif
+/* 256: in the engine (bench blocks, INT8, a lone row) 512 ran 0.93-0.98x, 1,024 0.90x, none
+ * 0.97x, and 64-128 within the noise of 256 */
 #ifndef IDOT_STREAM_AHEAD
-#define IDOT_STREAM_AHEAD 512
+#define IDOT_STREAM_AHEAD 256
 #endif
 static inline __attribute__((always_inline)) void
 idot_row4(const qmat *m, int64_t n, const qacts *a, int64_t r, float *Y, int bits, int64_t gu,
