@@ -21,7 +21,7 @@
  * at -8 A, once for the four outputs (the same integers as correcting each after, which
  * idot_tile's lone row still does): hot 1.07-1.09x on AVX-512, even on AVX2 and cold
  * (twenty-seventh session). IDOT_ROW4=0 keeps idot_tile (for A/B runs).
- * os > 1 (idot_rows_b's streams): the four rows lie os rows apart, four runs that each go on
+ * os > 1 (idot_streams): the four rows lie os rows apart, four runs that each go on
  * where their last unit ended, and each is asked for IDOT_STREAM_AHEAD bytes ahead; os == 1
  * asks for the tile's consecutive rows in address order (IDOT_AHEAD). */
 #ifndef IDOT_ROW4
@@ -125,8 +125,7 @@ idot_row4_g32(const qmat *m, int64_t n, const qacts *a, int64_t r, float *Y, int
 #define IDOT_STREAMS_INT4 0
 #endif
 
-/* the streams' tiles n0 + i, i < Q, out of line: inlined in idot_rows_b, they changed the
- * code around the several-row tiles, which then ran ~3% slower (INT8, 8 rows) */
+/* the streams' tiles n0 + i, i < Q (int_dot.h idot_product), out of line */
 static __attribute__((noinline)) void
 idot_streams(const qmat *m, const qacts *a, int64_t r, float *Y, int64_t n0, int64_t Q, int bits,
              int64_t gu, int zp) {

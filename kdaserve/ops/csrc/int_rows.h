@@ -166,7 +166,7 @@ static void q_rows(const qmat *m, const float *X, int64_t ldx, float *Y, int64_t
                    int64_t n0, int64_t n1, int64_t K, int64_t B, float *wb) {
     if (idot_applies(m, K)) {
         qacts a = qacts_make(X, ldx, B, K, m->bits);
-        idot_rows(m, &a, B, Y, ldy, n0, n1);
+        idot_product(m, &a, B, Y, ldy, n0, n1);
         qacts_free(&a);
         return;
     }
@@ -208,7 +208,7 @@ static void q_blocks(const qmat *m, const qacts *a, int idot, const float *X, in
     if (lo >= hi) return;
     const int64_t n1 = hi * QB < N ? hi * QB : N;
     if (idot) {
-        idot_rows(m, a, B, Y, ldy, lo * QB, n1);
+        idot_product(m, a, B, Y, ldy, lo * QB, n1);
         return;
     }
     float *wb = malloc(sizeof(float) * QB * K);
