@@ -24,23 +24,12 @@ import torch
 
 from kdaserve.assets import kimi_linear_demo_path
 from kdaserve.bench.llamacpp import gguf_kind, setup_peers
+from kdaserve.ops.cpu_isa import llc_bytes
 
 # the scales tried, smallest first: hidden size (heads of 64), experts of hidden / 2
 _HIDDEN = (512, 768, 1024, 1536, 2048, 3072)
 LLC_MULTIPLE = 8
-
-
-def llc_bytes() -> int:
-    """The last-level cache of this CPU (sysfs; 32 MiB when it says nothing)."""
-    best = 0
-    for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            size = (idx / "size").read_text().strip()
-        except OSError:
-            continue
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
-        best = max(best, int(size.rstrip("KMG")) * mult)
-    return best or 32 << 20
+FP32_BUILD_LIMIT = 2 << 30     # active bf16 bytes; past it the random model is built in bf16
 
 
 def config_for(hidden: int) -> dict:
@@ -85,7 +74,15 @@ def ensure_model(peers: Path, seed: int = 0) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     torch.manual_seed(seed)
-    model = init_random(build_model(load_config(raw)), seed)
+    # A shape past FP32_BUILD_LIMIT is built in bf16: its fp32 copy beside the saved bf16 one
+    # would not fit the RAM of the machines whose cache calls for it (h3072 on a 480 MiB L3).
+    dtype = torch.float32 if active_bf16_bytes(raw) <= FP32_BUILD_LIMIT else torch.bfloat16
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = init_random(build_model(load_config(raw)), seed)
+    finally:
+        torch.set_default_dtype(saved)
     save_model(model, tmp, dtype=torch.bfloat16)
     del model
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):

@@ -46,7 +46,8 @@ from kdaserve.model.kda import KimiDeltaAttention
 from kdaserve.model.layers import MLP
 from kdaserve.model.mla import MultiHeadLatentAttention
 from kdaserve.model.moe import SparseMoE
-from kdaserve.model.packed_args import has_packed
+from kdaserve.model.packed_args import has_packed, packed_footprint
+from kdaserve.ops import stream_ahead
 from kdaserve.ops.cpu_kernels import decode_block_kernels, thread_pool
 
 
@@ -238,7 +239,11 @@ def fused_decoder(model: HybridForCausalLM, cache: HybridCache) -> FusedDecoder 
         return None
     kernels = decode_block_kernels("q" if has_packed(model) else
                                    "f32" if model.dtype == torch.float32 else "bf16")
-    return FusedDecoder(model, kernels) if kernels is not None else None
+    if kernels is None:
+        return None
+    if has_packed(model):            # a lone row's prefetch distance, for this machine
+        stream_ahead.tune(*packed_footprint(model))
+    return FusedDecoder(model, kernels)
 
 
 def supports(model: HybridForCausalLM, cache: HybridCache) -> bool:

@@ -30,6 +30,21 @@ def has_packed(model: nn.Module) -> bool:
                for m in model.modules())
 
 
+def packed_footprint(model: nn.Module) -> tuple[int, int]:
+    """(bytes of the packed INT weights, the bits most of them have): what
+    ops/stream_ahead.py tunes the lone row's prefetch for."""
+    by_bits: dict[int, int] = {}
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            by_bits[m.bits] = by_bits.get(m.bits, 0) + m.weight_packed.nbytes
+        elif getattr(m, "int_quant", None) is not None:
+            n = m.experts_w13_packed.nbytes + m.experts_w2_packed.nbytes
+            by_bits[m.int_quant.bits] = by_bits.get(m.int_quant.bits, 0) + n
+    if not by_bits:
+        return 0, 0
+    return sum(by_bits.values()), max(by_bits, key=by_bits.get)
+
+
 class Descriptors:
     def __init__(self, keep: list) -> None:
         self.keep = keep

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import platform
 from functools import cache
+from pathlib import Path
 
 VARIANTS = ("avx2", "avx512", "native")
 _MARCH = {"avx2": "-march=x86-64-v3", "avx512": "-march=x86-64-v4", "native": "-march=native"}
@@ -75,3 +76,18 @@ def cpu_isa() -> str:
     the forced one, or `native` resolved to what it means here."""
     v = requested()
     return native_isa() if v == "native" else v
+
+
+def llc_bytes() -> int:
+    """The last-level cache of this CPU (sysfs; 32 MiB when it says nothing). A virtual
+    machine may report its host's whole cache, of which it gets less (docs/benchmarks.md,
+    thirty-third session: 480 MiB reported, reads past 128 MiB at the memory's rate)."""
+    best = 0
+    for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (idx / "size").read_text().strip()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        best = max(best, int(size.rstrip("KMG")) * mult)
+    return best or 32 << 20

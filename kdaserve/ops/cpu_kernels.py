@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kdaserve.ops import cpu_isa
+from kdaserve.ops import cpu_isa, stream_ahead
 
 log = logging.getLogger("kdaserve")
 
@@ -127,17 +127,36 @@ def _library(source: str = "kda_cpu.c") -> ctypes.CDLL | None:
     if lib_path is None:
         return None
     try:
-        return ctypes.CDLL(str(lib_path))
+        lib = ctypes.CDLL(str(lib_path))
     except OSError as e:
         log.warning("kdaserve: loading %s failed (%s); using the torch reference", lib_path, e)
         return None
+    stream_ahead.loaded(lib)
+    return lib
+
+
+def library_name(source: str) -> str | None:
+    """The file name of csrc/`source`'s build (its cache key), or None where none is built."""
+    path = _build(_CSRC / source) if _library(source) is not None else None
+    return path.name if path is not None else None
+
+
+def tune_dir() -> Path:
+    """Where per-machine measurements of the kernels' tunables are kept (stream_ahead.py)."""
+    return _cache_dir().parent / "tune"
 
 
 def build_library(src: Path, cflags: str = "") -> ctypes.CDLL | None:
     """Another build of a kernel source (a second csrc/ tree, other -D flags) beside the
-    default one: `kdaserve bench blocks --against-*` times the two side by side."""
+    default one: `kdaserve bench blocks --against-*` times the two side by side. It takes the
+    measured stream distance too, unless its flags set one."""
     lib_path = _build(src, cflags)
-    return ctypes.CDLL(str(lib_path)) if lib_path is not None else None
+    if lib_path is None:
+        return None
+    lib = ctypes.CDLL(str(lib_path))
+    if "IDOT_STREAM_AHEAD" not in cflags:
+        stream_ahead.loaded(lib)
+    return lib
 
 
 def _split_rows(fn: Callable[..., None], num_rows: int, work: int, *args) -> None:

@@ -20,7 +20,15 @@ if [ ! -x "$PEERS/llamacpp-venv/bin/python" ] || \
    ! "$PEERS/llamacpp-venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
   "$PY" -m venv "$PEERS/llamacpp-venv"
   # LLAVA_BUILD=OFF: the multimodal tools are not needed (and clash with LLAMA_BUILD_TOOLS)
-  CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+  ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"
+  if grep -q -w amx_int8 /proc/cpuinfo; then
+    # On AMX CPUs a native build puts Q8_0/Q4_0 weights in the AMX buffer type, whose graphs
+    # this model's fail to schedule (ggml-backend.cpp: GGML_ASSERT(*cur_backend_id != -1), as
+    # in llama.cpp issues 18099 and 19184). Without AMX the CPU_REPACK layouts stay on.
+    NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    ARGS="$ARGS -DCMAKE_C_FLAGS='$NOAMX' -DCMAKE_CXX_FLAGS='$NOAMX'"
+  fi
+  CMAKE_ARGS="$ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
     nice -n 19 "$PEERS/llamacpp-venv/bin/pip" install --no-cache-dir "llama-cpp-python==$VERSION"
 fi
 SRC="$PEERS/sdist/llama_cpp_python-$VERSION/vendor/llama.cpp"

@@ -22,16 +22,27 @@
  * idot_tile's lone row still does): hot 1.07-1.09x on AVX-512, even on AVX2 and cold
  * (twenty-seventh session). IDOT_ROW4=0 keeps idot_tile (for A/B runs).
  * os > 1 (idot_streams): the four rows lie os rows apart, four runs that each go on
- * where their last unit ended, and each is asked for IDOT_STREAM_AHEAD bytes ahead; os == 1
+ * where their last unit ended, and each is asked for idot_stream_ahead bytes ahead; os == 1
  * asks for the tile's consecutive rows in address order (IDOT_AHEAD). */
 #ifndef IDOT_ROW4
 #define IDOT_ROW4 1
 #endif
-/* 256: in the engine (bench blocks, INT8, a lone row) 512 ran 0.93-0.98x, 1,024 0.90x, none
- * 0.97x, and 64-128 within the noise of 256 */
+/* The streams' prefetch distance in bytes, set at run time (kdaserve_set_stream_ahead) since
+ * the best one is the machine's: in the engine (bench blocks, a lone row), on Zen 4 INT8 at 512
+ * ran 0.93-0.98x 256's speed and at 1,024 0.90x; on a Xeon with AMX at 1,024 INT8 ran 1.08x
+ * and INT4 1.29-1.36x (docs/benchmarks.md, thirty-second and thirty-third sessions).
+ * kdaserve/ops/stream_ahead.py measures it once a machine. IDOT_STREAM_AHEAD: the value until
+ * then. */
 #ifndef IDOT_STREAM_AHEAD
 #define IDOT_STREAM_AHEAD 256
 #endif
+static int64_t idot_stream_ahead = IDOT_STREAM_AHEAD;
+
+/* exported by every kernel library that takes the streams (ctypes) */
+__attribute__((visibility("default"))) int64_t kdaserve_set_stream_ahead(int64_t bytes) {
+    if (bytes > 0) idot_stream_ahead = bytes;
+    return idot_stream_ahead;
+}
 static inline __attribute__((always_inline)) void
 idot_row4(const qmat *m, int64_t n, const qacts *a, int64_t r, float *Y, int bits, int64_t gu,
           int zp, int64_t os) {
@@ -43,6 +54,7 @@ idot_row4(const qmat *m, int64_t n, const qacts *a, int64_t r, float *Y, int bit
     const uint8_t *w = m->packed + n * rb;
     const int8_t *z = zp ? m->zero + n * G : NULL;
     const int64_t ro = os * rb, so = os * G;           /* a tile row's bytes and scales on */
+    const int64_t ahead = idot_stream_ahead;
     idot_f acc[4];
     for (int o = 0; o < 4; ++o) acc[o] = idot_zero();
     for (int64_t g = 0; g < G; ++g) {
@@ -60,7 +72,7 @@ idot_row4(const qmat *m, int64_t n, const qacts *a, int64_t r, float *Y, int bit
                     __builtin_prefetch(w + IDOT_AHEAD + u * 128 + c);
             else if (!(u & 1))                    /* a line a stream every two units */
                 for (int o = 0; o < 4; ++o)
-                    __builtin_prefetch(w + o * ro + IDOT_STREAM_AHEAD + u * 32);
+                    __builtin_prefetch(w + o * ro + ahead + u * 32);
             const int8_t *qa = q + u * unit;
             const idot_f dv = idot_ldf(d + u * 8);
             const idot_i st = zp ? idot_izero() : idot_start_base(A + u * 8, bits);
@@ -122,7 +134,7 @@ idot_row4_g32(const qmat *m, int64_t n, const qacts *a, int64_t r, float *Y, int
 #define IDOT_STREAMS_INT8 1
 #endif
 #ifndef IDOT_STREAMS_INT4
-#define IDOT_STREAMS_INT4 0
+#define IDOT_STREAMS_INT4 1
 #endif
 
 /* the streams' tiles n0 + i, i < Q (int_dot.h idot_product), out of line */
