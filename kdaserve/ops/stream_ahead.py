@@ -30,6 +30,7 @@ import torch
 log = logging.getLogger("kdaserve")
 
 CANDIDATES = (256, 512, 1024, 2048)
+BUILT = 256                        # csrc/int_row4.h IDOT_STREAM_AHEAD
 MARGIN = 0.02                      # distances this close to the fastest count as even
 ENV = "KDASERVE_STREAM_AHEAD"
 # the pool's matrices: an expert's size, [N x K], in groups of 128
@@ -113,6 +114,25 @@ def _cache_file(bits: int, threads: int) -> Path:
     return cpu_kernels.tune_dir() / f"stream-ahead-{key.hexdigest()[:16]}.json"
 
 
+def _free_bytes() -> int:
+    """Memory the pool can take: MemAvailable (the page cache counts), else the free pages."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def current() -> int:
+    """The distance now (the built one until a choice)."""
+    return _chosen if _chosen is not None else BUILT
+
+
 def _cpuinfo() -> str:
     try:
         return Path("/proc/cpuinfo").read_text()
@@ -141,8 +161,13 @@ def tune(weight_bytes: int, bits: int, threads: int | None = None) -> int | None
         return _chosen
     except (OSError, ValueError, KeyError):
         pass
+    pool = min(max(256 << 20, 2 * llc), 1 << 30)
+    if pool > _free_bytes() // 4:      # a model near the RAM's size: no room to measure
+        log.info("kdaserve stream prefetch: %d MiB free, too little to measure; %d bytes ahead",
+                 _free_bytes() >> 20, current())
+        return _chosen
     t = time.perf_counter()
-    seconds = measure(bits, min(max(256 << 20, 2 * llc), 1 << 30))
+    seconds = measure(bits, pool)
     choose(pick(seconds))
     log.info("kdaserve stream prefetch: INT%d weights read %d bytes ahead (measured in %.1f s: "
              "%s)",

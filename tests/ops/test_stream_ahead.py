@@ -60,6 +60,16 @@ def test_weights_in_cache_are_left_as_built(monkeypatch) -> None:
     assert stream_ahead.tune(cpu_isa.llc_bytes() // 2, 4) is None
 
 
+@needs_kernels
+def test_no_room_for_the_pool_is_left_as_built(monkeypatch, tmp_path) -> None:
+    require(cpu_int_linear._kernel(), "the packed INT product (csrc/int_rows.h)")
+    monkeypatch.setattr(cpu_kernels, "tune_dir", lambda: tmp_path / "tune")
+    monkeypatch.setattr(stream_ahead, "measure", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(stream_ahead, "_free_bytes", lambda: 512 << 20)
+    stream_ahead._chosen = None
+    assert stream_ahead.tune(1 << 40, 4) is None and stream_ahead.current() == 256
+
+
 def test_the_environment_sets_the_distance_without_measuring(monkeypatch) -> None:
     monkeypatch.setattr(stream_ahead, "measure", lambda *a, **k: pytest.fail("measured"))
     monkeypatch.setenv(stream_ahead.ENV, "768")
