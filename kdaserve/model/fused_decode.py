@@ -47,7 +47,7 @@ from kdaserve.model.layers import MLP
 from kdaserve.model.mla import MultiHeadLatentAttention
 from kdaserve.model.moe import SparseMoE
 from kdaserve.model.packed_args import has_packed, packed_footprint
-from kdaserve.ops import stream_ahead
+from kdaserve.ops import stream_tune
 from kdaserve.ops.cpu_kernels import decode_block_kernels, thread_pool
 
 
@@ -242,7 +242,7 @@ def fused_decoder(model: HybridForCausalLM, cache: HybridCache) -> FusedDecoder 
     if kernels is None:
         return None
     if has_packed(model):            # a lone row's prefetch distance, for this machine
-        stream_ahead.tune(*packed_footprint(model))
+        stream_tune.tune(*packed_footprint(model))
     return FusedDecoder(model, kernels)
 
 
