@@ -17,8 +17,10 @@ from kdaserve.engine.device_memory import cache_budget
 from kdaserve.engine.runner_builder import prepare_model
 from kdaserve.model.base import HybridForCausalLM
 from kdaserve.model.loader import checkpoint_has_vision
+from kdaserve.model.packed_args import has_packed, packed_footprint
 from kdaserve.model.registry import load_config
 from kdaserve.model.vision.tower import vision_config_of
+from kdaserve.ops import stream_tune
 
 logger = logging.getLogger("kdaserve")
 
@@ -49,6 +51,9 @@ def load_engine_model(config: EngineConfig, device: torch.device,
     model = prepare_model(config, device, model, progress=progress)
     tower = getattr(model, "vision_tower", None)
     log_weights(model, config)
+    if device.type == "cpu" and has_packed(model):
+        # measured now, not in the first request's first decode step (fused_decode asks too)
+        stream_tune.tune(*packed_footprint(model))
     return EngineModel(model, model.config, model.config,
                        tower.cfg if tower is not None else None)
 

@@ -112,6 +112,8 @@ def tune(weight_bytes: int, bits: int, threads: int | None = None) -> int | None
     this machine's measured one, or a measurement now when the weights are past the cache.
     None: left as built (weights in cache, no kernels, or KDASERVE_STREAM_AHEAD=0)."""
     env = os.environ.get(stream_ahead.ENV)
+    if stream_ahead.chosen() is not None and env is None:     # this process has measured
+        return stream_ahead.chosen()
     if env is not None:
         if int(env) > 0:
             choose(int(env))

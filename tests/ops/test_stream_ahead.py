@@ -94,6 +94,8 @@ def test_a_machine_measures_once(monkeypatch, tmp_path) -> None:
     assert len(calls) == 1 and 256 << 20 <= calls[0][1] <= 1 << 30
     (kept,) = (tmp_path / "tune").glob("stream-ahead-*.json")
     assert json.loads(kept.read_text())["bytes"] == 1024
-    stream_ahead.choose(None)
+    assert stream_tune.tune(big, 4, threads=2) == 1024 and len(calls) == 1   # this process's
+    stream_ahead.choose(None)                                                  # a new process
     assert stream_tune.tune(big, 4, threads=2) == 1024 and len(calls) == 1
+    stream_ahead.choose(None)
     assert stream_tune.tune(big, 8, threads=2) == 1024 and len(calls) == 2   # its own key
