@@ -4,11 +4,12 @@ measured once a machine (ops/stream_ahead.py holds the choice for the kernel lib
 The best distance is the memory system's, not the code's: on the Zen 4 machine the kernels were
 tuned on, INT8 ran best at 256 bytes (1,024: 0.90x), while on a Xeon with AMX 1,024 bytes ran
 INT8 1.08x and INT4 1.29-1.36x faster than 256 (docs/benchmarks.md, thirty-third session). So
-the first model whose packed weights do not fit the last-level cache times a lone row's
-product over a pool of cold matrices at each candidate, in turns, and every kernel library
-then takes the fastest (kdaserve_set_stream_ahead). The result is kept under the kernel cache,
-keyed by the CPU, the kernels' build and the thread count, so a machine measures once.
-The distance moves no result: only when the weights are asked for.
+when the engine loads a model whose packed weights do not fit the last-level cache (and a
+fused decoder asks, for processes without an engine), a lone row's product runs over a pool of
+cold matrices at each candidate, in turns, and every kernel library then takes the nearest of
+the fastest (kdaserve_set_stream_ahead). The result is kept under the kernel cache, keyed by
+the CPU, the kernels' build, the bits and the thread count, so a machine measures once. The
+distance moves no result: only when the weights are asked for.
 
 KDASERVE_STREAM_AHEAD=BYTES sets it without measuring; 0 keeps the kernels' built-in value
 (an A/B build's -DIDOT_STREAM_AHEAD).
