@@ -116,6 +116,9 @@ def tune(weight_bytes: int, bits: int, threads: int | None = None) -> int | None
     if stream_ahead.chosen() is not None and env is None:     # this process has measured
         return stream_ahead.chosen()
     if env is not None:
+        if not env.strip().isdigit():
+            raise ValueError(f"{stream_ahead.ENV} takes a number of bytes (0: as built), "
+                             f"not {env!r}")
         if int(env) > 0:
             choose(int(env))
         return stream_ahead.chosen()

@@ -76,6 +76,9 @@ def test_the_environment_sets_the_distance_without_measuring(monkeypatch) -> Non
     stream_ahead.choose(None)
     monkeypatch.setenv(stream_ahead.ENV, "0")             # as built
     assert stream_tune.tune(1 << 40, 8) is None
+    monkeypatch.setenv(stream_ahead.ENV, "1k")
+    with pytest.raises(ValueError, match="number of bytes"):
+        stream_tune.tune(1 << 40, 8)
 
 
 @needs_kernels
