@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 
 import torch
 
@@ -34,6 +33,7 @@ from kdaserve.config import KV_CONNECTORS
 from kdaserve.disagg.local import Trace, run_colocated
 from kdaserve.disagg.split_run import pin
 from kdaserve.engine.llm import LLM
+from kdaserve.ops.cpu_isa import cpu_model
 from kdaserve.request import SamplingParams
 
 
@@ -87,16 +87,6 @@ def _latency(traces: list[Trace], short: list[bool]) -> dict:
     return {"ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
             "tpot_p50_s": _pct(tpot, 0.5), "tpot_p99_s": _pct(tpot, 0.99),
             "short_tpot_p99_s": _pct([x for x, s in zip(tpot, short) if s], 0.99)}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def measure(model: str, long_len: int, num_long: int, short_len: int, num_short: int,
@@ -192,7 +182,7 @@ def measure(model: str, long_len: int, num_long: int, short_len: int, num_short:
                  "colocated": sorted(prefill_cpus | decode_cpus)} if split else None,
         "threads": {"colocated": colo_threads, "decode": torch.get_num_threads(),
                     "prefill": len(prefill_cpus) if split else torch.get_num_threads()},
-        "cpu": _cpu_model(), "os_cpus": os.cpu_count(),
+        "cpu": cpu_model(), "os_cpus": os.cpu_count(),
         "note": ("prefill and decode in separate processes on their own CPUs, at the same "
                  "time (one machine: shared memory bandwidth and caches); colocated on both "
                  "sets" if split else

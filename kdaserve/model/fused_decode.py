@@ -237,11 +237,12 @@ def fused_decoder(model: HybridForCausalLM, cache: HybridCache) -> FusedDecoder 
     """A FusedDecoder for this model and cache, or None where the path does not apply."""
     if os.environ.get("KDASERVE_FUSED_DECODE", "1") == "0" or not supports(model, cache):
         return None
-    kernels = decode_block_kernels("q" if has_packed(model) else
+    packed = has_packed(model)
+    kernels = decode_block_kernels("q" if packed else
                                    "f32" if model.dtype == torch.float32 else "bf16")
     if kernels is None:
         return None
-    if has_packed(model):            # a lone row's prefetch distance, for this machine
+    if packed:                       # a lone row's prefetch distance, for this machine
         stream_tune.tune(*packed_footprint(model))
     return FusedDecoder(model, kernels)
 

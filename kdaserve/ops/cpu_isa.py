@@ -78,6 +78,18 @@ def cpu_isa() -> str:
     return native_isa() if v == "native" else v
 
 
+@cache
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; empty where it says none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def llc_bytes() -> int:
     """The last-level cache of this CPU (sysfs; 32 MiB when it says nothing). A virtual
     machine may report its host's whole cache, of which it gets less (docs/benchmarks.md,

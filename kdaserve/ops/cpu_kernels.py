@@ -137,8 +137,8 @@ def _library(source: str = "kda_cpu.c") -> ctypes.CDLL | None:
 
 def library_name(source: str) -> str | None:
     """The file name of csrc/`source`'s build (its cache key), or None where none is built."""
-    path = _build(_CSRC / source) if _library(source) is not None else None
-    return path.name if path is not None else None
+    lib = _library(source)
+    return Path(lib._name).name if lib is not None else None
 
 
 def tune_dir() -> Path:

@@ -80,10 +80,9 @@ def pick(seconds: dict[int, float]) -> int:
 
 
 def _cache_file(bits: int, threads: int) -> Path:
-    model = next((ln.split(":", 1)[1].strip() for ln in _cpuinfo().splitlines()
-                  if ln.startswith(("model name", "Model name"))), "")
     build = cpu_kernels.library_name("int_linear_cpu.c") or ""
-    key = hashlib.sha256(f"{model}|{cpu_isa.requested()}|{build}|{bits}|{threads}".encode())
+    key = hashlib.sha256(f"{cpu_isa.cpu_model()}|{cpu_isa.requested()}|{build}|{bits}|{threads}"
+                         .encode())
     return cpu_kernels.tune_dir() / f"stream-ahead-{key.hexdigest()[:16]}.json"
 
 
@@ -99,13 +98,6 @@ def _free_bytes() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         return 0
-
-
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
 
 
 def tune(weight_bytes: int, bits: int, threads: int | None = None) -> int | None:
@@ -133,9 +125,10 @@ def tune(weight_bytes: int, bits: int, threads: int | None = None) -> int | None
     except (OSError, ValueError, KeyError):
         pass
     pool = min(max(256 << 20, 2 * llc), 1 << 30)
-    if pool > _free_bytes() // 4:      # a model near the RAM's size: no room to measure
+    free = _free_bytes()
+    if pool > free // 4:               # a model near the RAM's size: no room to measure
         log.info("kdaserve stream prefetch: %d MiB free, too little to measure; %d bytes ahead",
-                 _free_bytes() >> 20, stream_ahead.current())
+                 free >> 20, stream_ahead.current())
         return stream_ahead.chosen()
     t = time.perf_counter()
     seconds = measure(bits, pool)
