@@ -13,12 +13,23 @@ from kdaserve.quant_config import WeightQuant
 
 def test_the_shape_reads_at_least_8x_the_cache():
     assert mb.llc_bytes() > 0
-    for llc in (4 << 20, 32 << 20):
+    for llc in (4 << 20, 32 << 20, 480 << 20):
         raw = mb.pick_shape(llc)
         assert mb.active_bf16_bytes(raw) >= mb.LLC_MULTIPLE * llc
-        assert raw["hidden_size"] in mb._HIDDEN and raw["num_experts_per_token"] == 8
-    # bigger caches, bigger models
+        assert (raw["hidden_size"], raw["num_experts"]) in mb._SCALES
+        assert raw["num_experts_per_token"] == 8
+    # bigger caches, bigger models; a 480 MiB L3 takes the half-expert h4096, whose total
+    # is no larger than h3072's (llama.cpp's bf16 copy is held beside kdaserve's)
     assert mb.pick_shape(32 << 20)["hidden_size"] > mb.pick_shape(4 << 20)["hidden_size"]
+    big = mb.pick_shape(480 << 20)
+    assert mb.model_name(big) == "memory-bound-h4096-e16"
+    assert mb.model_name(mb.pick_shape(32 << 20)) == "memory-bound-h1024"
+    from kdaserve.model.inspect import measure
+    from kdaserve.model.registry import load_config
+
+    def total(raw: dict) -> int:
+        return measure(load_config(raw), "bfloat16").total
+    assert total(big) <= 1.02 * total(mb.config_for(3072))
 
 
 def test_active_bytes_count_top_k_experts_and_one_embedding_row():
