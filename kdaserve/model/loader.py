@@ -19,7 +19,7 @@ from kdaserve.model.checkpoint_files import CheckpointError, checkpoint_files
 from kdaserve.model.expert_names import expert_slice as _expert_slice
 from kdaserve.model.expert_names import expert_target as _expert_target
 from kdaserve.model.quant_linear import QuantLinear
-from kdaserve.model.quantize import quantize_model, quantized_layout
+from kdaserve.model.quantize import quantize_model, quantized_layout, widen_unpacked
 from kdaserve.model.registry import build_model, load_config, read_config_json
 from kdaserve.model.saver import save_model  # noqa: F401 (importers' name for it)
 from kdaserve.model.vision.hf_layout import HFLayoutConverter, is_hf_layout
@@ -172,7 +172,7 @@ def load_model(
                 ct_checkpoint.check_shape(name, h.get_tensor(name), params, wq)
                 continue
             skipped += _load_one(name, t if t is not None else h, params, loaded, filled,
-                                 target, device, path, shard, wq)
+                                 target, device, path, shard, wq, quantization is not None)
     if fp8 is not None:
         fp8.finish()
     if hf_layout is not None:
@@ -199,19 +199,24 @@ def load_model(
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {path} lacks tensor(s) {missing[:5]}{more}")
     model.load_state_dict(loaded, strict=True, assign=True)
+    loaded.clear()          # the model holds them now: each float weight goes as it is packed
     if tied and head is not None and emb is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     if quantization is not None:
-        quantize_model(model, quantization)
+        quantize_model(model, quantization, dtype=target)
+        widen_unpacked(model, target)
     return model.eval()
 
 
 def _load_one(name: str, src, params: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor],
               filled: dict[str, set[tuple[int, str]]], target: torch.dtype, device: str,
-              path: Path, shard=None, wq: WeightQuant | None = None) -> int:
+              path: Path, shard=None, wq: WeightQuant | None = None,
+              narrow: bool = False) -> int:
     """Place one checkpoint tensor (`src`: the tensor, or the safetensors handle to read it
     from) into `loaded`; returns 1 when it was skipped as not part of the model. With a
-    `shard` (a parallel layout), only this rank's experts and slices are read."""
+    `shard` (a parallel layout), only this rank's experts and slices are read. `narrow`
+    (quantized on load): a float stored narrower than `target` stays so (load_model widens
+    what is left unpacked), so a bf16 checkpoint is never all in fp32 at once."""
     if _SKIPPED.search(name) and _canonical(name, params) not in params:
         return 1
     if shard is not None and shard.foreign and _held_elsewhere(name, shard.foreign):
@@ -240,6 +245,8 @@ def _load_one(name: str, src, params: dict[str, torch.Tensor], loaded: dict[str,
     keep32 = key.endswith(FP32_PARAM_SUFFIXES)
     dtype = params[key].dtype if not params[key].is_floating_point() else (
         torch.float32 if keep32 else target)
+    if narrow and not keep32 and t.is_floating_point() and t.dtype.itemsize < dtype.itemsize:
+        dtype = t.dtype
     if t.is_floating_point() != params[key].is_floating_point():
         raise CheckpointError(f"tensor '{name}' is {t.dtype}, expected "
                               f"{params[key].dtype} (is the quantization_config right?)")

@@ -34,11 +34,12 @@ class QuantLinear(nn.Module):
             out_features, g, dtype=torch.int8))                                 # [N, G]
 
     @classmethod
-    def from_weight(cls, w: torch.Tensor, bits: int, group: int,
-                    symmetric: bool = True) -> QuantLinear:
-        """w [N, K] quantized (round to nearest) into a new layer on w's device."""
+    def from_weight(cls, w: torch.Tensor, bits: int, group: int, symmetric: bool = True,
+                    dtype: torch.dtype | None = None) -> QuantLinear:
+        """w [N, K] quantized (round to nearest) into a new layer on w's device, computing in
+        `dtype` (default: w's)."""
         n, k = w.shape
-        m = cls(k, n, bits, group, symmetric, dtype=w.dtype).to(w.device)
+        m = cls(k, n, bits, group, symmetric, dtype=dtype or w.dtype).to(w.device)
         packed, scale, zero = quantize(w.detach(), bits, m.group, symmetric)
         m.weight_packed, m.weight_scale = packed, scale
         if zero is not None:

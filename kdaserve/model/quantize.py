@@ -5,7 +5,9 @@ Two entry points, one selection of layers:
 - `quantized_layout(model, wq)`: before a compressed-tensors checkpoint loads (on the meta
   device): the targeted layers take the packed form, empty, for the loader to fill;
 - `quantize_model(model, wq)`: `--quantization`: the loaded float weights are quantized in
-  place (round to nearest; each float weight is freed as its packed form replaces it).
+  place (round to nearest; each float weight is freed as its packed form replaces it); the
+  loader reads a bf16 checkpoint's floats as bf16 for it and `widen_unpacked` then puts the
+  floats left over in the model's dtype, so the model is never all in fp32 at once.
 The embedding and the routers stay as they are (not linears of the checkpoint's kind; the
 router decides which experts run and is kept fp32 like transformers keeps it).
 Legend: E experts, I expert width, W expert input width.
@@ -79,13 +81,15 @@ def quantized_layout(model: nn.Module, wq: WeightQuant, dtype: torch.dtype) -> N
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, wq: WeightQuant, whole_groups: bool = False
-                   ) -> nn.Module:
+def quantize_model(model: nn.Module, wq: WeightQuant, whole_groups: bool = False,
+                   dtype: torch.dtype | None = None) -> nn.Module:
     """`model`'s targeted float weights replaced by their packed form; model.config records
     the quantization (what `save_model` writes and `kdaserve inspect` reads). A row whose
     width is not a multiple of the group ends in a shorter group, which kdaserve reads and
     compressed-tensors does not: `whole_groups` (a checkpoint for other tools) leaves such
-    layers float instead and adds them to the config's `ignore`."""
+    layers float instead and adds them to the config's `ignore`. `dtype`: the packed layers'
+    compute dtype (default: their float weight's; the loader reads a bf16 checkpoint's weights
+    as bf16 and quantizes them for an fp32 model)."""
     if getattr(model, "_rank_config", None) is not None:
         raise ValueError("weight quantization of a parallel rank's share is not supported")
     emb = getattr(getattr(model, "model", None), "embed_tokens", None)
@@ -100,7 +104,7 @@ def quantize_model(model: nn.Module, wq: WeightQuant, whole_groups: bool = False
         if emb is not None and w is emb.weight:     # tied head: the embedding stays float
             w = w.clone()
         setattr(parent, attr, QuantLinear.from_weight(w, wq.bits, wq.group_size,
-                                                      wq.symmetric))
+                                                      wq.symmetric, dtype))
     for prefix, moe in _moes(model):
         if not _experts_apply(wq, prefix, moe) or moe.quantized:
             continue
@@ -110,17 +114,38 @@ def quantize_model(model: nn.Module, wq: WeightQuant, whole_groups: bool = False
         floats = {s: getattr(moe, s).detach() for s, _ in _STACKS}
         _int_expert_buffers(moe, wq)
         for stack, _ in _STACKS:
-            packed, scale, zero = quantize(floats.pop(stack), wq.bits, wq.group_size,
-                                           wq.symmetric)
-            getattr(moe, f"{stack}_packed").copy_(packed)
-            getattr(moe, f"{stack}_scale").copy_(scale)
-            if zero is not None:
-                getattr(moe, f"{stack}_zero_point").copy_(zero)
+            src = floats.pop(stack)
+            # expert by expert (the same groups, so the same bytes): quantize's fp32
+            # temporaries stay one expert's, not a whole layer's (GBs at hidden 4096)
+            for e in range(src.shape[0]):
+                packed, scale, zero = quantize(src[e], wq.bits, wq.group_size, wq.symmetric)
+                getattr(moe, f"{stack}_packed")[e].copy_(packed)
+                getattr(moe, f"{stack}_scale")[e].copy_(scale)
+                if zero is not None:
+                    getattr(moe, f"{stack}_zero_point")[e].copy_(zero)
+            del src
     if skipped:
         wq = replace(wq, ignore=wq.ignore + tuple(skipped))
     if hasattr(model, "config"):
         model.config = replace(model.config, weight_quant=wq)
     return model
+
+
+def widen_unpacked(model: nn.Module, target: torch.dtype) -> None:
+    """The floats that `--quantization` left unpacked, loaded as stored (bf16), in `target`
+    (the same values: the widening is exact). Shared tensors (a tied head) stay shared."""
+    done: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_floating_point() or \
+                        t.dtype.itemsize >= target.itemsize:
+                    continue
+                if id(t) not in done:
+                    wide = t.detach().to(target)
+                    done[id(t)] = (nn.Parameter(wide, requires_grad=t.requires_grad)
+                                   if isinstance(t, nn.Parameter) else wide)
+                table[name] = done[id(t)]
 
 
 def _int_expert_buffers(moe: SparseMoE, wq: WeightQuant) -> None:

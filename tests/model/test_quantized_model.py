@@ -193,3 +193,26 @@ def test_greedy_tokens_do_not_depend_on_the_batch(scheme) -> None:
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert together == alone
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_quantized_on_load_from_bf16_equals_fp32_then_quantized(tmp_path, scheme, tie):
+    """--quantization over a bf16 checkpoint reads its floats as bf16 and widens what stays
+    unpacked afterwards (never the whole model in fp32): the same tensors, dtypes and ties as
+    loading it in fp32 and quantizing then."""
+    cfg = tiny_config(**CFG, tie_word_embeddings=tie)
+    save_model(random_model(cfg), tmp_path / "bf16", dtype=torch.bfloat16)
+    wq = from_scheme(scheme, 32, lm_head=not tie)
+    got = load_model(tmp_path / "bf16", dtype="float32", progress=False, quantization=wq)
+    want = quantize_model(load_model(tmp_path / "bf16", dtype="float32", progress=False), wq)
+    a, b = got.state_dict(), want.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert torch.equal(a[k], b[k]), k
+    for (n, m), (_, w) in zip(got.named_modules(), want.named_modules()):
+        if isinstance(m, QuantLinear):
+            assert m.dtype == w.dtype == torch.float32, n
+    if tie:
+        assert got.lm_head.weight is got.model.embed_tokens.weight
