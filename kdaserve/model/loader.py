@@ -118,12 +118,13 @@ def _canonical(name: str, params: dict[str, torch.Tensor]) -> str:
 def load_model(
     path: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str = "cpu",
     chunk_size: int = 16, progress: bool = True, parallel=None, moe_backend: str = "auto",
-    quantization: WeightQuant | None = None,
+    quantization: WeightQuant | None = None, whole_groups: bool = False,
 ) -> HybridForCausalLM:
     """Build the model from `path/config.json` and fill it from the safetensors files there.
     `parallel` (a kdaserve.distributed ParallelContext): build this rank's share and read
     only its slices of each tensor. `quantization`: quantize the float weights as they load
-    (`--quantization`); a checkpoint stored quantized (compressed-tensors) says so itself."""
+    (`--quantization`; `whole_groups` as quantize_model's); a checkpoint stored quantized
+    (compressed-tensors) says so itself."""
     path = Path(path)
     cfg = load_config(path)
     wq = cfg.weight_quant
@@ -131,8 +132,8 @@ def load_model(
         raise CheckpointError("INT8/INT4 weights with tensor, expert or pipeline parallelism "
                               "are not supported yet")
     if wq is not None and quantization is not None:
-        raise CheckpointError(f"checkpoint {path} is already quantized ({wq.scheme}); drop "
-                              "--quantization")
+        raise CheckpointError(f"checkpoint {path} is already quantized ({wq.scheme}) and is "
+                              "not quantized again: drop --quantization")
     target = parse_dtype(dtype)
     block = fp8_checkpoint.block_size(read_config_json(path))
     fp8 = fp8_checkpoint.FP8Pairs(block) if block is not None else None
@@ -203,7 +204,7 @@ def load_model(
     if tied and head is not None and emb is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     if quantization is not None:
-        quantize_model(model, quantization, dtype=target)
+        quantize_model(model, quantization, whole_groups, dtype=target)
         widen_unpacked(model, target)
     return model.eval()
 

@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kdaserve.model.checkpoint_files import CheckpointError
     from kdaserve.model.loader import load_model, parse_dtype, save_model
-    from kdaserve.model.quantize import quantize_model
     from kdaserve.model.registry import read_config_json
     from kdaserve.quant_config import SCHEMES, WeightQuant
 
@@ -47,8 +47,12 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or raw.get("dtype") or raw.get("torch_dtype") or "float32"
     wq = WeightQuant(SCHEMES[args.scheme], args.group_size, not args.asymmetric,
                      ignore=tuple(args.ignore))
-    model = load_model(src, dtype="float32", progress=False)
-    quantize_model(model, wq, whole_groups=True)
+    # quantized as it loads: a bf16 checkpoint's floats are never all in fp32 at once
+    try:
+        model = load_model(src, dtype="float32", progress=False, quantization=wq,
+                           whole_groups=True)
+    except CheckpointError as e:            # e.g. IN is quantized already
+        raise SystemExit(f"kdaserve quantize: {e}") from None
     out.mkdir(parents=True, exist_ok=True)
     save_model(model, out, dtype=parse_dtype(dtype))
     for f in src.iterdir():

@@ -149,3 +149,29 @@ def test_kdaserve_quantize_is_read_by_compressed_tensors(tmp_path, scheme, extra
     back = PackedQuantizationCompressor.decompress(local, scheme_)["weight"]
     torch.testing.assert_close(back.float(), moe._expert(5, torch.float32)[1], rtol=0,
                                atol=1e-6)
+
+
+def test_kdaserve_quantize_of_bf16_writes_what_fp32_then_quantize_wrote(tmp_path) -> None:
+    """`kdaserve quantize` now quantizes as it loads (a bf16 checkpoint is never all fp32):
+    the same tensors as loading in fp32, quantizing and saving; a quantized IN is refused
+    with a clear message, not a traceback."""
+    from kdaserve.model.quantize import quantize_model
+    from kdaserve.quant_config import WeightQuant
+
+    cfg = tiny_config(**CFG)
+    save_model(random_model(cfg), tmp_path / "bf16", dtype=torch.bfloat16)
+    subprocess.run([sys.executable, "-m", "kdaserve.cli", "quantize", str(tmp_path / "bf16"),
+                    str(tmp_path / "q"), "--scheme", "int4", "--group-size", "16"],
+                   check=True, capture_output=True)
+    old = quantize_model(load_model(tmp_path / "bf16", progress=False),
+                         WeightQuant(4, 16), whole_groups=True)
+    save_model(old, tmp_path / "old", dtype=torch.bfloat16)
+    got, want = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("q", "old"))
+    assert got.keys() == want.keys()
+    for k in got:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+    again = subprocess.run([sys.executable, "-m", "kdaserve.cli", "quantize",
+                            str(tmp_path / "q"), str(tmp_path / "qq"), "--scheme", "int8"],
+                           capture_output=True, text=True)
+    assert again.returncode != 0
+    assert "already quantized" in again.stderr and "Traceback" not in again.stderr
