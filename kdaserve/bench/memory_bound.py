@@ -26,10 +26,10 @@ from kdaserve.assets import kimi_linear_demo_path
 from kdaserve.bench.llamacpp import gguf_kind, setup_peers
 from kdaserve.ops.cpu_isa import llc_bytes
 
-# the scales tried, smallest first: (hidden size (heads of 64), experts; experts of hidden / 2,
-# top 8). The last halves the experts: h4096's active bytes at h3072's total (7.5 GB as
-# bf16), because the largest caches (480 MiB L3 on a 24 GiB VM) call for more than 3x their
-# L3 of active bytes a token, and the bench holds llama.cpp's copy beside kdaserve's.
+# the scales tried, smallest first: (hidden size (heads of 64), experts of hidden / 2; top 8).
+# The last halves the experts: h4096's active bytes at h3072's total (7.5 GB as bf16). A 480
+# MiB L3 (seen on a 24 GiB VM) calls for 4 GB a token, and the bench holds llama.cpp's copy
+# beside kdaserve's: two of h4096 with 32 experts (13.2 GB each) would not fit.
 _SCALES = ((512, 32), (768, 32), (1024, 32), (1536, 32), (2048, 32), (3072, 32), (4096, 16))
 LLC_MULTIPLE = 8
 FP32_BUILD_LIMIT = 2 << 30     # active bf16 bytes; past it the random model is built in bf16
