@@ -13,6 +13,7 @@ run, so each figure can be put as a fraction of what the memory delivers.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -56,12 +57,32 @@ def active_bf16_bytes(raw: dict) -> int:
     return int(2 * (size.total_active - size.active.get("embedding", 0)))
 
 
-def pick_shape(llc: int) -> dict:
-    for hidden, experts in _SCALES:
-        raw = config_for(hidden, experts)
+def total_bf16_bytes(raw: dict) -> int:
+    from kdaserve.model.inspect import measure
+    from kdaserve.model.registry import load_config
+
+    return int(2 * measure(load_config(raw), "bfloat16").total)
+
+
+def ram_bytes() -> int:
+    """This machine's physical memory (0 when it cannot tell: no limit applied)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def pick_shape(llc: int, ram: int = 0) -> dict:
+    """The smallest scale whose active bf16 bytes a token are LLC_MULTIPLE x `llc`, among
+    those whose two bf16 copies (kdaserve's and llama.cpp's, held at once) fit 90% of `ram`;
+    if none reaches the multiple, the largest that fits (the JSON prints `llc_multiple`)."""
+    fits = [config_for(h, e) for h, e in _SCALES]
+    if ram:
+        fits = [raw for raw in fits if 2 * total_bf16_bytes(raw) <= 0.9 * ram] or fits[:1]
+    for raw in fits:
         if active_bf16_bytes(raw) >= LLC_MULTIPLE * llc:
             return raw
-    return raw
+    return fits[-1]
 
 
 def model_name(raw: dict) -> str:
@@ -76,7 +97,7 @@ def ensure_model(peers: Path, seed: int = 0) -> Path:
     from kdaserve.model.registry import build_model, load_config
     from kdaserve.model.saver import save_model
 
-    raw = pick_shape(llc_bytes())
+    raw = pick_shape(llc_bytes(), ram_bytes())
     out = peers / "models" / model_name(raw)
     if (out / "model.safetensors").is_file():
         return out

@@ -24,12 +24,15 @@ def test_the_shape_reads_at_least_8x_the_cache():
     big = mb.pick_shape(480 << 20)
     assert mb.model_name(big) == "memory-bound-h4096-e16"
     assert mb.model_name(mb.pick_shape(32 << 20)) == "memory-bound-h1024"
-    from kdaserve.model.inspect import measure
-    from kdaserve.model.registry import load_config
-
-    def total(raw: dict) -> int:
-        return measure(load_config(raw), "bfloat16").total
-    assert total(big) <= 1.02 * total(mb.config_for(3072))
+    assert mb.total_bf16_bytes(big) <= 1.02 * mb.total_bf16_bytes(mb.config_for(3072))
+    # the machine's memory bounds the scale: both bf16 copies must fit
+    for ram in (24 << 30, 12 << 30, 6 << 30):
+        raw = mb.pick_shape(480 << 20, ram)
+        assert 2 * mb.total_bf16_bytes(raw) <= 0.9 * ram
+    assert mb.pick_shape(480 << 20, 24 << 30) == big
+    assert mb.pick_shape(480 << 20, 12 << 30)["hidden_size"] < 3072
+    assert mb.pick_shape(32 << 20, 24 << 30) == mb.pick_shape(32 << 20)
+    assert mb.ram_bytes() > 0
 
 
 def test_active_bytes_count_top_k_experts_and_one_embedding_row():
