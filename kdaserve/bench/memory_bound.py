@@ -47,21 +47,24 @@ def config_for(hidden: int, experts: int = 32) -> dict:
     return raw
 
 
-def active_bf16_bytes(raw: dict) -> int:
-    """Bytes of the weights a decode token reads, as bf16 (kdaserve inspect's count, less
-    the embedding, of which a token reads one row)."""
+def _bf16_size(raw: dict):
+    """kdaserve inspect's parameter count of the config `raw`, as bf16."""
     from kdaserve.model.inspect import measure
     from kdaserve.model.registry import load_config
 
-    size = measure(load_config(raw), "bfloat16")
+    return measure(load_config(raw), "bfloat16")
+
+
+def active_bf16_bytes(raw: dict) -> int:
+    """Bytes of the weights a decode token reads, as bf16 (kdaserve inspect's count, less
+    the embedding, of which a token reads one row)."""
+    size = _bf16_size(raw)
     return int(2 * (size.total_active - size.active.get("embedding", 0)))
 
 
 def total_bf16_bytes(raw: dict) -> int:
-    from kdaserve.model.inspect import measure
-    from kdaserve.model.registry import load_config
-
-    return int(2 * measure(load_config(raw), "bfloat16").total)
+    """Bytes of all the weights, as bf16 (what a copy of the checkpoint holds)."""
+    return int(2 * _bf16_size(raw).total)
 
 
 def ram_bytes() -> int:
